@@ -1,0 +1,164 @@
+"""Huginn's building blocks: RMSNorm, interleaved-pair RoPE, attention, gated MLP, sandwich block.
+
+Shape letters: B batch, T new positions, S cache positions, D model width (n_embd),
+H heads, K head_dim, F MLP intermediate width.
+Weights are stored [in, out] (the transpose of the PyTorch checkpoint's [out, in]).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from huginn_jax.config import HuginnConfig
+from huginn_jax.kv_cache import KVCache
+
+_MASKED = -1e30  # finite, so a fully masked row cannot produce NaN
+
+
+def truncated_normal(key: jax.Array, shape: tuple[int, ...], std: float, dtype) -> jax.Array:
+    """Normal(0, std) cut at ±3 std, as the reference's `trunc_normal_(std, -3std, 3std)`."""
+    return (jax.random.truncated_normal(key, -3.0, 3.0, shape, jnp.float32) * std).astype(dtype)
+
+
+def dot_precision(dtype) -> jax.lax.Precision | None:
+    """float32 weights get full float32 products (no TF32); lower precisions the default."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel, no bias. kernel [in, out]."""
+
+    def __init__(self, kernel: jax.Array):
+        self.kernel = nnx.Param(kernel)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.kernel[...]
+        return jnp.matmul(x, kernel, precision=dot_precision(kernel.dtype)).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """x * rsqrt(mean(x²) + eps) in float32, cast back to x's dtype, then times the weight."""
+
+    def __init__(self, dim: int, *, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return normed.astype(x.dtype) * self.weight[...]
+
+
+def apply_rope(x_BxTxHxK: jax.Array, positions_T: jax.Array, base: float) -> jax.Array:
+    """Rotates adjacent pairs (2i, 2i+1) by pos · base^(-2i/K), computed in float32."""
+    head_dim = x_BxTxHxK.shape[-1]
+    freqs = 1.0 / (base ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angles_TxK2 = positions_T.astype(jnp.float32)[:, None] * freqs[None, :]
+    cos = jnp.cos(angles_TxK2)[None, :, None, :]
+    sin = jnp.sin(angles_TxK2)[None, :, None, :]
+    pairs = x_BxTxHxK.astype(jnp.float32).reshape(*x_BxTxHxK.shape[:-1], head_dim // 2, 2)
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    rotated = jnp.stack([x0 * cos - x1 * sin, x1 * cos + x0 * sin], axis=-1)
+    return rotated.reshape(x_BxTxHxK.shape).astype(x_BxTxHxK.dtype)
+
+
+def attend(
+    q_BxTxHxK: jax.Array,
+    k_BxSxHxK: jax.Array,
+    v_BxSxHxK: jax.Array,
+    q_pos_T: jax.Array,
+    k_pos_S: jax.Array,
+) -> jax.Array:
+    """Causal softmax attention: key s is visible to query t iff k_pos[s] <= q_pos[t].
+
+    Scores and softmax in float32; probabilities cast to the value dtype for the second product.
+    """
+    precision = dot_precision(q_BxTxHxK.dtype)
+    scale = 1.0 / jnp.sqrt(jnp.float32(q_BxTxHxK.shape[-1]))
+    scores_BxHxTxS = jnp.einsum(
+        "bthk,bshk->bhts",
+        q_BxTxHxK,
+        k_BxSxHxK,
+        precision=precision,
+        preferred_element_type=jnp.float32,
+    )
+    visible_TxS = k_pos_S[None, :] <= q_pos_T[:, None]
+    scores_BxHxTxS = jnp.where(visible_TxS, scores_BxHxTxS * scale, _MASKED)
+    probs = jax.nn.softmax(scores_BxHxTxS, axis=-1).astype(v_BxSxHxK.dtype)
+    return jnp.einsum("bhts,bshk->bthk", probs, v_BxSxHxK, precision=precision)
+
+
+class Attention(nnx.Module):
+    """Multi-head attention with fused Wqkv, a learned qk_bias added before RoPE, and a KV slot."""
+
+    def __init__(self, cfg: HuginnConfig, *, rngs: nnx.Rngs, dtype):
+        d, h, k = cfg.n_embd, cfg.n_heads, cfg.head_dim
+        self.cfg = cfg
+        self.Wqkv = Linear(truncated_normal(rngs.params(), (d, 3 * d), cfg.init_std, dtype))
+        if cfg.qk_bias:
+            self.qk_bias = nnx.Param(jnp.zeros((2, 1, h, k), dtype))
+        self.proj = Linear(truncated_normal(rngs.params(), (d, d), cfg.out_proj_std, dtype))
+
+    def __call__(
+        self, x_BxTxD: jax.Array, start: jax.Array, cache: KVCache | None, slot
+    ) -> tuple[jax.Array, KVCache | None]:
+        """Attends the T new positions [start, start + T) to themselves and, with a cache, to
+        every earlier position stored in `slot`; writes their K/V into that slot in place."""
+        b, t, _ = x_BxTxD.shape
+        h, k = self.cfg.n_heads, self.cfg.head_dim
+        q, key, v = jnp.split(self.Wqkv(x_BxTxD).reshape(b, t, 3, h, k), 3, axis=2)
+        q, key, v = q[:, :, 0], key[:, :, 0], v[:, :, 0]
+        if self.cfg.qk_bias:
+            bias = self.qk_bias[...]
+            q, key = q + bias[0], key + bias[1]
+        positions_T = start + jnp.arange(t, dtype=jnp.int32)
+        q = apply_rope(q, positions_T, self.cfg.rope_base)
+        key = apply_rope(key, positions_T, self.cfg.rope_base)
+        if cache is None:
+            out = attend(q, key, v, positions_T, positions_T)
+        else:
+            cache = cache.write(slot, start, key, v)
+            k_all, v_all = cache.read(slot)
+            out = attend(q, k_all, v_all, positions_T, jnp.arange(k_all.shape[1], dtype=jnp.int32))
+        return self.proj(out.reshape(b, t, h * k)), cache
+
+
+class GatedMLP(nnx.Module):
+    """proj(silu(gate) * up) with [gate; up] = fc(x): the first half of fc's output is the gate."""
+
+    def __init__(self, cfg: HuginnConfig, *, rngs: nnx.Rngs, dtype):
+        d, f = cfg.n_embd, cfg.intermediate_size
+        self.intermediate_size = f
+        # The reference draws the gate half with init_std and the up half with out_proj_std.
+        gate = truncated_normal(rngs.params(), (d, f), cfg.init_std, dtype)
+        up = truncated_normal(rngs.params(), (d, f), cfg.out_proj_std, dtype)
+        self.fc = Linear(jnp.concatenate([gate, up], axis=1))
+        self.proj = Linear(truncated_normal(rngs.params(), (f, d), cfg.out_proj_std, dtype))
+
+    def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+        gate_up = self.fc(x_BxTxD)
+        gate, up = gate_up[..., : self.intermediate_size], gate_up[..., self.intermediate_size :]
+        return self.proj(jax.nn.silu(gate) * up)
+
+
+class SandwichBlock(nnx.Module):
+    """x = norm_2(x + attn(norm_1(x))); x = norm_4(x + mlp(norm_3(x)))."""
+
+    def __init__(self, cfg: HuginnConfig, *, rngs: nnx.Rngs, dtype):
+        eps, d = cfg.norm_eps, cfg.n_embd
+        self.norm_1 = RMSNorm(d, eps=eps, dtype=dtype)
+        self.attn = Attention(cfg, rngs=rngs, dtype=dtype)
+        self.norm_2 = RMSNorm(d, eps=eps, dtype=dtype)
+        self.norm_3 = RMSNorm(d, eps=eps, dtype=dtype)
+        self.mlp = GatedMLP(cfg, rngs=rngs, dtype=dtype)
+        self.norm_4 = RMSNorm(d, eps=eps, dtype=dtype)
+
+    def __call__(
+        self, x_BxTxD: jax.Array, start: jax.Array, cache: KVCache | None, slot
+    ) -> tuple[jax.Array, KVCache | None]:
+        attn_out, cache = self.attn(self.norm_1(x_BxTxD), start, cache, slot)
+        x = self.norm_2(x_BxTxD + attn_out)
+        x = self.norm_4(x + self.mlp(self.norm_3(x)))
+        return x, cache

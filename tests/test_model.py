@@ -1,0 +1,135 @@
+"""Properties of the model on fresh random weights and inputs (never zeros)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TINY_A
+
+import huginn_jax
+from huginn_jax.config import HuginnConfig
+from huginn_jax.model import core_step, embed, initial_state, run_core, run_prelude
+
+MICRO = HuginnConfig.from_name("micro")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return huginn_jax.random_init(MICRO, jax.random.key(0))
+
+
+def random_ids(key, batch, tokens, vocab=MICRO.vocab_size):
+    return jax.random.randint(jax.random.key(key), (batch, tokens), 0, vocab)
+
+
+def test_causality(model):
+    ids = random_ids(1, 2, 10)
+    changed = ids.at[:, 6].set((ids[:, 6] + 1) % MICRO.vocab_size)
+    state = initial_state(MICRO, (2, 10), init_scale=1.0, key=jax.random.key(2), dtype=jnp.float32)
+    a = model(ids, num_steps=3, init_state=state).logits
+    b = model(changed, num_steps=3, init_state=state).logits
+    np.testing.assert_array_equal(a[:, :6], b[:, :6])
+    assert (
+        np.abs(np.asarray(a[:, 6:] - b[:, 6:])).max() > 1e-3
+    )  # the change did reach later positions
+
+
+def test_scanned_core_equals_unrolled_loop(model):
+    ids = random_ids(3, 2, 7)
+    start = jnp.int32(0)
+    embedded, _ = run_prelude(model, embed(model, ids), start, None)
+    state0 = initial_state(MICRO, (2, 7), init_scale=1.0, key=jax.random.key(4), dtype=jnp.float32)
+    scanned, _ = jax.jit(lambda s: run_core(model, s, embedded, start, None, 5))(state0)
+    unrolled = state0
+    for iteration in range(5):
+        unrolled, _ = core_step(model, unrolled, embedded, iteration, start, None)
+    np.testing.assert_allclose(scanned, unrolled, rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(scanned - state0)).max() > 1e-2
+
+
+def test_core_loop_compiles_to_one_loop(model):
+    """r iterations are one while loop in the HLO, not r copies of the Core."""
+    ids = random_ids(5, 1, 4)
+    embedded, _ = run_prelude(model, embed(model, ids), jnp.int32(0), None)
+    state0 = jnp.ones_like(embedded)
+    hlo = (
+        jax.jit(lambda s: run_core(model, s, embedded, jnp.int32(0), None, 16))
+        .lower(state0)
+        .as_text()
+    )
+    assert hlo.count("stablehlo.while") == 1
+    # The Core has 4 blocks × 4 matmuls + the adapter = 17 weight products (+ 8 attention einsums).
+    assert hlo.count("stablehlo.dot_general") < 17 * 2 + 8 * 2
+
+
+def test_bf16_forward_close_to_float32():
+    f32 = huginn_jax.from_pretrained(TINY_A, dtype=jnp.float32)
+    bf16 = huginn_jax.from_pretrained(TINY_A, dtype=jnp.bfloat16)
+    ids = jax.random.randint(jax.random.key(6), (2, 12), 0, 256)
+    ref = np.asarray(f32(ids, num_steps=4, init_scale=0.0).logits)
+    got = np.asarray(bf16(ids, num_steps=4, init_scale=0.0).logits)
+    assert got.dtype == np.float32
+    rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    assert rel < 3e-2, rel
+    # Mostly the same top-1 predictions.
+    assert (got.argmax(-1) == ref.argmax(-1)).mean() > 0.8
+
+
+def test_cache_after_prefill_and_decode_equals_one_prefill(model):
+    ids = random_ids(7, 2, 9)
+    state = initial_state(MICRO, (2, 9), init_scale=1.0, key=jax.random.key(8), dtype=jnp.float32)
+
+    def new_cache():
+        return huginn_jax.KVCache.create(MICRO, batch=2, max_len=12, num_steps=3)
+
+    whole = model(ids, num_steps=3, init_state=state, cache=new_cache()).cache
+    out = model(ids[:, :6], num_steps=3, init_state=state[:, :6], cache=new_cache())
+    for position in range(6, 9):
+        step_state = state[:, position : position + 1]
+        out = model(
+            ids[:, position : position + 1],
+            num_steps=3,
+            init_state=step_state,
+            cache=out.cache,
+            start=position,
+        )
+    np.testing.assert_allclose(out.cache.k, whole.k, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out.cache.v, whole.v, rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(whole.k[:, :, :9])).min(axis=(0, 1, 3, 4)).max() >= 0  # written
+    assert np.all(np.asarray(whole.k[:, :, 9:]) == 0)  # nothing beyond the sequence
+
+
+def test_cache_slots_hold_each_iteration_separately(model):
+    ids = random_ids(9, 1, 5)
+    cache = huginn_jax.KVCache.create(MICRO, batch=1, max_len=5, num_steps=2)
+    state = initial_state(MICRO, (1, 5), init_scale=1.0, key=jax.random.key(10), dtype=jnp.float32)
+    cache = model(ids, num_steps=2, init_state=state, cache=cache).cache
+    k = np.asarray(cache.k)
+    assert k.shape[0] == 2 + 2 * 4 + 2
+    # Every slot was written and the two iterations of one Core layer differ.
+    assert np.all(np.abs(k).reshape(k.shape[0], -1).max(axis=1) > 0)
+    assert np.abs(k[cache.core_slot(0, 1)] - k[cache.core_slot(1, 1)]).max() > 1e-4
+
+
+def test_initial_state_distribution():
+    cfg = HuginnConfig.from_name("tiny")
+    s = np.asarray(
+        initial_state(cfg, (1, 4096), init_scale=1.0, key=jax.random.key(11), dtype=jnp.float32)
+    )
+    assert abs(s.std() - 0.624) < 0.01
+    assert abs(s.mean()) < 0.01
+    assert np.abs(s).max() <= 1.8974 + 1e-5
+    assert not np.any(initial_state(cfg, (1, 3), init_scale=0.0, key=None, dtype=jnp.float32))
+
+
+def test_bad_inputs_fail_clearly(model):
+    ids = random_ids(12, 1, 4)
+    with pytest.raises(ValueError, match="PRNG"):
+        model(ids, num_steps=2, init_scale=1.0)
+    with pytest.raises(ValueError, match="num_steps"):
+        model(ids, num_steps=0, init_scale=0.0)
+    cache = huginn_jax.KVCache.create(MICRO, batch=1, max_len=4, num_steps=2)
+    with pytest.raises(ValueError, match="Core slots"):
+        model(ids, num_steps=3, init_scale=0.0, cache=cache)
+    with pytest.raises(ValueError, match="max_len"):
+        model(ids, num_steps=2, init_scale=0.0, cache=cache, start=2)
