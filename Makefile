@@ -1,0 +1,30 @@
+# Two entry points that work on a fresh machine: `make chain` and `make test`.
+# Each creates .venv (Python >= 3.12) when missing and installs the project into it.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+EXTRAS := dev$(shell command -v nvidia-smi >/dev/null 2>&1 && echo ,cuda)
+
+.PHONY: chain test lint roofline clean-venv
+
+$(VENV)/.installed: pyproject.toml
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 12), f"Python >= 3.12 needed, $(PYTHON) is {sys.version.split()[0]}"'
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	touch $@
+
+chain: $(VENV)/.installed
+	$(PY) -m experiments.chain --size=72MiB
+
+roofline: $(VENV)/.installed
+	$(PY) -m experiments.roofline --device=h200
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+lint: $(VENV)/.installed
+	$(PY) -m ruff check . && $(PY) -m ruff format --check .
+
+clean-venv:
+	rm -rf $(VENV)

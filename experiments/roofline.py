@@ -1,0 +1,243 @@
+"""Prints the seeds' Chapter 2 cost tables for one Core iteration and the headline numbers.
+
+  python -m experiments.roofline --device=b200 [--context=1024 --batch=1 --iterations=32]
+      [--json_out=results/roofline_b200.json] [--per_layer]
+
+No GPU needed: everything comes from `huginn_jax.costs` (analytic counts over peak limits).
+Tables: parameter storage per op, matmul FLOPs per op, and the roofline per op for decode and
+prefill; the headline numbers (seeds' Chapter 2 and Appendix A) are printed last.
+Units: MB = 1e6 B, GB = 1e9 B, us = microseconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+from absl import app, flags
+
+from huginn_jax import costs
+from huginn_jax.config import PRESETS, HuginnConfig
+
+_DEVICE = flags.DEFINE_enum("device", "b200", list(costs.DEVICES), "Peak limits to use.")
+_CONFIG = flags.DEFINE_enum("config", "huginn_0125", list(PRESETS), "Model preset.")
+_CONTEXT = flags.DEFINE_integer(
+    "context", 1024, "Prefill positions / decode cached positions.", lower_bound=1
+)
+_BATCH = flags.DEFINE_integer("batch", 1, "Sequences processed together.", lower_bound=1)
+_ITERATIONS = flags.DEFINE_integer("iterations", 32, "Core iterations per token.", lower_bound=1)
+_PER_LAYER = flags.DEFINE_bool("per_layer", False, "One row per layer op instead of per kind.")
+_JSON_OUT = flags.DEFINE_string("json_out", None, "Write tables and headline numbers as JSON.")
+
+
+def _fail(message: str, code: int = 2) -> NoReturn:
+    print(f"roofline: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    """Like absl's parser, but a bad flag ends in one stderr line and exit code 2."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        _fail(str(e).splitlines()[0])
+
+
+def format_table(header: list[str], rows: list[list[str]]) -> str:
+    """Plain-text table: first column left-aligned, the others right-aligned."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        )
+
+    rule = "-" * len(line(header))
+    return "\n".join([line(header), rule, *(line(r) for r in rows)])
+
+
+def _kind(name: str) -> str:
+    """'core.2.attn.Wqkv' -> 'attn.Wqkv'; all norms -> 'norms'."""
+    kind = name.split(".", 2)[2] if name.startswith("core.") else name
+    return "norms" if kind.startswith("norm_") else kind
+
+
+def group(ops: list[costs.OpCost], per_layer: bool) -> list[list[costs.OpCost]]:
+    """Rows to print: each op alone, or ops of the same kind across Core layers together."""
+    if per_layer:
+        return [[op] for op in ops]
+    groups: dict[str, list[costs.OpCost]] = {}
+    for op in ops:
+        groups.setdefault(_kind(op.name), []).append(op)
+    return list(groups.values())
+
+
+def _label(members: list[costs.OpCost]) -> str:
+    if len(members) == 1:
+        return members[0].name
+    kind = _kind(members[0].name)
+    layers = len({op.name.split(".")[1] for op in members})
+    return f"{kind} (x{layers})"
+
+
+def op_record(op: costs.OpCost, device: costs.DeviceSpec) -> dict:
+    """One op as JSON: its counts plus compute, memory and ideal seconds and the bound."""
+    compute, memory = op.times(device)
+    ideal, bound = op.roofline(device)
+    mem_w = op.times(device, weights_only=True)[1]
+    return {
+        **dataclasses.asdict(op),
+        "compute_s": compute,
+        "memory_s": memory,
+        "memory_weights_only_s": mem_w,
+        "ideal_s": ideal,
+        "bound": bound,
+    }
+
+
+def param_table(ops: list[costs.OpCost], per_layer: bool) -> str:
+    total = costs.totals(ops).param_bytes
+    rows = []
+    for members in group(ops, per_layer):
+        nbytes = sum(op.param_bytes for op in members)
+        if nbytes:
+            rows.append(
+                [
+                    _label(members),
+                    f"{nbytes // 2:,}",
+                    f"{nbytes / 1e6:,.1f}",
+                    f"{100 * nbytes / total:.1f}",
+                ]
+            )
+    rows.append(["total", f"{total // 2:,}", f"{total / 1e6:,.1f}", "100.0"])
+    return format_table(["op", "params", "MB (bf16)", "%"], rows)
+
+
+def flops_table(prefill: list[costs.OpCost], decode: list[costs.OpCost], per_layer: bool) -> str:
+    tot_p, tot_d = costs.totals(prefill).flops, costs.totals(decode).flops
+    rows = []
+    for gp, gd in zip(group(prefill, per_layer), group(decode, per_layer), strict=True):
+        fp, fd = sum(op.flops for op in gp), sum(op.flops for op in gd)
+        if fp or fd:
+            rows.append(
+                [
+                    _label(gp),
+                    f"{fp / 1e9:,.1f}",
+                    f"{100 * fp / tot_p:.1f}",
+                    f"{fd / 1e6:,.1f}",
+                    f"{100 * fd / tot_d:.1f}",
+                ]
+            )
+    rows.append(["total", f"{tot_p / 1e9:,.1f}", "100.0", f"{tot_d / 1e6:,.1f}", "100.0"])
+    return format_table(["op", "prefill GFLOP", "%", "decode MFLOP", "%"], rows)
+
+
+def roofline_table(ops: list[costs.OpCost], device: costs.DeviceSpec, per_layer: bool) -> str:
+    header = ["op", "GFLOP", "weights MB", "HBM MB", "compute us", "memory us", "ideal us", "bound"]
+    rows = []
+
+    def row(label: str, op: costs.OpCost, ideal: float) -> list[str]:
+        compute, memory = op.times(device)
+        bound = "compute" if compute > memory else "memory"
+        return [
+            label,
+            f"{op.flops / 1e9:,.3f}",
+            f"{op.weight_bytes / 1e6:,.1f}",
+            f"{op.hbm_bytes / 1e6:,.1f}",
+            f"{compute * 1e6:,.2f}",
+            f"{memory * 1e6:,.2f}",
+            f"{ideal * 1e6:,.2f}",
+            bound,
+        ]
+
+    for members in group(ops, per_layer):
+        rows.append(row(_label(members), costs.totals(members), costs.serial_time(members, device)))
+    rows.append(row("total (ops in series)", costs.totals(ops), costs.serial_time(ops, device)))
+    return format_table(header, rows)
+
+
+def headline_lines(h: dict) -> list[str]:
+    return [
+        f"Core + adapter parameters: {h['core_adapter_param_gb']:.3f} GB",
+        f"{h['iterations']} iterations re-read: {h['reread_gb']:.1f} GB"
+        f" -> >= {h['min_ms_per_token']:.1f} ms per token",
+        f"adapter M={h['adapter_decode_m']}: {h['adapter_decode_us']:.1f} us"
+        f" ({h['adapter_decode_bound']}-bound)",
+        f"adapter M={h['adapter_prefill_m']}: {h['adapter_prefill_us']:.1f} us"
+        f" ({h['adapter_prefill_bound']}-bound)",
+    ]
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        _fail(f"unexpected arguments: {' '.join(argv[1:])}")
+    try:
+        device = costs.get_device(_DEVICE.value)
+        config = HuginnConfig.from_name(_CONFIG.value)
+        batch, context, iterations = _BATCH.value, _CONTEXT.value, _ITERATIONS.value
+        kw = dict(batch=batch, context=context)
+        decode = costs.core_iteration_ops(config, mode="decode", **kw)
+        prefill = costs.core_iteration_ops(config, mode="prefill", **kw)
+        head = costs.headline(config, device, iterations=iterations, **kw)
+        it_dec = costs.iterations_cost(
+            config, mode="decode", iterations=iterations, device=device, **kw
+        )
+    except ValueError as e:
+        _fail(str(e))
+    per_layer = _PER_LAYER.value
+
+    print(
+        f"device {device.name}: {device.peak_bf16_flops / 1e12:,.1f} TFLOP/s dense bf16, "
+        f"{device.hbm_bandwidth / 1e12:.2f} TB/s HBM, L2 {device.l2_bytes / 2**20:.1f} MiB, "
+        f"{device.num_sms} SMs ({device.source})"
+    )
+    print(
+        f"model {_CONFIG.value}, batch {batch}; prefill {context} positions; "
+        f"decode 1 new position + {context} cached; bf16; one Core iteration\n"
+    )
+    print("Parameter storage (adapter + Core layers)")
+    print(param_table(decode, per_layer) + "\n")
+    print("Matmul FLOPs (causal pairs only; softmax and elementwise excluded)")
+    print(flops_table(prefill, decode, per_layer) + "\n")
+    for mode, ops in (("decode", decode), ("prefill", prefill)):
+        print(f"Roofline, {mode}: ideal = max(FLOPs / peak, HBM bytes / bandwidth)")
+        print(roofline_table(ops, device, per_layer) + "\n")
+    print(
+        f"{iterations} decode iterations, all traffic in series: "
+        f"{it_dec.roofline_seconds * 1e3:.2f} ms per token "
+        f"({it_dec.hbm_bytes / 1e9:.1f} GB moved)\n"
+    )
+    print(f"Headline numbers ({device.name}, weights-only traffic for the re-read bound):")
+    for line in headline_lines(head):
+        print(f"  {line}")
+
+    if _JSON_OUT.value:
+        result = {
+            "config": {"name": _CONFIG.value, **dataclasses.asdict(config)},
+            "device": dataclasses.asdict(device),
+            "flags": {"batch": batch, "context": context, "iterations": iterations},
+            "versions": {"python": platform.python_version()},
+            "tables": {
+                "decode": [op_record(op, device) for op in decode],
+                "prefill": [op_record(op, device) for op in prefill],
+            },
+            "iterations_decode": dataclasses.asdict(it_dec),
+            "headline": head,
+            "headline_lines": headline_lines(head),
+        }
+        path = Path(_JSON_OUT.value)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(result, indent=2) + "\n")
+        except OSError as e:
+            _fail(f"cannot write {path}: {e.strerror or e}", code=1)
+        print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=_parse_flags)
