@@ -1,0 +1,1 @@
+"""Experiments: absl programs that measure the Huginn JAX port and its kernels on a GPU."""
