@@ -1,0 +1,1040 @@
+"""Chapter 3 of the seeds: do shared weights reduce HBM traffic?
+
+`steps` dependent products x <- x @ W_i, x [batch, d], W_i [d, d]. Layout "shared": one
+allocation used at every step; layout "copies": `steps` distinct allocations holding identical
+values. The two layouts must give bit-identical outputs; implementations must agree with a
+float32 numpy reference within the dtype's rounding.
+
+    python -m experiments.chain --size=8MiB,72MiB,288MiB --hbm --trace_dir=out/trace
+
+Implementations (`--impls` takes these names or the families "xla" and "torch"):
+  xla            the chain jitted once; one dispatch per chain (default XLA flags)
+  xla_loop       N = --chains_per_call chains in one executable (fori_loop, output fed back)
+  xla_nocb       as xla, command buffers (CUDA graphs) off; run in a child process (GPU only)
+  xla_loop_nocb  as xla_loop, command buffers off (GPU only)
+  torch_eager    PyTorch, one chain per call (CUDA only)
+  torch_graph    PyTorch, one captured chain replayed N times per call (CUDA only)
+
+Data path, one function per arrow: size string -> d (`parse_size`, `dim_for_size`) -> weights
+(`host_values`, `make_weights`) -> one jitted chain per implementation (`xla_runner`,
+`torch_ref.chain.runner`) -> timing helper (`measure.timing.time_fn`) -> optional ncu / trace
+pass (`hbm_pass`, `trace_pass`) -> results JSON -> table (`format_table`) and plot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from absl import app, flags, logging
+
+from experiments.measure import ncu as ncu_lib
+from experiments.measure import results as results_lib
+from experiments.measure import timing
+from experiments.measure import trace as trace_lib
+from experiments.torch_ref import chain as torch_chain
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """Defines the flags; called only when this module runs as the program, so that tests
+    and other programs can import it without clashing flag names."""
+    flags.DEFINE_string(
+        "size", "72MiB", "Weight size W: one value or a comma list (B, KiB, MiB, GiB)."
+    )
+    flags.DEFINE_integer("d", None, "Set d directly (W = d*d*dtype bytes); overrides --size.")
+    flags.DEFINE_integer("steps", 8, "Dependent products per chain.")
+    flags.DEFINE_integer("batch", 1, "Rows of the state x [batch, d].")
+    flags.DEFINE_string("dtype", "bf16", "bf16, fp16 (float16) or fp32 (float32).")
+    flags.DEFINE_list("layouts", ["shared", "copies"], "Weight layouts: shared, copies.")
+    flags.DEFINE_list("impls", ["xla", "torch"], "Implementations or families (see module doc).")
+    flags.DEFINE_integer("warmup", 10, "Untimed calls before timing (fewer on CPU unless given).")
+    flags.DEFINE_integer("repeats", 50, "Timed calls; the median is reported (fewer on CPU).")
+    flags.DEFINE_integer("chains_per_call", 20, "N: chains per call of xla_loop and torch_graph.")
+    flags.DEFINE_integer("ncu_chains", 100, "Chains inside each range that --hbm profiles.")
+    flags.DEFINE_string("json_out", "out/chain.json", "Results JSON ('' to skip).")
+    flags.DEFINE_string("plot_out", "out/chain.png", "Plot drawn from the JSON ('' to skip).")
+    flags.DEFINE_bool("hbm", False, "Also measure HBM bytes and L2 hit rate with Nsight Compute.")
+    flags.DEFINE_string(
+        "trace_dir", None, "Write profiler traces here and print kernel breakdowns."
+    )
+    flags.DEFINE_integer("seed", 0, "Seed of the random weights and state.")
+    flags.DEFINE_enum("child", None, ["timing", "ncu", "trace"], "Internal: run as a child.")
+    flags.DEFINE_string("child_out", None, "Internal: directory where a child writes its results.")
+
+
+XLA_IMPLS = ("xla", "xla_loop", "xla_nocb", "xla_loop_nocb")
+FAMILIES = {"xla": XLA_IMPLS, "torch": torch_chain.IMPLS}
+LAYOUTS = ("shared", "copies")
+DTYPES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "fp32": "float32",
+    "float32": "float32",
+}
+# Unit roundoff of the chain's dtype; fp32 uses 2^-20 because accumulation order dominates.
+UNIT_ROUNDOFF = {"bfloat16": 2.0**-8, "float16": 2.0**-11, "float32": 2.0**-20}
+NOCB_FLAG = "--xla_gpu_enable_command_buffer="  # empty list: no command buffers
+CPU_DEFAULTS = {"warmup": 2, "repeats": 5, "chains_per_call": 4}
+WORKSPACE_BYTES = 256 * 2**20  # state, outputs, cuBLAS workspace, compiled code
+H200_MEASURED_BW = 4.25e12  # B/s, shared/DEVICE.md; used when huginn_jax.costs is missing
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+}
+_SIZE_RE = re.compile(r"^\s*([+-]?\d+(?:\.\d*)?|[+-]?\.\d+)\s*([a-zA-Z]*)\s*$")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class UserError(Exception):
+    """An error the user can fix (bad flag, size too large); reported as one line, exit 2."""
+
+
+# ---------------------------------------------------------------- size string -> d
+
+
+def parse_size(text: str) -> int:
+    """'72MiB' -> 75497472 bytes. Units B, KiB, MiB, GiB, TiB (binary) and KB, MB, GB, TB
+    (decimal), case-insensitive; a bare number is bytes. Raises ValueError unless > 0."""
+    match = _SIZE_RE.match(text or "")
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(
+            f"invalid size {text!r}: expected a number and a unit among B, KiB, MiB, GiB, TiB, "
+            "KB, MB, GB, TB (e.g. 72MiB)"
+        )
+    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if not value > 0:
+        raise ValueError(f"invalid size {text!r}: must be positive")
+    return round(value)
+
+
+def parse_sizes(text: str) -> list[int]:
+    """A comma list of sizes, each as `parse_size`."""
+    parts = [p for p in (text or "").split(",")]
+    return [parse_size(p) for p in parts]
+
+
+def dim_for_size(size_bytes: int, dtype_bytes: int = 2, multiple: int = 64) -> int:
+    """d such that d*d*dtype_bytes ~ size: sqrt(size / dtype_bytes) rounded to the nearest
+    multiple of `multiple` (8 MiB -> 2048, 72 MiB -> 6144, 288 MiB -> 12288 in bf16)."""
+    d = round(math.sqrt(size_bytes / dtype_bytes) / multiple) * multiple
+    if d <= 0:
+        smallest = (multiple / 2) ** 2 * dtype_bytes
+        raise ValueError(
+            f"size {size_bytes} B is too small: d rounds to 0 (need >= {smallest:g} B)"
+        )
+    return d
+
+
+def _np_dtype(name: str) -> np.dtype:
+    """numpy dtype of a name; bfloat16 is ml_dtypes' (the one JAX uses)."""
+    import jax.numpy as jnp
+
+    return np.dtype(jnp.dtype(name))
+
+
+def size_label(n_bytes: int) -> str:
+    """75497472 -> '72MiB'; 32768 -> '32KiB' (largest binary unit that divides it)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n_bytes >= scale and n_bytes % scale == 0:
+            return f"{n_bytes // scale}{unit}"
+    return f"{n_bytes / 2**20:.2f}MiB" if n_bytes >= 2**20 else f"{n_bytes}B"
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainConfig:
+    """One chain problem. W = d*d*dtype bytes; x [batch, d]."""
+
+    d: int
+    steps: int
+    batch: int
+    dtype: str  # numpy/jax name: bfloat16, float16, float32
+    seed: int
+    size_bytes: int  # what the user asked for; W is what d gives
+
+    @property
+    def dtype_bytes(self) -> int:
+        return np.dtype(self.np_dtype).itemsize
+
+    @property
+    def np_dtype(self) -> Any:
+        return _np_dtype(self.dtype)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.d * self.d * self.dtype_bytes
+
+
+# ---------------------------------------------------------------- d -> weights
+
+
+def host_values(cfg: ChainConfig) -> tuple[np.ndarray, np.ndarray]:
+    """x [batch, d] and W [d, d] as numpy arrays of cfg's dtype, N(0, 1/d) so that |x| stays
+    O(1) along the chain; the same seed gives the same values in every process."""
+    rng = np.random.default_rng(cfg.seed)
+    scale = np.float32(1.0 / math.sqrt(cfg.d))
+    w = (rng.standard_normal((cfg.d, cfg.d), dtype=np.float32) * scale).astype(cfg.np_dtype)
+    x = rng.standard_normal((cfg.batch, cfg.d), dtype=np.float32).astype(cfg.np_dtype)
+    return x, w
+
+
+def make_weights(w_host: np.ndarray, steps: int, layout: str) -> list[Any]:
+    """`steps` JAX arrays [d, d]. shared: the same array object at every step (one buffer);
+    copies: `steps` distinct device buffers with identical values. They reach the jitted chain
+    as separate arguments, never as constants, so XLA cannot fold the copies into one."""
+    import jax
+    import jax.numpy as jnp
+
+    w = jax.device_put(w_host)
+    if layout == "shared":
+        ws = [w] * steps
+    elif layout == "copies":
+        # device_put may alias host memory on CPU; jnp.array(copy=True) makes a new buffer.
+        ws = [jnp.array(w, copy=True) for _ in range(steps)]
+    else:
+        raise ValueError(f"unknown layout {layout!r}")
+    return jax.block_until_ready(ws)
+
+
+def buffer_pointers(ws: Sequence[Any]) -> list[int]:
+    """Device addresses of JAX arrays (to check that copies are distinct buffers)."""
+    return [w.unsafe_buffer_pointer() for w in ws]
+
+
+# ---------------------------------------------------------------- weights -> jitted chains
+
+
+def chain_fn(x: Any, *ws: Any) -> Any:
+    """x [batch, d] through every W in order, fp32 accumulation, state rounded to x's dtype."""
+    import jax
+    import jax.numpy as jnp
+
+    # fp32 chains ask for true fp32: the default on GPUs may use TF32.
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    for w in ws:
+        x = jnp.dot(x, w, preferred_element_type=jnp.float32, precision=precision).astype(x.dtype)
+    return x
+
+
+def _loop_fn(x: Any, *ws: Any, n: int) -> Any:
+    """n chains in one executable; each chain's output is the next one's input, so no chain
+    can be hoisted out of the loop."""
+    import jax
+
+    return jax.lax.fori_loop(0, n, lambda _, x: chain_fn(x, *ws), x)
+
+
+@dataclasses.dataclass
+class Runner:
+    """A prepared implementation: `fn()` runs `per_call` chains; `output()` gives float32
+    [batch, d] after `chains_in_output` chains from the initial state."""
+
+    fn: Callable[[], Any]
+    per_call: int
+    sync: Callable[[], None] | None
+    output: Callable[[], np.ndarray]
+    chains_in_output: int
+
+
+_JIT_CACHE: dict[str, Any] = {}
+
+
+def _jitted(name: str) -> Any:
+    import jax
+
+    if name not in _JIT_CACHE:
+        _JIT_CACHE["chain"] = jax.jit(chain_fn)
+        _JIT_CACHE["loop"] = jax.jit(_loop_fn, static_argnames="n")
+    return _JIT_CACHE[name]
+
+
+def xla_runner(impl: str, x: Any, ws: Sequence[Any], *, n: int) -> Runner:
+    """xla / xla_nocb: one chain per call. xla_loop / xla_loop_nocb: n chains per call.
+    (The _nocb variants differ only in the XLA_FLAGS of the process that runs them.)"""
+    if impl in ("xla", "xla_nocb"):
+        f = _jitted("chain")
+
+        def call() -> Any:
+            return f(x, *ws)
+
+        per_call = 1
+    elif impl in ("xla_loop", "xla_loop_nocb"):
+        f = _jitted("loop")
+
+        def call() -> Any:
+            return f(x, *ws, n=n)
+
+        per_call = n
+    else:
+        raise ValueError(f"unknown xla impl {impl!r}")
+    return Runner(
+        fn=call,
+        per_call=per_call,
+        sync=None,
+        output=lambda: np.asarray(call()).astype(np.float32),
+        chains_in_output=per_call,
+    )
+
+
+def reference_chain(x_host: np.ndarray, w_host: np.ndarray, steps: int) -> np.ndarray:
+    """float32 numpy reference: fp32 products, state rounded to the input dtype at each step."""
+    dtype = x_host.dtype
+    w = w_host.astype(np.float32)
+    x = x_host.astype(np.float32)
+    for _ in range(steps):
+        x = (x @ w).astype(dtype).astype(np.float32)
+    return x
+
+
+def tolerance(dtype: str, total_steps: int) -> float:
+    """Allowed max|y - ref| / max|ref|: twice the unit roundoff times sqrt(steps), a random walk
+    of one rounding per step."""
+    return 2.0 * UNIT_ROUNDOFF[dtype] * math.sqrt(total_steps)
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    """Bit-for-bit equality of two float32 arrays (0.0 and -0.0 differ)."""
+    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+# ---------------------------------------------------------------- flags -> options
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Validated flag values of one run."""
+
+    configs: tuple[ChainConfig, ...]
+    layouts: tuple[str, ...]
+    impls: tuple[str, ...]
+    warmup: int
+    repeats: int
+    chains_per_call: int
+    ncu_chains: int
+    json_out: str
+    plot_out: str
+    hbm: bool
+    trace_dir: str | None
+
+
+def expand_impls(names: Sequence[str], families: bool = True) -> tuple[str, ...]:
+    """Family names ("xla", "torch") to their members; unknown names raise ValueError.
+    families=False takes every name literally ("xla" is then the one-dispatch impl only)."""
+    out: list[str] = []
+    for name in names:
+        name = name.strip()
+        members = FAMILIES.get(name, (name,)) if families else (name,)
+        for m in members:
+            if m not in XLA_IMPLS + torch_chain.IMPLS:
+                known = ", ".join((*FAMILIES, *XLA_IMPLS, *torch_chain.IMPLS))
+                raise ValueError(f"unknown impl {name!r}; known: {known}")
+            if m not in out:
+                out.append(m)
+    if not out:
+        raise ValueError("--impls is empty")
+    return tuple(out)
+
+
+def options_from_flags() -> Options:
+    """Checks every flag (before any backend starts); raises UserError on the first bad one."""
+    try:
+        dtype = DTYPES[FLAGS.dtype.lower()]
+    except KeyError:
+        raise UserError(f"unknown --dtype={FLAGS.dtype!r}; use bf16, fp16 or fp32") from None
+    for name in ("steps", "batch", "repeats", "chains_per_call", "ncu_chains"):
+        if FLAGS[name].value < 1:
+            raise UserError(f"--{name} must be >= 1, got {FLAGS[name].value}")
+    if FLAGS.warmup < 0:
+        raise UserError(f"--warmup must be >= 0, got {FLAGS.warmup}")
+    layouts = tuple(v.strip() for v in FLAGS.layouts)
+    if not layouts or any(v not in LAYOUTS for v in layouts):
+        raise UserError(f"--layouts must be a list of {', '.join(LAYOUTS)}; got {FLAGS.layouts}")
+    try:
+        # A child gets exact impl names from its parent.
+        impls = expand_impls(FLAGS.impls, families=not FLAGS.child)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    dtype_bytes = _np_dtype(dtype).itemsize
+    if FLAGS.d is not None:
+        if FLAGS.d < 1:
+            raise UserError(f"--d must be >= 1, got {FLAGS.d}")
+        sized = [(FLAGS.d * FLAGS.d * dtype_bytes, FLAGS.d)]
+    else:
+        try:
+            sizes = parse_sizes(FLAGS.size)
+            sized = [(s, dim_for_size(s, dtype_bytes)) for s in sizes]
+        except ValueError as e:
+            raise UserError(f"--size: {e}") from None
+    configs = tuple(
+        ChainConfig(
+            d=d, steps=FLAGS.steps, batch=FLAGS.batch, dtype=dtype, seed=FLAGS.seed, size_bytes=s
+        )
+        for s, d in sized
+    )
+    return Options(
+        configs=configs,
+        layouts=layouts,
+        impls=impls,
+        json_out=FLAGS.json_out,
+        plot_out=FLAGS.plot_out,
+        hbm=FLAGS.hbm,
+        trace_dir=FLAGS.trace_dir,
+        ncu_chains=FLAGS.ncu_chains,
+        warmup=FLAGS.warmup,
+        repeats=FLAGS.repeats,
+        chains_per_call=FLAGS.chains_per_call,
+    )
+
+
+def cpu_options(opts: Options, note: Callable[[str], None]) -> Options:
+    """Fewer warm-ups, repeats and chains per call on CPU, for the flags the user did not give."""
+    reduced = {
+        k: v for k, v in CPU_DEFAULTS.items() if not FLAGS[k].present and getattr(opts, k) > v
+    }
+    if reduced:
+        note(
+            "CPU: using "
+            + ", ".join(f"--{k}={v}" for k, v in reduced.items())
+            + " (give the flags to override)"
+        )
+    return dataclasses.replace(opts, **reduced)
+
+
+def check_memory(opts: Options, device: Any, holders: int) -> None:
+    """Raises UserError, before anything is allocated, when the largest problem cannot fit.
+
+    Device: `holders` processes/libraries may each hold steps*W of copies at once (the JAX
+    pool, torch's cache, a child process), plus a workspace, against the JAX allocator's
+    limit. Host: the numpy values (W in fp32 for generation and reference, W in the dtype),
+    plus the device need when the device is the CPU."""
+    copies = "copies" in opts.layouts
+    worst = max(opts.configs, key=lambda c: c.weight_bytes)
+    w = worst.weight_bytes
+    device_need = holders * (worst.steps if copies else 1) * w + WORKSPACE_BYTES
+    host_need = 2 * 4 * worst.d * worst.d + w
+    gib = 2**30
+    if device.platform == "cpu":
+        host_need += device_need
+    else:
+        limit = results_lib.device_memory_bytes(device)
+        if limit is not None and device_need > limit:
+            raise UserError(
+                f"W = {w / gib:.2f} GiB x {worst.steps if copies else 1} "
+                f"({'copies' if copies else 'shared'}) x {holders} holder(s) needs "
+                f"{device_need / gib:.1f} GiB of device memory; {device.device_kind} allows "
+                f"{limit / gib:.1f} GiB: use a smaller --size, fewer --steps or --layouts=shared"
+            )
+    host = results_lib.host_memory_bytes()
+    if host is not None and host_need > 0.9 * host:
+        raise UserError(
+            f"W = {w / gib:.2f} GiB needs {host_need / gib:.1f} GiB of host memory; this host "
+            f"has {host / gib:.1f} GiB: use a smaller --size, fewer --steps or --layouts=shared"
+        )
+
+
+# ---------------------------------------------------------------- timing
+
+
+def measure(runner: Any, opts: Options) -> tuple[timing.Samples, np.ndarray]:
+    """Times a Runner (JAX or torch) with the one timing helper; returns samples and output."""
+    samples = timing.time_fn(
+        runner.fn,
+        warmup=opts.warmup,
+        repeats=opts.repeats,
+        sync=runner.sync,
+        per_call=runner.per_call,
+    )
+    return samples, runner.output()
+
+
+def hbm_bandwidth(device_kind: str) -> tuple[float | None, str | None]:
+    """The measured HBM bandwidth (B/s) of a known device and where it comes from."""
+    if "H200" not in device_kind.upper():
+        return None, None
+    try:
+        from huginn_jax import costs  # written alongside; optional here
+
+        return float(costs.get_device("h200_measured").hbm_bandwidth), "huginn_jax.costs"
+    except (ImportError, AttributeError, KeyError, ValueError):
+        return H200_MEASURED_BW, "shared/DEVICE.md"
+
+
+def run_record(
+    cfg: ChainConfig, layout: str, impl: str, samples: timing.Samples, bw: float | None
+) -> dict[str, Any]:
+    """One row of the results: samples, medians, GB/s and % of the HBM floors."""
+    s = samples.summary_us()
+    w = cfg.weight_bytes
+    t = samples.median
+    rec: dict[str, Any] = {
+        "size_bytes": cfg.size_bytes,
+        "d": cfg.d,
+        "weight_bytes": w,
+        "layout": layout,
+        "impl": impl,
+        "chains_per_call": samples.per_call,
+        **s,
+        "gbps": cfg.steps * w / t / 1e9,
+        # floor: the time to read W once, or steps*W, at the device's measured bandwidth
+        "pct_floor_once": 100 * (w / bw) / t if bw else None,
+        "pct_floor_steps": 100 * (cfg.steps * w / bw) / t if bw else None,
+        "samples": samples.to_dict(),
+        "hbm": None,
+    }
+    return rec
+
+
+# ---------------------------------------------------------------- child processes
+
+
+def child_argv(
+    cfg: ChainConfig,
+    opts: Options,
+    mode: str,
+    layouts: Sequence[str],
+    impls: Sequence[str],
+    out_dir: str,
+) -> list[str]:
+    """The command line that re-runs this program as a child for one size."""
+    return [
+        sys.executable,
+        "-m",
+        "experiments.chain",
+        f"--child={mode}",
+        f"--child_out={out_dir}",
+        f"--size={cfg.size_bytes}B",
+        f"--d={cfg.d}",
+        f"--steps={cfg.steps}",
+        f"--batch={cfg.batch}",
+        f"--dtype={cfg.dtype}",
+        f"--seed={cfg.seed}",
+        f"--layouts={','.join(layouts)}",
+        f"--impls={','.join(impls)}",
+        f"--warmup={opts.warmup}",
+        f"--repeats={opts.repeats}",
+        f"--chains_per_call={opts.chains_per_call}",
+        f"--ncu_chains={opts.ncu_chains}",
+        "--json_out=",
+        "--plot_out=",
+        *([f"--trace_dir={opts.trace_dir}"] if opts.trace_dir else []),
+    ]
+
+
+def child_env(impls: Sequence[str]) -> dict[str, str]:
+    """Environment of a child: importable repo, no JAX preallocation (the parent holds memory
+    too), and command buffers off for the _nocb impls (XLA reads XLA_FLAGS once, at start)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    if any(i.endswith("_nocb") for i in impls):
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {NOCB_FLAG}".strip()
+    return env
+
+
+def run_timing_child(
+    cfg: ChainConfig, opts: Options, impls: Sequence[str]
+) -> dict[tuple[str, str], tuple[timing.Samples, np.ndarray]]:
+    """Times the _nocb impls in a child process whose XLA_FLAGS turn command buffers off."""
+    with tempfile.TemporaryDirectory(prefix="chain-child-") as out:
+        argv = child_argv(cfg, opts, "timing", opts.layouts, impls, out)
+        proc = subprocess.run(
+            argv, env=child_env(impls), cwd=REPO_ROOT, capture_output=True, text=True, check=False
+        )
+        if proc.returncode != 0:
+            tail = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
+            raise RuntimeError(f"timing child exited with {proc.returncode}: {tail}")
+        data = results_lib.read_json(Path(out) / "child.json")
+        return {
+            (r["layout"], r["impl"]): (
+                timing.Samples.from_dict(r["samples"]),
+                np.load(Path(out) / r["output_file"]),
+            )
+            for r in data["runs"]
+        }
+
+
+def hbm_pass(
+    cfg: ChainConfig, opts: Options, impls: Sequence[str], ncu: str
+) -> dict[tuple[str, str], ncu_lib.HbmSummary]:
+    """Re-runs every layout x impl in one child under ncu (application-range replay), each in
+    its own profiler range; HBM bytes and L2 hit rate per chain for each."""
+    with tempfile.TemporaryDirectory(prefix="chain-ncu-") as out:
+        argv = child_argv(cfg, opts, "ncu", opts.layouts, impls, out)
+        text = ncu_lib.run_ncu(
+            argv,
+            ncu=ncu,
+            log_file=str(Path(out) / "ncu.csv"),
+            env=child_env(impls),
+            cwd=str(REPO_ROOT),
+        )
+        ranges = results_lib.read_json(Path(out) / "child.json")["ranges"]
+        results = ncu_lib.parse_ncu_csv(text)
+        if len(results) != len(ranges):
+            raise ncu_lib.NcuError(f"ncu gave {len(results)} results for {len(ranges)} ranges")
+        # One result per cuProfilerStart/Stop range, in the order the child opened them.
+        return {
+            (r["layout"], r["impl"]): ncu_lib.summarize([res], r["chains"])
+            for r, res in zip(ranges, results, strict=True)
+        }
+
+
+def child_main(opts: Options) -> None:
+    """--child=timing: time the given impls, write samples and outputs. --child=ncu: for each
+    layout x impl, warm up, then run --ncu_chains chains inside their own cuProfilerStart/Stop
+    range. Both write child.json."""
+    out = Path(FLAGS.child_out)
+    cfg = opts.configs[0]
+    xla_flags = os.environ.get("XLA_FLAGS", "")
+    if any(i.endswith("_nocb") for i in opts.impls) and NOCB_FLAG not in xla_flags.split():
+        raise UserError(f"_nocb impls need XLA_FLAGS to contain {NOCB_FLAG}")
+    x_host, w_host = host_values(cfg)
+    runs, ranges, traces = [], [], []
+    for layout in opts.layouts:
+        for impl in opts.impls:
+            if FLAGS.child == "trace":
+                rows = trace_pass(cfg, opts, layout, impl, x_host, w_host)
+                traces.append({"layout": layout, "rows": [dataclasses.asdict(r) for r in rows]})
+                continue
+            runner, release = build_runner(impl, layout, x_host, w_host, cfg, opts)
+            if FLAGS.child == "timing":
+                samples, y = measure(runner, opts)
+                name = f"{layout}-{impl}.npy"
+                np.save(out / name, y)
+                runs.append(
+                    {
+                        "layout": layout,
+                        "impl": impl,
+                        "samples": samples.to_dict(),
+                        "output_file": name,
+                    }
+                )
+            else:
+                chains = profile_range(runner, opts)
+                ranges.append({"layout": layout, "impl": impl, "chains": chains})
+            release()
+    results_lib.write_json_atomic(
+        out / "child.json", {"runs": runs, "ranges": ranges, "traces": traces}
+    )
+
+
+def profile_range(runner: Any, opts: Options) -> int:
+    """Warm-up, then ceil(ncu_chains / per_call) calls inside the profiler range; returns the
+    chains run inside it. GPU only."""
+    for _ in range(max(opts.warmup, 1)):
+        wait(runner, runner.fn())
+    calls = math.ceil(opts.ncu_chains / runner.per_call)
+    with ncu_lib.cuda_profiler_range():
+        for _ in range(calls):
+            out = runner.fn()
+        wait(runner, out)
+    return calls * runner.per_call
+
+
+def wait(runner: Any, out: Any) -> None:
+    """Blocks until the device work behind `out` is done (torch: sync; JAX: block on out)."""
+    if runner.sync is not None:
+        runner.sync()
+    else:
+        import jax
+
+        jax.block_until_ready(out)
+
+
+def build_runner(
+    impl: str, layout: str, x_host: np.ndarray, w_host: np.ndarray, cfg: ChainConfig, opts: Options
+) -> tuple[Any, Callable[[], None]]:
+    """Weights in `layout` and a Runner for `impl`; plus a function that frees the weights."""
+    if impl in torch_chain.IMPLS:
+        ws = torch_chain.make_weights(w_host, cfg.steps, layout, cfg.dtype)
+        runner = torch_chain.runner(impl, x_host, ws, dtype_name=cfg.dtype, n=opts.chains_per_call)
+
+        def release() -> None:
+            ws.clear()
+            torch_chain.release()
+
+        return runner, release
+    import jax
+
+    ws = make_weights(w_host, cfg.steps, layout)
+    runner = xla_runner(impl, jax.device_put(x_host), ws, n=opts.chains_per_call)
+    return runner, ws.clear
+
+
+# ---------------------------------------------------------------- traces
+
+
+def trace_pass(
+    cfg: ChainConfig, opts: Options, layout: str, impl: str, x_host: np.ndarray, w_host: np.ndarray
+) -> list[trace_lib.Row]:
+    """Profiler trace of `chains_per_call` chains of `impl` (xla: one dispatch per chain;
+    torch_eager), compiled and warmed up first; the per-kernel breakdown."""
+    n = opts.chains_per_call
+    base = Path(opts.trace_dir) / f"{size_label(cfg.weight_bytes)}-{layout}-{impl}"
+    runner, release = build_runner(impl, layout, x_host, w_host, cfg, opts)
+    for _ in range(max(opts.warmup, 1)):  # compile and autotune outside the trace
+        wait(runner, runner.fn())
+
+    def run_n() -> None:
+        for _ in range(n):
+            y = runner.fn()
+        wait(runner, y)
+
+    try:
+        if impl in torch_chain.IMPLS:
+            return trace_lib.trace_torch(run_n, chains=n, export_path=f"{base}.trace.json")
+        return trace_lib.trace_jax(run_n, base, chains=n)
+    finally:
+        release()
+
+
+def run_trace_child(cfg: ChainConfig, opts: Options, impl: str) -> dict[str, list[trace_lib.Row]]:
+    """Traces `impl` for every layout in a child process: the torch profiler and JAX's both
+    use CUPTI, and once torch's has run in a process, JAX's cannot subscribe there again."""
+    with tempfile.TemporaryDirectory(prefix="chain-trace-") as out:
+        argv = child_argv(cfg, opts, "trace", opts.layouts, [impl], out)
+        proc = subprocess.run(
+            argv, env=child_env([impl]), cwd=REPO_ROOT, capture_output=True, text=True, check=False
+        )
+        if proc.returncode != 0:
+            tail = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
+            raise RuntimeError(f"trace child exited with {proc.returncode}: {tail}")
+        traces = results_lib.read_json(Path(out) / "child.json")["traces"]
+        return {t["layout"]: [trace_lib.Row(**r) for r in t["rows"]] for t in traces}
+
+
+# ---------------------------------------------------------------- report
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return (
+        "-"
+        if value is None or (isinstance(value, float) and math.isnan(value))
+        else (format(value, spec))
+    )
+
+
+def _us(value: float) -> str:
+    """Microseconds with one decimal below 1000, none above (keeps the columns aligned)."""
+    return f"{value:.1f}" if value < 1000 else f"{value:.0f}"
+
+
+def format_table(data: dict[str, Any]) -> str:
+    """The seeds' table, from the results dict: one row per size x layout x impl."""
+    steps = data["config"]["steps"]
+    by_key = {(r["weight_bytes"], r["layout"], r["impl"]): r for r in data["runs"]}
+    checks = {(c["weight_bytes"], c["layout"], c["impl"]): c for c in data["checks"]["agreement"]}
+    same = {(c["weight_bytes"], c["impl"]): c["identical"] for c in data["checks"]["layouts"]}
+    head = (
+        f"{'W':>9} {'d':>6} {'layout':<7} {'impl':<14} {'µs/chain':>9} {'p10-p90':>17} "
+        f"{'GB/s':>7} {'%floor W':>8} {f'%floor {steps}W':>10} {'shared x':>8} "
+        f"{'HBM xW':>7} {'L2 hit%':>7} {'=bits':>5} {'err/tol':>7}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in data["runs"]:
+        key = (r["weight_bytes"], r["layout"], r["impl"])
+        copies = by_key.get((r["weight_bytes"], "copies", r["impl"]))
+        speedup = (
+            copies["median_us"] / r["median_us"] if r["layout"] == "shared" and copies else None
+        )
+        hbm = r.get("hbm") or {}
+        chk = checks.get(key)
+        ident = same.get((r["weight_bytes"], r["impl"])) if r["layout"] == "shared" else None
+        lines.append(
+            f"{size_label(r['weight_bytes']):>9} {r['d']:>6d} {r['layout']:<7} {r['impl']:<14} "
+            f"{_us(r['median_us']):>9} {_us(r['p10_us']):>8}-{_us(r['p90_us']):<8} "
+            f"{r['gbps']:>7.0f} "
+            f"{_fmt(r['pct_floor_once'], '.1f'):>8} {_fmt(r['pct_floor_steps'], '.1f'):>10} "
+            f"{_fmt(speedup, '.2f'):>8} {_fmt(hbm.get('read_x_w'), '.2f'):>7} "
+            f"{_fmt(hbm.get('l2_hit_pct'), '.1f'):>7} "
+            f"{'-' if ident is None else ('yes' if ident else 'NO'):>5} "
+            f"{_fmt(chk['rel_err'] / chk['tol'] if chk else None, '.2f'):>7}"
+        )
+    bw = data["env"].get("hbm_bandwidth")
+    lines += [
+        f"µs/chain: median of {data['config']['repeats']} calls (p10-p90), per chain; "
+        f"GB/s = {steps}·W / time; %floor W ({steps}W) = time to read W ({steps}·W) at "
+        f"{_fmt(bw / 1e12 if bw else None, '.2f')} TB/s / time.",
+        "shared x = copies time / shared time; HBM xW = HBM bytes read per chain / W; "
+        "L2 hit% = lts__t_sector_hit_rate over the profiled chains.",
+        "=bits: shared and copies outputs bit-identical; err/tol: max|y-ref| / max|ref| against "
+        "the fp32 numpy reference, over its tolerance (<= 1 passes).",
+    ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- main
+
+
+def note_fn(notes: list[str]) -> Callable[[str], None]:
+    from tqdm import tqdm
+
+    def note(msg: str) -> None:
+        notes.append(msg)
+        tqdm.write(msg)
+
+    return note
+
+
+def select_impls(opts: Options, on_gpu: bool, note: Callable[[str], None]) -> tuple[str, ...]:
+    """Drops what cannot run here, each with a one-line note."""
+    impls = list(opts.impls)
+    nocb = [i for i in impls if i.endswith("_nocb")]
+    if nocb and not on_gpu:
+        note(f"command buffers exist only on GPU; {', '.join(nocb)} skipped")
+        impls = [i for i in impls if i not in nocb]
+    torch_impls = [i for i in impls if i in torch_chain.IMPLS]
+    if torch_impls:
+        if not torch_chain.available():
+            note(f"torch is not installed; {', '.join(torch_impls)} skipped")
+            impls = [i for i in impls if i not in torch_impls]
+        elif not on_gpu or not torch_chain.cuda_available():
+            note(f"torch impls need a CUDA GPU; {', '.join(torch_impls)} skipped")
+            impls = [i for i in impls if i not in torch_impls]
+    return tuple(impls)
+
+
+def run(opts: Options, notes: list[str], note: Callable[[str], None]) -> dict[str, Any]:
+    """Every size x layout x impl: timing, checks, optional ncu and trace passes."""
+    import jax
+    from tqdm import tqdm
+
+    device = jax.devices()[0]
+    on_gpu = device.platform == "gpu"
+    impls = select_impls(opts, on_gpu, note)
+    if not impls:
+        raise UserError("no implementation can run here (see the notes above)")
+    in_process = [i for i in impls if not i.endswith("_nocb")]
+    nocb = [i for i in impls if i.endswith("_nocb")]
+    ncu = ncu_lib.find_ncu() if opts.hbm and on_gpu else None
+    if opts.hbm and ncu is None:
+        note(ncu_lib.SKIP_LINE + ("" if on_gpu else " (no GPU here)"))
+    holders = 1 + any(i in torch_chain.IMPLS for i in impls) + bool(nocb or ncu)
+    check_memory(opts, device, holders)
+
+    env = results_lib.environment({k: FLAGS[k].value for k in _OWN_FLAGS})
+    bw, bw_source = hbm_bandwidth(device.device_kind)
+    env.update(hbm_bandwidth=bw, hbm_bandwidth_source=bw_source)
+    data: dict[str, Any] = {
+        "experiment": "chain",
+        "config": {
+            "steps": opts.configs[0].steps,
+            "batch": opts.configs[0].batch,
+            "dtype": opts.configs[0].dtype,
+            "layouts": list(opts.layouts),
+            "impls": list(impls),
+            "warmup": opts.warmup,
+            "repeats": opts.repeats,
+            "chains_per_call": opts.chains_per_call,
+            "ncu_chains": opts.ncu_chains,
+            "sizes_bytes": [c.size_bytes for c in opts.configs],
+        },
+        "env": env,
+        "runs": [],
+        "checks": {"layouts": [], "agreement": []},
+        "traces": [],
+        "notes": notes,
+    }
+    total = len(opts.configs) * len(opts.layouts) * len(impls)
+    bar = tqdm(total=total, disable=total <= 1, leave=False, desc="chain", file=sys.stderr)
+    for cfg in opts.configs:
+        x_host, w_host = host_values(cfg)
+        outputs: dict[tuple[str, str], tuple[np.ndarray, int]] = {}
+        for layout in opts.layouts:
+            for impl in in_process:
+                bar.set_postfix_str(f"{size_label(cfg.weight_bytes)} {layout} {impl}")
+                runner, release = build_runner(impl, layout, x_host, w_host, cfg, opts)
+                samples, y = measure(runner, opts)
+                release()
+                data["runs"].append(run_record(cfg, layout, impl, samples, bw))
+                outputs[(layout, impl)] = (y, runner.chains_in_output)
+                bar.update()
+        if nocb:
+            bar.set_postfix_str(f"{size_label(cfg.weight_bytes)} {', '.join(nocb)} (child)")
+            try:
+                child = run_timing_child(cfg, opts, nocb)
+            except RuntimeError as e:
+                note(f"{', '.join(nocb)} at W={cfg.weight_bytes} B: {e}")
+                child = {}
+            for (layout, impl), (samples, y) in sorted(child.items()):
+                data["runs"].append(run_record(cfg, layout, impl, samples, bw))
+                outputs[(layout, impl)] = (y, opts.chains_per_call if "loop" in impl else 1)
+            bar.update(len(opts.layouts) * len(nocb))
+        add_checks(data, cfg, x_host, w_host, outputs)
+        if ncu is not None:
+            # Two children at most: default XLA flags, and command buffers off.
+            for group in ([i for i in impls if not i.endswith("_nocb")], nocb):
+                if not group:
+                    continue
+                bar.set_postfix_str(f"{size_label(cfg.weight_bytes)} ncu {', '.join(group)}")
+                try:
+                    summaries = hbm_pass(cfg, opts, group, ncu)
+                except (ncu_lib.NcuError, ValueError, OSError, subprocess.SubprocessError) as e:
+                    note(f"ncu at W={size_label(cfg.weight_bytes)} ({', '.join(group)}): {e}")
+                    continue
+                for rec in data["runs"]:
+                    summary = summaries.get((rec["layout"], rec["impl"]))
+                    if rec["weight_bytes"] == cfg.weight_bytes and summary is not None:
+                        rec["hbm"] = {
+                            **dataclasses.asdict(summary),
+                            "read_x_w": summary.bytes_read_per_chain / cfg.weight_bytes,
+                        }
+        if opts.trace_dir:
+            traced = trace_all(cfg, opts, impls, x_host, w_host, note)
+            for layout in opts.layouts:
+                tqdm.write(
+                    f"\nkernels per chain, W = {size_label(cfg.weight_bytes)}, {layout} "
+                    f"({opts.chains_per_call} chains traced; profiler on, so no command buffers):"
+                )
+                tqdm.write(trace_lib.side_by_side(traced[layout]))
+                data["traces"].extend(
+                    {
+                        "weight_bytes": cfg.weight_bytes,
+                        "layout": layout,
+                        "impl": impl,
+                        "rows": [dataclasses.asdict(r) for r in rows],
+                    }
+                    for impl, rows in traced[layout].items()
+                )
+    bar.close()
+    return data
+
+
+def trace_all(
+    cfg: ChainConfig,
+    opts: Options,
+    impls: Sequence[str],
+    x_host: np.ndarray,
+    w_host: np.ndarray,
+    note: Callable[[str], None],
+) -> dict[str, dict[str, list[trace_lib.Row]]]:
+    """layout -> impl -> kernel rows, for xla (in this process) and torch_eager (in a child)."""
+    traced: dict[str, dict[str, list[trace_lib.Row]]] = {layout: {} for layout in opts.layouts}
+    if "xla" in impls:
+        for layout in opts.layouts:
+            rows = trace_pass(cfg, opts, layout, "xla", x_host, w_host)
+            if not rows:
+                note(f"trace of xla {layout}: the profiler recorded no kernels")
+            traced[layout]["xla"] = rows
+    if "torch_eager" in impls:
+        try:
+            for layout, rows in run_trace_child(cfg, opts, "torch_eager").items():
+                traced[layout]["torch_eager"] = rows
+        except RuntimeError as e:
+            note(f"trace of torch_eager at W={size_label(cfg.weight_bytes)}: {e}")
+    return traced
+
+
+def add_checks(
+    data: dict[str, Any],
+    cfg: ChainConfig,
+    x_host: np.ndarray,
+    w_host: np.ndarray,
+    outputs: dict[tuple[str, str], tuple[np.ndarray, int]],
+) -> None:
+    """Shared vs copies bit-identical per impl; every output vs the numpy reference."""
+    w = cfg.weight_bytes
+    for impl in sorted({i for _, i in outputs}):
+        if ("shared", impl) in outputs and ("copies", impl) in outputs:
+            identical = same_bits(outputs[("shared", impl)][0], outputs[("copies", impl)][0])
+            data["checks"]["layouts"].append(
+                {"weight_bytes": w, "impl": impl, "identical": identical}
+            )
+    refs: dict[int, np.ndarray] = {}
+    for (layout, impl), (y, chains) in outputs.items():
+        if chains not in refs:
+            refs[chains] = reference_chain(x_host, w_host, cfg.steps * chains)
+        ref = refs[chains]
+        err = float(np.max(np.abs(y - ref)))
+        rel = err / float(np.max(np.abs(ref)))
+        tol = tolerance(cfg.dtype, cfg.steps * chains)
+        data["checks"]["agreement"].append(
+            {
+                "weight_bytes": w,
+                "layout": layout,
+                "impl": impl,
+                "chains": chains,
+                "max_abs_err": err,
+                "rel_err": rel,
+                "tol": tol,
+                "ok": rel <= tol,
+            }
+        )
+
+
+_OWN_FLAGS = (
+    "size",
+    "d",
+    "steps",
+    "batch",
+    "dtype",
+    "layouts",
+    "impls",
+    "warmup",
+    "repeats",
+    "chains_per_call",
+    "ncu_chains",
+    "json_out",
+    "plot_out",
+    "hbm",
+    "trace_dir",
+    "seed",
+)
+
+
+def main(argv: Sequence[str]) -> None:
+    # Before the JAX backend starts: the parent, torch and child processes share the GPU.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    if not FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # keep backend and profiler INFO lines off stderr
+    try:
+        if len(argv) > 1:
+            raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
+        opts = options_from_flags()
+        if FLAGS.child:
+            child_main(opts)
+            return
+        import jax
+
+        notes: list[str] = []
+        note = note_fn(notes)
+        if jax.devices()[0].platform == "cpu":
+            opts = cpu_options(opts, note)
+        data = run(opts, notes, note)
+    except UserError as e:
+        print(f"chain: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    json_path = results_lib.write_json_atomic(opts.json_out, data) if opts.json_out else None
+    plot_path = None
+    if opts.plot_out and json_path:
+        from experiments.measure import plot
+
+        plot_path = plot.plot_chain(json_path, opts.plot_out)
+    print()
+    print(format_table(data))
+    print(f"json: {json_path or '(not written)'}")
+    print(f"plot: {plot_path or '(not written)'}")
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)

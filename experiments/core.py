@@ -1,0 +1,597 @@
+"""The seeds' "From One Matrix to a Recurrent Core": the Core alone, r iterations per call.
+
+Adapter + 4 sandwich layers at huginn-0125 size, random weights with the reference init, through
+the project's own model code (`huginn_jax.model.Core` and `run_core`). Every (iteration, layer)
+has its own KV slot.
+
+    python -m experiments.core --mode=decode,prefill --iterations=1,8 --context=1024 --hbm
+
+Modes: decode = one new position per sequence over `context` cached positions (the history is
+random, never zeros); prefill = `context` new positions from position 0. Implementations:
+  xla             `lax.scan` over iterations, the cache donated and updated in place
+  torch_graph     the same Core in PyTorch, static cache written in place, CUDA-graph replay
+  torch_eager     the same, eager
+  torch_teaching  the seeds' teaching cache: history re-concatenated with torch.cat (eager)
+(`--impls=torch` means all three.) Timing: `measure.timing.time_fn`, caches not flushed; each
+call restarts from the same state and history, as in the seeds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+# PyTorch runs in the same process: JAX must not grab 75 % of the GPU up front.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from experiments.measure import hlo as hlo_lib  # noqa: E402
+from experiments.measure import ncu as ncu_lib  # noqa: E402
+from experiments.measure import results as results_lib  # noqa: E402
+from experiments.measure import timing  # noqa: E402
+from experiments.measure import trace as trace_lib  # noqa: E402
+from huginn_jax import costs  # noqa: E402
+from huginn_jax.config import HuginnConfig  # noqa: E402
+from huginn_jax.kv_cache import KVCache  # noqa: E402
+from huginn_jax.model import Core, run_core  # noqa: E402
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """Defines the flags; called only when this module runs as the program, so that tests
+    and other programs can import it without clashing flag names."""
+    flags.DEFINE_list("mode", ["decode", "prefill"], "decode and/or prefill.")
+    flags.DEFINE_list("iterations", ["1", "8"], "Core iterations per call (a list).")
+    flags.DEFINE_list("context", ["1024"], "Cached positions (decode) or new positions (prefill).")
+    flags.DEFINE_list("batch", ["1"], "Sequences (a list).")
+    flags.DEFINE_list("impls", ["xla", "torch"], "xla, torch (= the three torch_* impls) or names.")
+    flags.DEFINE_string("config", "huginn_0125", "Model preset whose Core is measured.")
+    flags.DEFINE_enum("dtype", "bf16", ["bf16", "fp32"], "Weights, state and cache dtype.")
+    flags.DEFINE_integer("warmup", 3, "Untimed calls.")
+    flags.DEFINE_integer("repeats", 20, "Timed calls (median reported).")
+    flags.DEFINE_integer("seed", 0, "Seed of weights, state and history.")
+    flags.DEFINE_string("json_out", "out/core.json", "Results JSON ('' to skip).")
+    flags.DEFINE_bool("hbm", False, "HBM bytes per iteration from Nsight Compute (GPU + ncu).")
+    flags.DEFINE_list("hbm_impls", ["xla", "torch_graph"], "Impls that --hbm profiles.")
+    flags.DEFINE_string("trace_dir", None, "Write profiler traces; print per-kernel breakdowns.")
+    flags.DEFINE_string("hlo_dir", None, "Write each XLA executable's optimized HLO here.")
+    flags.DEFINE_string(
+        "ncu_child", None, "Internal: impl:mode:batch:context:iterations under ncu."
+    )
+
+
+TORCH_IMPLS = ("torch_graph", "torch_eager", "torch_teaching")
+IMPLS = ("xla", *TORCH_IMPLS)
+NCU_CALLS = 2
+
+
+class UserError(Exception):
+    """A bad flag value; reported as one line, exit 2."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    mode: str
+    batch: int
+    context: int
+    iterations: int
+
+    @property
+    def new_tokens(self) -> int:
+        return 1 if self.mode == "decode" else self.context
+
+    @property
+    def start(self) -> int:
+        return self.context if self.mode == "decode" else 0
+
+    @property
+    def max_len(self) -> int:
+        return self.context + self.new_tokens if self.mode == "decode" else self.context
+
+    def spec(self) -> str:
+        return f"{self.mode}:{self.batch}:{self.context}:{self.iterations}"
+
+
+def _ints(name: str, values: list[str]) -> list[int]:
+    try:
+        ints = [int(v) for v in values]
+    except ValueError:
+        raise UserError(f"--{name}={','.join(values)}: expected integers") from None
+    if not ints or min(ints) < 1:
+        raise UserError(f"--{name}={','.join(values)}: values must be >= 1")
+    return ints
+
+
+def cases_from_flags() -> list[Case]:
+    for mode in FLAGS.mode:
+        if mode not in ("decode", "prefill"):
+            raise UserError(f"--mode={mode}: expected decode or prefill")
+    grid = itertools.product(
+        FLAGS.mode,
+        _ints("batch", FLAGS.batch),
+        _ints("context", FLAGS.context),
+        _ints("iterations", FLAGS.iterations),
+    )
+    return [Case(*values) for values in grid]
+
+
+def impls_from_flags() -> list[str]:
+    names = []
+    for name in FLAGS.impls:
+        expanded = TORCH_IMPLS if name == "torch" else (name,)
+        for impl in expanded:
+            if impl not in IMPLS:
+                raise UserError(
+                    f"--impls: unknown {impl!r}; known: xla, torch, {', '.join(TORCH_IMPLS)}"
+                )
+            names.append(impl)
+    return list(dict.fromkeys(names))
+
+
+def core_config(preset: str):
+    """The preset without prelude and coda layers, so that caches hold Core slots only. RoPE is
+    computed on the fly, so positions may run past the preset's block_size (decode at 4096)."""
+    try:
+        cfg = HuginnConfig.from_name(preset)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    return dataclasses.replace(
+        cfg, n_layers_in_prelude=0, n_layers_in_coda=0, block_size=max(cfg.block_size, 1 << 20)
+    )
+
+
+def jax_dtype(name: str):
+    return jnp.bfloat16 if name == "bf16" else jnp.float32
+
+
+# ---------------------------------------------------------------- inputs and runners
+
+
+def build_core(cfg, dtype, seed: int):
+    """Random Core weights with the reference init, created on the device (jitted init)."""
+
+    @jax.jit
+    def init(key):
+        return nnx.split(Core(cfg, rngs=nnx.Rngs(params=key), dtype=dtype))[1]
+
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Core(cfg, rngs=nnx.Rngs(0), dtype=dtype)))
+    return graphdef, init(jax.random.key(seed))
+
+
+def case_inputs(cfg, case: Case, dtype, seed: int):
+    """(state, embedded) [B, T, D] and a cache whose history positions [0, start) are random."""
+    keys = jax.random.split(jax.random.key(seed + 1), 4)
+    shape = (case.batch, case.new_tokens, cfg.n_embd)
+    state = jax.random.normal(keys[0], shape, dtype)
+    embedded = jax.random.normal(keys[1], shape, dtype)
+    cache = KVCache.create(
+        cfg, batch=case.batch, max_len=case.max_len, num_steps=case.iterations, dtype=dtype
+    )
+    if case.mode == "decode":
+
+        @functools.partial(jax.jit, donate_argnums=0)
+        def fill(cache):
+            k = jax.random.normal(keys[2], cache.k.shape, dtype)
+            v = jax.random.normal(keys[3], cache.v.shape, dtype)
+            return dataclasses.replace(cache, k=k, v=v)
+
+        cache = fill(cache)
+    return state, embedded, cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "iterations"), donate_argnames=("cache",))
+def _core_jit(graphdef, params, state, embedded, cache, start, *, iterations):
+    return run_core(nnx.merge(graphdef, params), state, embedded, start, cache, iterations)
+
+
+class XlaRunner:
+    """Calls the jitted Core with the cache fed back (donated, updated in place)."""
+
+    sync = None
+
+    def __init__(self, graphdef, params, state, embedded, cache, case: Case):
+        self.args = (graphdef, params, state, embedded)
+        self.start = jnp.int32(case.start)
+        self.iterations = case.iterations
+        self.cache = cache
+
+    def compile_report(self):
+        lowered = _core_jit.lower(*self.args, self.cache, self.start, iterations=self.iterations)
+        compiled = lowered.compile()
+        return compiled.as_text(), compiled.memory_analysis()
+
+    def __call__(self):
+        out, self.cache = _core_jit(*self.args, self.cache, self.start, iterations=self.iterations)
+        return out
+
+    def release(self):
+        self.cache = None
+
+
+class TorchRunner:
+    """The same Core in PyTorch over the same weights and history (shared through DLPack)."""
+
+    def __init__(self, impl: str, params, cfg, state, embedded, cache, case: Case, dtype_name):
+        import torch
+
+        from experiments.torch_ref.core import TorchCore, to_torch_fn
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
+        convert = to_torch_fn(device, dtype)
+        self.core = TorchCore(params, cfg, convert)
+        self.state, self.embedded = convert(state), convert(embedded)
+        self.k, self.v = convert(cache.k), convert(cache.v)
+        self.case = case
+        self.sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+        n = case.iterations * cfg.n_core
+        start = case.start
+        if impl == "torch_teaching":
+            history = [(self.k[s, :, :start], self.v[s, :, :start]) for s in range(n)]
+            self.fn = lambda: self.core.run_teaching(
+                self.state, self.embedded, case.iterations, start, history
+            )
+        else:
+            self.fn = lambda: self.core.run_static(
+                self.state, self.embedded, case.iterations, start, self.k, self.v
+            )
+        if impl == "torch_graph":
+            self.fn = self._capture(self.fn)
+
+    def _capture(self, fn):
+        import torch
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
+
+        def replay():
+            graph.replay()
+            return out
+
+        return replay
+
+    def __call__(self):
+        return self.fn()
+
+    def release(self):
+        self.fn = self.core = self.k = self.v = None
+
+
+def to_numpy(out) -> np.ndarray:
+    if hasattr(out, "detach"):
+        return out.detach().float().cpu().numpy()
+    return np.asarray(out, dtype=np.float32)
+
+
+# ---------------------------------------------------------------- reports
+
+
+def cost_of(cfg, case: Case, dtype_bytes: int) -> dict:
+    """The cost model's bytes and FLOPs for ONE iteration of `case`."""
+    one = costs.totals(
+        costs.core_iteration_ops(
+            cfg, batch=case.batch, context=case.context, mode=case.mode, dtype_bytes=dtype_bytes
+        )
+    )
+    return {
+        "weight_bytes": one.weight_bytes,
+        "kv_read_bytes": one.kv_read_bytes,
+        "hbm_read_bytes": one.hbm_read_bytes,
+        "hbm_bytes": one.hbm_bytes,
+        "flops": one.flops,
+    }
+
+
+def device_ceilings(device_kind: str) -> dict | None:
+    """Measured ceilings for the device the run is on (None if unknown, e.g. on CPU)."""
+    if "H200" in device_kind:
+        spec = costs.get_device("h200_measured")
+        return {
+            "name": spec.name,
+            "hbm_bandwidth": spec.hbm_bandwidth,
+            "bf16_flops": spec.peak_bf16_flops,
+        }
+    return None
+
+
+def record(case: Case, impl: str, samples: timing.Samples, cost: dict, ceilings) -> dict:
+    t = samples.median  # seconds per iteration
+    rec = {
+        **dataclasses.asdict(case),
+        "impl": impl,
+        "ms_per_iteration": t * 1e3,
+        "samples": samples.to_dict(),
+        "weights_gbps": cost["weight_bytes"] / t / 1e9,
+        "weights_kv_gbps": (cost["weight_bytes"] + cost["kv_read_bytes"]) / t / 1e9,
+        "tflops": cost["flops"] / t / 1e12,
+        "cost_model": cost,
+    }
+    if ceilings:
+        floor = (cost["weight_bytes"] + cost["kv_read_bytes"]) / ceilings["hbm_bandwidth"]
+        rec["pct_hbm_floor"] = 100 * floor / t
+        rec["pct_bf16_gemm"] = 100 * (cost["flops"] / t) / ceilings["bf16_flops"]
+    return rec
+
+
+def format_table(records: list[dict]) -> str:
+    head = (
+        f"{'mode':<8}{'B':>4}{'ctx':>6}{'r':>4} {'impl':<15}{'ms/iter':>9}{'p10-p90':>15}"
+        f"{'GB/s w+kv':>10}{'%floor':>7}{'TFLOP/s':>9}{'%gemm':>6}{'HBM/pred':>9}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in records:
+        s = r["samples"]
+        it = r["iterations"]
+        spread = f"{s['p10_us'] / 1e3:.3f}-{s['p90_us'] / 1e3:.3f}"
+        hbm = r.get("hbm") or {}
+        ratio = hbm.get("read_over_prediction")
+        lines.append(
+            f"{r['mode']:<8}{r['batch']:>4}{r['context']:>6}{it:>4} {r['impl']:<15}"
+            f"{r['ms_per_iteration']:>9.3f}{spread:>15}{r['weights_kv_gbps']:>10.0f}"
+            f"{r.get('pct_hbm_floor', float('nan')):>7.1f}{r['tflops']:>9.1f}"
+            f"{r.get('pct_bf16_gemm', float('nan')):>6.1f}"
+            f"{(f'{ratio:.3f}' if ratio else '-'):>9}"
+        )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- one case
+
+
+def make_runner(impl, cfg, graphdef, params, case, dtype_name):
+    state, embedded, cache = case_inputs(cfg, case, jax_dtype(dtype_name), FLAGS.seed)
+    if impl == "xla":
+        return XlaRunner(graphdef, params, state, embedded, cache, case)
+    return TorchRunner(
+        impl, nnx.to_pure_dict(params), cfg, state, embedded, cache, case, dtype_name
+    )
+
+
+def run_case(impl, cfg, graphdef, params, case, dtype_name, ceilings, hlo_dir) -> tuple[dict, Any]:
+    runner = make_runner(impl, cfg, graphdef, params, case, dtype_name)
+    extra = {}
+    if impl == "xla":
+        text, memory = runner.compile_report()
+        report = hlo_lib.loop_report(text, memory, big_buffer_dims=tuple(runner.cache.k.shape))
+        live = runner.cache.nbytes + sum(x.nbytes for x in jax.tree.leaves(params))
+        report["temp_pct_of_weights_and_cache"] = 100 * report.get("temp_bytes", 0) / live
+        extra["xla_report"] = report
+        if hlo_dir:
+            path = Path(hlo_dir) / f"core-{case.spec().replace(':', '-')}.hlo.txt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+    samples = timing.time_fn(
+        runner,
+        warmup=FLAGS.warmup,
+        repeats=FLAGS.repeats,
+        sync=getattr(runner, "sync", None),
+        per_call=case.iterations,
+    )
+    out = to_numpy(runner())
+    if getattr(runner, "sync", None):
+        runner.sync()
+    rec = record(
+        case, impl, samples, cost_of(cfg, case, 2 if dtype_name == "bf16" else 4), ceilings
+    )
+    rec.update(extra)
+    if FLAGS.trace_dir:
+        rec["trace"] = trace_case(runner, impl, case)
+    runner.release()
+    return rec, out
+
+
+def trace_case(runner, impl: str, case: Case) -> list[dict]:
+    calls = 3
+    label = f"{impl}-{case.spec().replace(':', '-')}"
+
+    def run():
+        for _ in range(calls):
+            out = runner()
+        wait(runner, out)
+
+    per = calls * case.iterations  # rows are reported per Core iteration
+    if impl == "xla":
+        rows = trace_lib.trace_jax(run, Path(FLAGS.trace_dir) / label, chains=per)
+    else:
+        rows = trace_lib.trace_torch(
+            run, chains=per, export_path=Path(FLAGS.trace_dir) / f"{label}.json"
+        )
+    return [dataclasses.asdict(r) for r in rows]
+
+
+# ---------------------------------------------------------------- ncu
+
+
+def ncu_child(spec: str) -> None:
+    """Warm up one (impl, case), then NCU_CALLS calls inside the profiler range."""
+    impl, mode, batch, context, iterations = spec.split(":")
+    case = Case(mode, int(batch), int(context), int(iterations))
+    cfg = core_config(FLAGS.config)
+    graphdef, params = build_core(cfg, jax_dtype(FLAGS.dtype), FLAGS.seed)
+    runner = make_runner(impl, cfg, graphdef, params, case, FLAGS.dtype)
+    for _ in range(2):
+        out = runner()
+    wait(runner, out)
+    with ncu_lib.cuda_profiler_range():
+        for _ in range(NCU_CALLS):
+            out = runner()
+        wait(runner, out)
+
+
+def wait(runner, out) -> None:
+    if runner.sync:
+        runner.sync()
+    else:
+        jax.block_until_ready(out)
+
+
+def hbm_pass(impl: str, case: Case, ncu: str) -> dict:
+    argv = [
+        sys.executable,
+        "-m",
+        "experiments.core",
+        f"--ncu_child={impl}:{case.spec()}",
+        f"--config={FLAGS.config}",
+        f"--dtype={FLAGS.dtype}",
+        f"--seed={FLAGS.seed}",
+    ]
+    with tempfile.TemporaryDirectory(prefix="core-ncu-") as out:
+        text = ncu_lib.run_ncu(argv, ncu=ncu, log_file=str(Path(out) / "ncu.csv"))
+    summary = ncu_lib.summarize(ncu_lib.parse_ncu_csv(text), NCU_CALLS * case.iterations)
+    return dataclasses.asdict(summary)
+
+
+# ---------------------------------------------------------------- main
+
+
+def run(cases: list[Case], impls: list[str]) -> dict:
+    from tqdm import tqdm
+
+    device = jax.devices()[0]
+    on_gpu = device.platform == "gpu"
+    if not on_gpu:
+        skipped = [i for i in impls if i == "torch_graph"]
+        impls = [i for i in impls if i not in skipped]
+        if skipped:
+            print("note: torch_graph needs CUDA; skipped on this device")
+    if any(i in TORCH_IMPLS for i in impls):
+        from experiments.torch_ref.chain import available
+
+        if not available():
+            print("note: PyTorch is not installed; torch impls skipped")
+            impls = [i for i in impls if i not in TORCH_IMPLS]
+    cfg = core_config(FLAGS.config)
+    ceilings = device_ceilings(device.device_kind)
+    graphdef, params = build_core(cfg, jax_dtype(FLAGS.dtype), FLAGS.seed)
+    records, checks = [], []
+    grid = [(c, i) for c in cases for i in impls]
+    outputs: dict[tuple, np.ndarray] = {}
+    for case, impl in tqdm(grid, desc="core", disable=len(grid) < 2, file=sys.stderr):
+        rec, out = run_case(impl, cfg, graphdef, params, case, FLAGS.dtype, ceilings, FLAGS.hlo_dir)
+        records.append(rec)
+        outputs[(case, impl)] = out
+    for case in cases:
+        if (case, "xla") not in outputs:
+            continue
+        ref = outputs[(case, "xla")]
+        for impl in impls[1:]:
+            if (case, impl) in outputs:
+                got = outputs[(case, impl)]
+                rel = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+                checks.append({**dataclasses.asdict(case), "impl": impl, "rel_err_vs_xla": rel})
+    ncu = ncu_lib.find_ncu() if FLAGS.hbm else None
+    if FLAGS.hbm and (not on_gpu or ncu is None):
+        print(ncu_lib.SKIP_LINE)
+    elif FLAGS.hbm:
+        for rec in records:
+            if rec["impl"] not in FLAGS.hbm_impls:
+                continue
+            case = Case(rec["mode"], rec["batch"], rec["context"], rec["iterations"])
+            try:
+                hbm = hbm_pass(rec["impl"], case, ncu)
+            except (ncu_lib.NcuError, OSError, ValueError) as e:
+                print(f"note: ncu for {rec['impl']} {case.spec()} failed: {e}")
+                continue
+            predicted = rec["cost_model"]["hbm_read_bytes"]
+            hbm["read_over_prediction"] = hbm["bytes_read_per_chain"] / predicted
+            hbm["read_over_weights_kv"] = hbm["bytes_read_per_chain"] / (
+                rec["cost_model"]["weight_bytes"] + rec["cost_model"]["kv_read_bytes"]
+            )
+            rec["hbm"] = hbm
+    return {"records": records, "checks": checks, "ceilings": ceilings}
+
+
+def scaling_lines(records: list[dict]) -> list[str]:
+    """r iterations in one executable against r × one iteration, per case and impl."""
+    lines = []
+    by_key = {}
+    for r in records:
+        by_key[(r["mode"], r["batch"], r["context"], r["impl"], r["iterations"])] = r
+    for (mode, b, ctx, impl, it), r in sorted(by_key.items()):
+        one = by_key.get((mode, b, ctx, impl, 1))
+        if it > 1 and one:
+            ratio = r["ms_per_iteration"] / one["ms_per_iteration"]
+            lines.append(f"{impl} {mode} B={b} ctx={ctx}: r={it} costs {ratio:.3f} x r x (r=1)")
+    return lines
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
+    if FLAGS.ncu_child:
+        ncu_child(FLAGS.ncu_child)
+        return
+    cases, impls = cases_from_flags(), impls_from_flags()
+    core_config(FLAGS.config)  # a bad preset fails here, before any device work
+    if FLAGS.warmup < 0 or FLAGS.repeats < 1:
+        raise UserError("--warmup must be >= 0 and --repeats >= 1")
+    result = run(cases, impls)
+    env = results_lib.environment({name: FLAGS[name].value for name in _OWN_FLAGS})
+    if FLAGS.json_out:
+        path = results_lib.write_json_atomic(FLAGS.json_out, {"environment": env, **result})
+    for check in result["checks"]:
+        print(
+            f"check {check['impl']} vs xla, {check['mode']} B={check['batch']} "
+            f"ctx={check['context']} r={check['iterations']}: rel err {check['rel_err_vs_xla']:.2e}"
+        )
+    for rec in result["records"]:
+        if "xla_report" in rec:
+            rep = rec["xla_report"]
+            print(
+                f"xla {rec['mode']} r={rec['iterations']} B={rec['batch']} ctx={rec['context']}: "
+                f"kernels/iteration {list(rep['kernels_per_iteration'].values())}, "
+                f"cache copies {len(rep['big_buffer_copies'])}, "
+                f"temp {rep.get('temp_bytes', 0) / 2**20:.1f} MiB "
+                f"({rep['temp_pct_of_weights_and_cache']:.2f} % of weights+cache), "
+                f"alias {rep.get('alias_bytes', 0) / 2**20:.1f} MiB"
+            )
+        if rec.get("trace"):
+            print(f"trace {rec['impl']} {rec['mode']} r={rec['iterations']}:")
+            print(
+                trace_lib.side_by_side(
+                    {rec["impl"]: [trace_lib.Row(**row) for row in rec["trace"][:12]]}
+                )
+            )
+    for line in scaling_lines(result["records"]):
+        print(line)
+    if FLAGS.json_out:
+        print(f"results: {path}")
+    print(format_table(result["records"]))
+
+
+_OWN_FLAGS = (
+    "mode iterations context batch impls config dtype warmup repeats seed json_out hbm "
+    "hbm_impls trace_dir hlo_dir"
+).split()
+
+
+def run_main(argv: list[str]) -> None:
+    try:
+        main(argv)
+    except UserError as e:
+        print(f"core: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(run_main)

@@ -1,0 +1,1 @@
+"""Measurement helpers every experiment shares: timing, ncu, traces, results JSON, plots."""

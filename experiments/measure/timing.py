@@ -1,0 +1,113 @@
+"""The one timing helper every experiment uses.
+
+Method: call `fn` `warmup` times (compilation, autotuning and first-touch costs land there), then
+`repeats` more times, each one timed on its own with `time.perf_counter` from the call until its
+results are ready on the device (`jax.block_until_ready` on what `fn` returns, or a `sync` callable
+such as `torch.cuda.synchronize`). A sample is the wall time of one call divided by `per_call`, the
+number of units (e.g. chains) one call performs; the summary is the median with the p10-p90 and
+min-max spread. Caches are NOT flushed between calls: data such as a weight matrix may stay in L2
+from one call to the next. That is deliberate: it is the warm-cache condition the seeds measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Samples:
+    """Per-repeat wall times in seconds per unit (one unit = `per_call`-th of a call)."""
+
+    seconds: list[float]
+    warmup: int
+    per_call: int = 1
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+    def quantile(self, q: float) -> float:
+        """Linear-interpolated quantile, q in [0, 1]."""
+        xs = sorted(self.seconds)
+        pos = q * (len(xs) - 1)
+        lo = int(pos)
+        hi = min(lo + 1, len(xs) - 1)
+        return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+    @property
+    def p10(self) -> float:
+        return self.quantile(0.10)
+
+    @property
+    def p90(self) -> float:
+        return self.quantile(0.90)
+
+    def summary_us(self) -> dict[str, float]:
+        """Median, p10, p90, min and max in microseconds per unit."""
+        return {
+            "median_us": self.median * 1e6,
+            "p10_us": self.p10 * 1e6,
+            "p90_us": self.p90 * 1e6,
+            "min_us": min(self.seconds) * 1e6,
+            "max_us": max(self.seconds) * 1e6,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "seconds": list(self.seconds),
+            "warmup": self.warmup,
+            "repeats": len(self.seconds),
+            "per_call": self.per_call,
+            **self.summary_us(),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Samples:
+        return cls(seconds=list(d["seconds"]), warmup=int(d["warmup"]), per_call=d["per_call"])
+
+
+def _block_jax(out: Any) -> None:
+    import jax  # imported here so that torch-only callers need no JAX backend
+
+    jax.block_until_ready(out)
+
+
+def time_fn(
+    fn: Callable[[], Any],
+    *,
+    warmup: int,
+    repeats: int,
+    sync: Callable[[], None] | None = None,
+    per_call: int = 1,
+) -> Samples:
+    """Times `fn()`; returns seconds per unit for each of `repeats` calls after `warmup` calls.
+
+    `sync`: called after `fn()` to wait for the device (e.g. `torch.cuda.synchronize`); when None,
+    the JAX arrays `fn` returns are waited on with `jax.block_until_ready`.
+    `per_call`: units of work one call performs (e.g. N chains in one executable); each sample is
+    divided by it.
+    """
+    if warmup < 0 or repeats < 1 or per_call < 1:
+        raise ValueError(
+            f"need warmup >= 0, repeats >= 1, per_call >= 1; got {warmup=} {repeats=} {per_call=}"
+        )
+
+    def call_and_wait() -> None:
+        out = fn()
+        if sync is not None:
+            sync()
+        else:
+            _block_jax(out)
+
+    for _ in range(warmup):
+        call_and_wait()
+    seconds = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        call_and_wait()
+        seconds.append((time.perf_counter() - t0) / per_call)
+    return Samples(seconds=seconds, warmup=warmup, per_call=per_call)

@@ -1,0 +1,176 @@
+"""Profiler traces: run a function under the JAX (or PyTorch) profiler, parse a per-kernel table.
+
+JAX: `jax.profiler.trace(dir, create_perfetto_trace=True)` writes `*.xplane.pb` (opens in
+XProf / TensorBoard) and `*.trace.json.gz` (Chrome trace-event JSON) that `parse_trace` reads.
+On GPU the kernels are complete ("ph": "X") events on the stream threads ("Stream #N...") of a
+process named "/device:GPU:N"; on CPU, where there are no kernels, the XLA ops the CPU runtime
+executed (events carrying an "hlo_op" argument) are used instead. Durations ("dur") are in µs.
+Note that XLA turns command buffers (CUDA graphs) off while the profiler runs, so a trace shows
+kernels launched one by one; time without the profiler.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import gzip
+import json
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+# Rows that XProf derives from the kernels; counting them too would count each kernel twice.
+_DERIVED_THREADS = ("XLA Modules", "XLA Ops", "Steps", "Framework", "Source", "XLA TraceMe")
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One kernel (or XLA op on CPU): launches and time inside the traced range."""
+
+    name: str
+    launches: int
+    total_us: float
+    us_per_chain: float
+
+
+def trace_jax(fn: Callable[[], Any], log_dir: str | os.PathLike, *, chains: int) -> list[Row]:
+    """Runs `fn()` (which must finish its device work) under the JAX profiler; parses the trace.
+
+    `chains`: how many chains `fn` runs, to report µs per chain.
+    """
+    import jax
+
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    before = set(log_dir.rglob("*.trace.json.gz"))
+    with jax.profiler.trace(str(log_dir), create_perfetto_trace=True):
+        fn()
+    new = sorted(set(log_dir.rglob("*.trace.json.gz")) - before, key=os.path.getmtime)
+    if not new:
+        raise FileNotFoundError(f"the JAX profiler wrote no *.trace.json.gz under {log_dir}")
+    return parse_trace(new[-1], chains=chains)
+
+
+def load_trace(path: str | os.PathLike) -> dict[str, Any]:
+    """Reads a Chrome trace-event JSON file, gzipped or not."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return json.load(f)
+
+
+def kernel_events(trace: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The complete events that are device kernels (GPU) or, failing that, XLA ops (CPU).
+
+    Picked in order: events on "Stream" threads of "/device:GPU" processes; other non-derived
+    threads of those processes; events with "cat": "kernel" (PyTorch's Chrome traces); events
+    with an "hlo_op" argument (XLA's CPU runtime).
+    """
+    events = trace["traceEvents"] if isinstance(trace, Mapping) else trace
+    process: dict[Any, str] = {}
+    thread: dict[tuple[Any, Any], str] = {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            process[e.get("pid")] = str(e.get("args", {}).get("name", ""))
+        elif e.get("ph") == "M" and e.get("name") == "thread_name":
+            thread[(e.get("pid"), e.get("tid"))] = str(e.get("args", {}).get("name", ""))
+    complete = [e for e in events if e.get("ph") == "X" and "dur" in e]
+
+    gpu = [e for e in complete if process.get(e.get("pid"), "").startswith("/device:GPU")]
+    on_stream = [
+        e for e in gpu if thread.get((e.get("pid"), e.get("tid")), "").startswith("Stream")
+    ]
+    if on_stream:
+        return on_stream
+    not_derived = [
+        e
+        for e in gpu
+        if not thread.get((e.get("pid"), e.get("tid")), "").startswith(_DERIVED_THREADS)
+    ]
+    if not_derived:
+        return not_derived
+    torch_kernels = [e for e in complete if e.get("cat") == "kernel"]
+    if torch_kernels:
+        return torch_kernels
+    return [
+        e
+        for e in complete
+        if "hlo_op" in e.get("args", {}) and not str(e.get("name", "")).startswith("end: ")
+    ]
+
+
+def breakdown(events: Iterable[Mapping[str, Any]], *, chains: int) -> list[Row]:
+    """Groups events by name: launches, total µs, µs per chain; longest total first."""
+    if chains < 1:
+        raise ValueError(f"{chains=} must be >= 1")
+    count: collections.Counter[str] = collections.Counter()
+    total: collections.defaultdict[str, float] = collections.defaultdict(float)
+    for e in events:
+        count[e["name"]] += 1
+        total[e["name"]] += float(e["dur"])
+    rows = [Row(n, count[n], total[n], total[n] / chains) for n in count]
+    return sorted(rows, key=lambda r: (-r.total_us, r.name))
+
+
+def parse_trace(path_or_trace: str | os.PathLike | Mapping[str, Any], *, chains: int) -> list[Row]:
+    """Per-kernel breakdown of a Chrome trace (a path to *.trace.json[.gz] or the loaded dict)."""
+    if isinstance(path_or_trace, Mapping):
+        trace = path_or_trace
+    else:
+        trace = load_trace(path_or_trace)
+    return breakdown(kernel_events(trace), chains=chains)
+
+
+def trace_torch(
+    fn: Callable[[], Any], *, chains: int, export_path: str | os.PathLike | None = None
+) -> list[Row]:
+    """Runs `fn()` under torch.profiler (CPU + CUDA) and returns its CUDA kernels as Rows.
+
+    `fn` must synchronise the device before returning. Rows come from `key_averages()` (device
+    events only); `export_path` also writes the Chrome trace (opens in Perfetto).
+    """
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+    if export_path is not None:
+        Path(export_path).parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(export_path))
+    rows = []
+    for avg in prof.key_averages():
+        if avg.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        # Renamed from *cuda_time_total in torch 2.4; both in µs.
+        total = getattr(avg, "self_device_time_total", None)
+        if total is None:
+            total = getattr(avg, "self_cuda_time_total", 0.0)
+        rows.append(Row(avg.key, int(avg.count), float(total), float(total) / chains))
+    return sorted(rows, key=lambda r: (-r.total_us, r.name))
+
+
+def _table(rows: Sequence[Row], title: str, name_width: int) -> list[str]:
+    lines = [title, f"{'kernel':<{name_width}} {'launches':>8} {'µs/chain':>9}"]
+    for r in rows:
+        name = r.name if len(r.name) <= name_width else r.name[: name_width - 1] + "…"
+        lines.append(f"{name:<{name_width}} {r.launches:>8d} {r.us_per_chain:>9.2f}")
+    lines.append(
+        f"{'total':<{name_width}} {sum(r.launches for r in rows):>8d} "
+        f"{sum(r.us_per_chain for r in rows):>9.2f}"
+    )
+    return lines
+
+
+def side_by_side(breakdowns: Mapping[str, Sequence[Row]], *, name_width: int = 44) -> str:
+    """The breakdowns as tables placed next to each other, one column block per key."""
+    blocks = [_table(rows, title, name_width) for title, rows in breakdowns.items()]
+    if not blocks:
+        return ""
+    width = name_width + 19
+    height = max(len(b) for b in blocks)
+    lines = []
+    for i in range(height):
+        cells = [(b[i] if i < len(b) else "").ljust(width) for b in blocks]
+        lines.append(" | ".join(cells).rstrip())
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""The PyTorch side of every comparison; torch is an optional dependency, imported lazily."""

@@ -1,0 +1,120 @@
+"""The chain `x <- x @ W_i` in PyTorch: eager, and CUDA-graph replay as in the seeds.
+
+Weights come from the same numpy values as the JAX side. torch is imported lazily so that
+everything else runs without it; every function here except `available` needs a CUDA GPU.
+Shapes: x [batch, d], each W [d, d], in the chain's dtype; outputs as float32 numpy arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+IMPLS = ("torch_eager", "torch_graph")
+_GRAPH_WARMUP = 3  # side-stream runs before capture, as the CUDA-graph docs ask
+
+
+def available() -> bool:
+    """True when torch is installed (without importing it)."""
+    return importlib.util.find_spec("torch") is not None
+
+
+def cuda_available() -> bool:
+    """True when torch is installed and sees a CUDA device."""
+    if not available():
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def torch_dtype(name: str) -> Any:
+    import torch
+
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+
+
+def to_device(array: np.ndarray, dtype_name: str) -> Any:
+    """numpy (any float dtype, e.g. ml_dtypes bfloat16) -> CUDA tensor of `dtype_name`."""
+    import torch
+
+    # bf16 -> f32 is exact, so the tensor holds exactly the numpy values.
+    host = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+    return host.to(torch_dtype(dtype_name)).cuda()
+
+
+def make_weights(w_host: np.ndarray, steps: int, layout: str, dtype_name: str) -> list[Any]:
+    """`steps` CUDA tensors [d, d]: one tensor repeated ("shared") or distinct clones ("copies")."""
+    w = to_device(w_host, dtype_name)
+    if layout == "shared":
+        return [w] * steps
+    if layout == "copies":
+        return [w] + [w.clone() for _ in range(steps - 1)]
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+def chain(x: Any, ws: list[Any]) -> Any:
+    """x [batch, d] through every W in order; bf16 matmul accumulates in fp32 inside cuBLAS."""
+    for w in ws:
+        x = x @ w
+    return x
+
+
+@dataclasses.dataclass
+class Runner:
+    """What the timing helper needs: a call, its chains, a sync, and the comparable output."""
+
+    fn: Callable[[], Any]
+    per_call: int
+    sync: Callable[[], None]
+    output: Callable[[], np.ndarray]  # float32 [batch, d] after `chains_in_output` chains
+    chains_in_output: int
+
+
+def runner(impl: str, x_host: np.ndarray, ws: list[Any], *, dtype_name: str, n: int) -> Runner:
+    """torch_eager: one chain per call. torch_graph: one captured chain replayed `n` times."""
+    import torch
+
+    x = to_device(x_host, dtype_name)
+    sync = torch.cuda.synchronize
+    if impl == "torch_eager":
+        return Runner(
+            fn=lambda: chain(x, ws),
+            per_call=1,
+            sync=sync,
+            output=lambda: chain(x, ws).float().cpu().numpy(),
+            chains_in_output=1,
+        )
+    if impl != "torch_graph":
+        raise ValueError(f"unknown torch impl {impl!r}")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(_GRAPH_WARMUP):
+            chain(x, ws)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = chain(x, ws)  # static output buffer, rewritten by every replay
+
+    def replay() -> None:
+        for _ in range(n):
+            graph.replay()
+
+    def output() -> np.ndarray:
+        graph.replay()
+        sync()
+        return y.float().cpu().numpy()
+
+    return Runner(fn=replay, per_call=n, sync=sync, output=output, chains_in_output=1)
+
+
+def release() -> None:
+    """Returns cached blocks to the driver so that a child process can allocate them."""
+    import torch
+
+    torch.cuda.empty_cache()

@@ -1,0 +1,1 @@
+"""Pallas GPU kernels, each beside its plain-JAX reference."""

@@ -1,0 +1,124 @@
+"""Looped matmul x <- x @ w, `steps` times, in one persistent Mosaic GPU kernel.
+
+Public entry points (jitted, shapes and `steps`/`config`/`interpret` static):
+- `looped_matmul(x, w, steps)`: x [M, d] bf16 (1 <= M <= 64), w [d, d] bf16 -> [M, d] bf16.
+- `looped_matmul_copies(x, w_stacked)`: w_stacked [steps, d, d] bf16, step s uses w_stacked[s].
+Each step accumulates in float32 and rounds the state to bf16, as the unfused chain
+(`reference.py`) does. See `kernel.py` for the design and the traffic per step.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.looped_matmul.config import (
+    MAX_M,
+    DeviceInfo,
+    LoopedMatmulConfig,
+    describe,
+    pick_config,
+)
+from pallas_kernels.looped_matmul.kernel import looped_matmul_kernel
+from pallas_kernels.looped_matmul.reference import (
+    looped_matmul_copies_reference,
+    looped_matmul_reference,
+)
+
+__all__ = [
+    "DeviceInfo",
+    "LoopedMatmulConfig",
+    "describe",
+    "looped_matmul",
+    "looped_matmul_copies",
+    "looped_matmul_copies_reference",
+    "looped_matmul_reference",
+    "pick_config",
+]
+
+
+def _check_device(interpret: Any) -> None:
+    if interpret is not None:
+        return
+    dev = jax.devices()[0]
+    cc = getattr(dev, "compute_capability", None)
+    if dev.platform != "gpu" or cc is None or int(str(cc).split(".")[0]) < 9:
+        raise ValueError(
+            "looped_matmul needs a GPU with Mosaic GPU (sm_90 or newer: wgmma, TMA); found "
+            f"{dev.platform} {getattr(dev, 'device_kind', '')!r}. Pass "
+            "interpret=plgpu.InterpretGPUParams() to run it on CPU (one block or one step)."
+        )
+
+
+def _check_inputs(x: jax.Array, w: jax.Array, steps: int, stacked: bool) -> tuple[int, int]:
+    if x.ndim != 2:
+        raise ValueError(f"x must be [M, d], got shape {x.shape}")
+    m, d = x.shape
+    want = (steps, d, d) if stacked else (d, d)
+    if w.shape != want:
+        name = "w_stacked" if stacked else "w"
+        raise ValueError(f"{name} must have shape {want} for x of shape {x.shape}, got {w.shape}")
+    for name, a in (("x", x), ("w", w)):
+        if a.dtype != jnp.bfloat16:
+            raise ValueError(
+                f"{name} must be bfloat16 (the kernel's wgmma and state are bf16), got {a.dtype}"
+            )
+    if not 1 <= m <= MAX_M:
+        raise ValueError(
+            f"M={m} is out of range: 1 <= M <= {MAX_M} (the state is the N of one wgmma)"
+        )
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps={steps!r} must be an int >= 1")
+    if d % 64:
+        raise ValueError(f"d={d} must be a multiple of 64 (64-column wgmma tiles)")
+    return m, d
+
+
+def _run(
+    x: jax.Array,
+    w: jax.Array,
+    steps: int,
+    config: LoopedMatmulConfig | None,
+    interpret: Any,
+    stacked: bool,
+) -> jax.Array:
+    m, d = _check_inputs(x, w, steps, stacked)
+    _check_device(interpret)
+    device = DeviceInfo.current() if interpret is None else DeviceInfo()
+    cfg = config or pick_config(m, d, stacked=stacked, device=device)
+    cfg.validate(m, d, steps, stacked=stacked, device=device)
+    return looped_matmul_kernel(x, w, steps=steps, cfg=cfg, stacked=stacked, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("steps", "config", "interpret"))
+def looped_matmul(
+    x: jax.Array,
+    w: jax.Array,
+    steps: int,
+    *,
+    config: LoopedMatmulConfig | None = None,
+    interpret: Any = None,
+) -> jax.Array:
+    """x <- x @ w, `steps` times, one launch. x [M, d] bf16, w [d, d] bf16 -> [M, d] bf16.
+
+    `config=None` picks the frozen tuning for (M, d) (`pick_config`). Raises ValueError naming
+    the broken limit (shape, dtype, M range, d multiple of 64, SM count, shared memory, no GPU).
+    """
+    return _run(x, w, steps, config, interpret, stacked=False)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def looped_matmul_copies(
+    x: jax.Array,
+    w_stacked: jax.Array,
+    *,
+    config: LoopedMatmulConfig | None = None,
+    interpret: Any = None,
+) -> jax.Array:
+    """x <- x @ w_stacked[s] for s in range(steps). w_stacked [steps, d, d] bf16; one launch."""
+    if w_stacked.ndim != 3:
+        raise ValueError(f"w_stacked must be [steps, d, d], got shape {w_stacked.shape}")
+    return _run(x, w_stacked, w_stacked.shape[0], config, interpret, stacked=True)

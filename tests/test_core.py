@@ -1,0 +1,132 @@
+"""experiments.core on CPU: the cache-update path and the Core against the model's forward."""
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import huginn_jax
+from experiments import core as core_exp
+from experiments.measure import hlo
+from huginn_jax.config import HuginnConfig
+from huginn_jax.model import Core, embed, initial_state, run_prelude
+
+REPO = Path(__file__).resolve().parent.parent
+CFG = core_exp.core_config("micro")
+
+
+def decode_setup(iterations, seed=0):
+    graphdef, params = core_exp.build_core(CFG, jnp.float32, seed)
+    case = core_exp.Case("decode", batch=2, context=7, iterations=iterations)
+    state, embedded, cache = core_exp.case_inputs(CFG, case, jnp.float32, seed)
+    return graphdef, params, case, state, embedded, cache
+
+
+def test_decode_updates_the_cache_in_place_without_a_copy():
+    graphdef, params, case, state, embedded, cache = decode_setup(iterations=3)
+    lowered = core_exp._core_jit.lower(
+        graphdef, params, state, embedded, cache, jnp.int32(7), iterations=3
+    )
+    compiled = lowered.compile()
+    report = hlo.loop_report(
+        compiled.as_text(), compiled.memory_analysis(), big_buffer_dims=cache.k.shape
+    )
+    assert report["while_loops"] == 1
+    assert report["big_buffer_copies"] == []
+    assert report["alias_bytes"] >= cache.nbytes  # both K and V alias their outputs
+    k_before = cache.k
+    core_exp._core_jit(graphdef, params, state, embedded, cache, jnp.int32(7), iterations=3)
+    assert k_before.is_deleted()  # donated: the output reuses the input's buffer
+
+
+def test_decode_writes_the_right_slots_and_keeps_the_history():
+    graphdef, params, case, state, embedded, cache = decode_setup(iterations=2)
+    history_k = np.asarray(cache.k)
+    _, cache2 = core_exp._core_jit(
+        graphdef, params, state, embedded, cache, jnp.int32(7), iterations=2
+    )
+    k2 = np.asarray(cache2.k)
+    np.testing.assert_array_equal(k2[:, :, :7], history_k[:, :, :7])  # history untouched
+    written = k2[:, :, 7]
+    assert np.all(np.abs(written).reshape(written.shape[0], -1).max(axis=1) > 0)
+    # Iteration 0's entries do not depend on later iterations: a 1-iteration run writes the same.
+    *_, cache1_in = decode_setup(iterations=1)
+    _, cache1 = core_exp._core_jit(
+        graphdef, params, state, embedded, cache1_in, jnp.int32(7), iterations=1
+    )
+    np.testing.assert_allclose(np.asarray(cache1.k)[:, :, 7], written[: CFG.n_core], rtol=1e-6)
+    assert np.abs(written[CFG.n_core :] - written[: CFG.n_core]).max() > 1e-3  # iteration 1 differs
+
+
+def test_core_matches_the_model_forward():
+    """The Core the experiment times is the model's own: same weights, same state."""
+    cfg = HuginnConfig.from_name("micro")
+    model = huginn_jax.random_init(cfg, jax.random.key(3))
+    ids = jax.random.randint(jax.random.key(4), (2, 6), 0, cfg.vocab_size)
+    state0 = initial_state(cfg, (2, 6), init_scale=1.0, key=jax.random.key(5), dtype=jnp.float32)
+    expected = model(ids, num_steps=3, init_state=state0).state
+    embedded, _ = run_prelude(model, embed(model, ids), jnp.int32(0), None)
+    core_graph = nnx.graphdef(Core(CFG, rngs=nnx.Rngs(0)))
+    core_state = nnx.state(Core(CFG, rngs=nnx.Rngs(0)))
+    nnx.replace_by_pure_dict(
+        core_state,
+        {
+            "adapter": nnx.to_pure_dict(nnx.state(model.adapter)),
+            "core_block": nnx.to_pure_dict(nnx.state(model.core_block)),
+        },
+    )
+    got, _ = core_exp._core_jit(
+        core_graph, core_state, state0, embedded, None, jnp.int32(0), iterations=3
+    )
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def run_cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "experiments.core", *args], cwd=REPO, capture_output=True, text=True
+    )
+
+
+def test_cli_on_cpu_writes_json(tmp_path):
+    out = tmp_path / "core.json"
+    proc = run_cli(
+        "--config=micro",
+        "--context=16",
+        "--iterations=1,2",
+        "--repeats=2",
+        "--warmup=1",
+        f"--json_out={out}",
+        "--hbm",
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "HBM counters need a GPU" in proc.stdout
+    import json
+
+    data = json.loads(out.read_text())
+    assert {r["mode"] for r in data["records"]} == {"decode", "prefill"}
+    assert all(r["ms_per_iteration"] > 0 for r in data["records"])
+    assert data["records"][0]["xla_report"]["big_buffer_copies"] == []
+
+
+@pytest.mark.parametrize(
+    "flag, message",
+    [
+        ("--mode=sideways", "expected decode or prefill"),
+        ("--context=0", "must be >= 1"),
+        ("--iterations=x", "expected integers"),
+        ("--impls=jax", "unknown 'jax'"),
+        ("--config=huge", "unknown preset"),
+    ],
+)
+def test_cli_bad_flags_exit_2(tmp_path, flag, message):
+    proc = run_cli(flag, f"--json_out={tmp_path / 'x.json'}")
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "x.json").exists()
