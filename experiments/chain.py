@@ -14,6 +14,8 @@ Implementations (`--impls` takes these names or the families "xla" and "torch"):
   xla_loop_nocb  as xla_loop, command buffers off (GPU only)
   torch_eager    PyTorch, one chain per call (CUDA only)
   torch_graph    PyTorch, one captured chain replayed N times per call (CUDA only)
+  pallas         the persistent Pallas kernel (pallas_kernels.looped_matmul): all steps in one
+                 launch; copies: the step weights stacked [steps, d, d] (GPU, sm_90)
 
 Data path, one function per arrow: size string -> d (`parse_size`, `dim_for_size`) -> weights
 (`host_values`, `make_weights`) -> one jitted chain per implementation (`xla_runner`,
@@ -74,7 +76,9 @@ def define_flags() -> None:
 
 
 XLA_IMPLS = ("xla", "xla_loop", "xla_nocb", "xla_loop_nocb")
+PALLAS_IMPLS = ("pallas",)
 FAMILIES = {"xla": XLA_IMPLS, "torch": torch_chain.IMPLS}
+KNOWN_IMPLS = XLA_IMPLS + torch_chain.IMPLS + PALLAS_IMPLS
 LAYOUTS = ("shared", "copies")
 DTYPES = {
     "bf16": "bfloat16",
@@ -345,8 +349,8 @@ def expand_impls(names: Sequence[str], families: bool = True) -> tuple[str, ...]
         name = name.strip()
         members = FAMILIES.get(name, (name,)) if families else (name,)
         for m in members:
-            if m not in XLA_IMPLS + torch_chain.IMPLS:
-                known = ", ".join((*FAMILIES, *XLA_IMPLS, *torch_chain.IMPLS))
+            if m not in KNOWN_IMPLS:
+                known = ", ".join((*FAMILIES, *KNOWN_IMPLS))
                 raise ValueError(f"unknown impl {name!r}; known: {known}")
             if m not in out:
                 out.append(m)
@@ -676,8 +680,41 @@ def build_runner(
     import jax
 
     ws = make_weights(w_host, cfg.steps, layout)
+    if impl in PALLAS_IMPLS:
+        runner = pallas_runner(jax.device_put(x_host), ws, layout)
+        return runner, ws.clear
     runner = xla_runner(impl, jax.device_put(x_host), ws, n=opts.chains_per_call)
     return runner, ws.clear
+
+
+def pallas_runner(x: Any, ws: list[Any], layout: str) -> Runner:
+    """The persistent kernel: all steps in one launch. shared: w used at every step; copies:
+    the step weights stacked [steps, d, d] (one allocation holding `steps` distinct copies)."""
+    import jax.numpy as jnp
+
+    from pallas_kernels.looped_matmul import looped_matmul, looped_matmul_copies
+
+    steps = len(ws)
+    if layout == "shared":
+        w = ws[0]
+
+        def call() -> Any:
+            return looped_matmul(x, w, steps)
+
+    else:
+        w_stacked = jnp.stack(ws)
+        ws.clear()  # the stack holds the copies now
+
+        def call() -> Any:
+            return looped_matmul_copies(x, w_stacked)
+
+    return Runner(
+        fn=call,
+        per_call=1,
+        sync=None,
+        output=lambda: np.asarray(call()).astype(np.float32),
+        chains_in_output=1,
+    )
 
 
 # ---------------------------------------------------------------- traces
@@ -802,6 +839,10 @@ def select_impls(opts: Options, on_gpu: bool, note: Callable[[str], None]) -> tu
     if nocb and not on_gpu:
         note(f"command buffers exist only on GPU; {', '.join(nocb)} skipped")
         impls = [i for i in impls if i not in nocb]
+    pallas = [i for i in impls if i in PALLAS_IMPLS]
+    if pallas and not on_gpu:
+        note(f"the Pallas kernel needs a GPU with Mosaic GPU (sm_90); {', '.join(pallas)} skipped")
+        impls = [i for i in impls if i not in pallas]
     torch_impls = [i for i in impls if i in torch_chain.IMPLS]
     if torch_impls:
         if not torch_chain.available():

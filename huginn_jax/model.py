@@ -124,7 +124,7 @@ def run_prelude(model: Huginn, x, start, cache: KVCache | None):
     return x, cache
 
 
-def core_step(model: Huginn, state, embedded, iteration, start, cache: KVCache | None):
+def core_step(model: Huginn | Core, state, embedded, iteration, start, cache: KVCache | None):
     """One Core iteration: adapter(concat[state, embedded]) then the Core layers."""
     x = model.adapter(jnp.concatenate([state, embedded], axis=-1))
     for j, block in enumerate(model.core_block):
@@ -133,7 +133,7 @@ def core_step(model: Huginn, state, embedded, iteration, start, cache: KVCache |
     return x, cache
 
 
-def run_core(model: Huginn, state, embedded, start, cache: KVCache | None, num_steps: int):
+def run_core(model: Huginn | Core, state, embedded, start, cache: KVCache | None, num_steps: int):
     """`num_steps` Core iterations as one `lax.scan`: the Core parameters are loop invariants
     (broadcast), the state and the cache are the carry, so r iterations compile to one loop."""
     graphdef, params = nnx.split((model.adapter, model.core_block))
@@ -153,6 +153,22 @@ class _CoreView(NamedTuple):
     core_block: nnx.List
 
 
+class Core(nnx.Module):
+    """The recurrent part alone (adapter + Core layers), initialised as in `Huginn`.
+
+    What `experiments.core` measures: `run_core(core, state, embedded, start, cache, r)` runs
+    exactly the code the full model runs, without allocating the embedding, prelude or coda.
+    """
+
+    def __init__(self, config: HuginnConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.config = config
+        d = config.n_embd
+        self.adapter = Linear(truncated_normal(rngs.params(), (2 * d, d), config.init_std, dtype))
+        self.core_block = nnx.List(
+            [SandwichBlock(config, rngs=rngs, dtype=dtype) for _ in range(config.n_core)]
+        )
+
+
 def run_coda(model: Huginn, state, start, cache: KVCache | None):
     """ln_f → coda blocks → ln_f → head. Returns (logits float32, latents, cache)."""
     latents = model.ln_f(state)
@@ -165,6 +181,21 @@ def run_coda(model: Huginn, state, start, cache: KVCache | None):
         x, head, precision=dot_precision(head.dtype), preferred_element_type=jnp.float32
     )
     return logits, latents, cache
+
+
+def run_coda_last(model: Huginn, state, start, cache: KVCache | None):
+    """`run_coda` for a next-token decision: the coda runs on every position (writing their KV
+    entries), ln_f and the head on the last one only, so a T-position prefill computes V logits,
+    not T x V. Returns (logits [B, V] float32, cache)."""
+    x = model.ln_f(state)
+    for j, block in enumerate(model.coda):
+        x, cache = block(x, start, cache, None if cache is None else cache.coda_slot(j))
+    x = model.ln_f(x[:, -1])
+    head = model.wte[...].T if model.config.tie_embeddings else model.lm_head[...]
+    logits = jnp.matmul(
+        x, head, precision=dot_precision(head.dtype), preferred_element_type=jnp.float32
+    )
+    return logits, cache
 
 
 def forward(model: Huginn, input_ids, init_state, cache, start, num_steps: int) -> HuginnOutput:
