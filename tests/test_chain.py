@@ -144,7 +144,7 @@ def test_expand_impls():
     assert chain.expand_impls(["xla"], families=False) == ("xla",)
     assert chain.expand_impls(["torch", "xla_loop"]) == ("torch_eager", "torch_graph", "xla_loop")
     with pytest.raises(ValueError, match="unknown impl"):
-        chain.expand_impls(["pallas"])
+        chain.expand_impls(["cuda_fortran"])
 
 
 def test_format_table_from_results():
@@ -208,7 +208,7 @@ def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         (["--size=8MiB", "--steps=0"], "--steps must be >= 1"),
         (["--size=8MiB", "--dtype=int8"], "unknown --dtype"),
         (["--size=8MiB", "--layouts=shared,mirrored"], "--layouts"),
-        (["--size=8MiB", "--impls=pallas"], "unknown impl"),
+        (["--size=8MiB", "--impls=cuda_fortran"], "unknown impl"),
         (["--d=0"], "--d must be >= 1"),
     ],
 )
@@ -256,3 +256,10 @@ def test_end_to_end_on_cpu(tmp_path):
     assert all(c["ok"] for c in data["checks"]["agreement"])
     assert {t["impl"] for t in data["traces"]} == {"xla"}
     assert list((tmp_path / "trace").glob("*/plugins/profile/*/*.xplane.pb"))
+
+
+def test_pallas_impl_is_known_and_skipped_without_a_gpu(tmp_path):
+    assert chain.expand_impls(["pallas"]) == ("pallas",)
+    proc = run_cli("--size=64KiB", "--impls=xla,pallas", "--json_out=", "--plot_out=")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "the Pallas kernel needs a GPU" in proc.stdout + proc.stderr
