@@ -55,8 +55,6 @@ def define_flags() -> None:
     flags.DEFINE_string("ncu_child", None, "Internal: impl:variant:m run under ncu.")
 
 
-
-
 class UserError(Exception):
     """A bad flag value; one line, exit 2."""
 

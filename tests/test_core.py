@@ -1,6 +1,5 @@
 """experiments.core on CPU: the cache-update path and the Core against the model's forward."""
 
-import dataclasses
 import subprocess
 import sys
 from pathlib import Path
