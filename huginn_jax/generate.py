@@ -39,7 +39,7 @@ from huginn_jax.model import (
     core_step,
     embed,
     initial_state,
-    run_coda_last,
+    run_coda,
     run_core,
     run_prelude,
 )
@@ -302,7 +302,7 @@ def step(
     nan_values = jnp.full((batch, spec.num_steps), jnp.nan, jnp.float32)
     if spec.criterion is None:
         state, cache = run_core(model, state0, embedded, start, cache, spec.num_steps)
-        logits, cache = run_coda_last(model, state, start, cache)
+        logits, _, cache = run_coda(model, state, start, cache, last_only=True)
         steps, values = jnp.full((batch,), spec.num_steps, jnp.int32), nan_values
     else:
         crit = CRITERIA[spec.criterion]
@@ -312,7 +312,7 @@ def step(
         if crit.needs_logits:
             logits = ex.logits
         else:  # the coda ran nowhere yet: once now, on every sequence's final state
-            logits, cache = run_coda_last(model, state, start, cache)
+            logits, _, cache = run_coda(model, state, start, cache, last_only=True)
         if not cache.compressed:
             cache = cache.fill_after_exit(ex.steps, start, tokens)
         steps, values = ex.steps, ex.values
@@ -353,7 +353,7 @@ def _adaptive_core(model, crit: Criterion, spec: StepSpec, exit_at, state0, embe
         if crit.needs_logits:
             # The reference's check: coda on the current state, overwriting this position's coda
             # KV entries at every check (the ones left are from the exit step).
-            logits, cache = run_coda_last(m, new_state, start, cache)
+            logits, _, cache = run_coda(m, new_state, start, cache, last_only=True)
         ex = update_exit(crit, *exit_at, ex, i, logits, state, new_state)
         return i + 1, new_state, cache, ex, saved
 
@@ -823,7 +823,8 @@ def _core_iteration_jit(graphdef, params, state, embedded, cache, start):
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
 def _coda_jit(graphdef, params, state, cache, start):
-    return run_coda_last(nnx.merge(graphdef, params), state, start, cache)
+    logits, _, cache = run_coda(nnx.merge(graphdef, params), state, start, cache, last_only=True)
+    return logits, cache
 
 
 def time_parts(

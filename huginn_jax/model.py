@@ -169,33 +169,22 @@ class Core(nnx.Module):
         )
 
 
-def run_coda(model: Huginn, state, start, cache: KVCache | None):
-    """ln_f → coda blocks → ln_f → head. Returns (logits float32, latents, cache)."""
+def run_coda(model: Huginn, state, start, cache: KVCache | None, *, last_only: bool = False):
+    """ln_f → coda blocks → ln_f → head. Returns (logits float32, latents, cache).
+
+    `last_only`: ln_f and the head on the last position only (logits [B, V]): for a next-token
+    decision, so that a T-position prefill computes V logits, not T × V. The coda still runs on
+    every position, writing their KV entries."""
     latents = model.ln_f(state)
     x = latents
     for j, block in enumerate(model.coda):
         x, cache = block(x, start, cache, None if cache is None else cache.coda_slot(j))
-    x = model.ln_f(x)
+    x = model.ln_f(x[:, -1] if last_only else x)
     head = model.wte[...].T if model.config.tie_embeddings else model.lm_head[...]
     logits = jnp.matmul(
         x, head, precision=dot_precision(head.dtype), preferred_element_type=jnp.float32
     )
     return logits, latents, cache
-
-
-def run_coda_last(model: Huginn, state, start, cache: KVCache | None):
-    """`run_coda` for a next-token decision: the coda runs on every position (writing their KV
-    entries), ln_f and the head on the last one only, so a T-position prefill computes V logits,
-    not T x V. Returns (logits [B, V] float32, cache)."""
-    x = model.ln_f(state)
-    for j, block in enumerate(model.coda):
-        x, cache = block(x, start, cache, None if cache is None else cache.coda_slot(j))
-    x = model.ln_f(x[:, -1])
-    head = model.wte[...].T if model.config.tie_embeddings else model.lm_head[...]
-    logits = jnp.matmul(
-        x, head, precision=dot_precision(head.dtype), preferred_element_type=jnp.float32
-    )
-    return logits, cache
 
 
 def forward(model: Huginn, input_ids, init_state, cache, start, num_steps: int) -> HuginnOutput:
