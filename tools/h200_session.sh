@@ -5,13 +5,14 @@
 #   bash tools/h200_session.sh chain      # issue 3 + 4: sweep with pallas, HBM at 8/48/72/288 MiB
 #   bash tools/h200_session.sh core       # issue 5: Core decode/prefill, adapter, HBM, traces, HLO
 #   bash tools/h200_session.sh generate   # issue 6: per-token latency and peak memory
+#   bash tools/h200_session.sh generate_torch  # issue 6: the same weights in a PyTorch loop
 #   bash tools/h200_session.sh train      # issue 7: training run and the accuracy curve
 #
 # Run from the repository root on the H200 machine (its own python3 with jax 0.11.2 and torch);
 # carry `.wheels` (flax 0.12 wheel, installed only if the image's flax lacks nnx.List).
 # Everything is written under $OUT (at most 8 files come back: traces and HLO are tarred).
 set -u
-stage=${1:?stage: tests, chain, core, generate or train}
+stage=${1:?stage: tests, chain, core, generate, generate_torch or train}
 OUT=${OUT:-out/device}
 mkdir -p "$OUT"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=.
@@ -53,6 +54,13 @@ generate)
     --prompt_len=1024 --max_new_tokens=16 --num_steps=32 --cache_len=4096 --init_scale=0 \
     --noprogress --json_out="$OUT/generate_mem4096.json" >> "$OUT/generate.txt" 2>&1
   tail -30 "$OUT/generate.txt"
+  ;;
+generate_torch)
+  timeout 150 python3 -m pytest -q tests/test_torch_ref.py 2>&1 | tail -15 | tee "$OUT/pytest_torch_ref.txt"
+  timeout 400 python3 -m experiments.generate_vs_torch --config=huginn_0125 --dtype=bf16 \
+    --prompt_len=1024 --max_new_tokens=32 --num_steps=32 --torch_eager \
+    --json_out="$OUT/generate_vs_torch.json" > "$OUT/generate_vs_torch.txt" 2>&1
+  tail -15 "$OUT/generate_vs_torch.txt"
   ;;
 train)
   timeout 540 python3 -m experiments.train --flagfile=experiments/train_h200.flags \

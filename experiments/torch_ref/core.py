@@ -34,11 +34,31 @@ def _rope(x_BxTxHxK, positions_T, base: float):
     )
 
 
-def _rms_norm(x, weight, eps: float):
+def rms_norm(x, weight, eps: float):
+    """x * rsqrt(mean(x²) + eps) in float32, cast back to x's dtype, times the weight (as
+    `huginn_jax.layers.RMSNorm`). x [..., D], weight [D]."""
     import torch
 
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * weight
+
+
+def layer_weights(layer: dict, config, to_torch) -> dict:
+    """One sandwich layer's weights (a `SandwichBlock` state dict) as torch tensors, [in, out]."""
+    return {
+        "norm": [to_torch(layer[f"norm_{n}"]["weight"]) for n in (1, 2, 3, 4)],
+        "Wqkv": to_torch(layer["attn"]["Wqkv"]["kernel"]),
+        "qk_bias": to_torch(layer["attn"]["qk_bias"]) if config.qk_bias else None,
+        "proj": to_torch(layer["attn"]["proj"]["kernel"]),
+        "fc": to_torch(layer["mlp"]["fc"]["kernel"]),
+        "mlp_proj": to_torch(layer["mlp"]["proj"]["kernel"]),
+    }
+
+
+def layer_list(layers: dict, config, to_torch) -> list[dict]:
+    """`layer_weights` of a `nnx.List` state ({0: ..., 1: ...}), in layer order. Keys may be ints
+    (`nnx.to_pure_dict`) or strings (a dict rebuilt from flat file keys), so sort numerically."""
+    return [layer_weights(layers[k], config, to_torch) for k in sorted(layers, key=int)]
 
 
 class TorchCore:
@@ -49,18 +69,7 @@ class TorchCore:
         one JAX array into a torch tensor on the target device (see `to_torch_fn`)."""
         self.cfg = config
         self.adapter = to_torch(params["adapter"]["kernel"])
-        self.layers = []
-        for layer in params["core_block"].values():
-            self.layers.append(
-                {
-                    "norm": [to_torch(layer[f"norm_{n}"]["weight"]) for n in (1, 2, 3, 4)],
-                    "Wqkv": to_torch(layer["attn"]["Wqkv"]["kernel"]),
-                    "qk_bias": to_torch(layer["attn"]["qk_bias"]) if config.qk_bias else None,
-                    "proj": to_torch(layer["attn"]["proj"]["kernel"]),
-                    "fc": to_torch(layer["mlp"]["fc"]["kernel"]),
-                    "mlp_proj": to_torch(layer["mlp"]["proj"]["kernel"]),
-                }
-            )
+        self.layers = layer_list(params["core_block"], config, to_torch)
 
     def _qkv(self, layer, x, start: int):
         import torch
@@ -91,9 +100,9 @@ class TorchCore:
 
         eps = self.cfg.norm_eps
         _, n2, n3, n4 = layer["norm"]
-        x = _rms_norm(x + attn_out @ layer["proj"], n2, eps)
-        gate, up = (_rms_norm(x, n3, eps) @ layer["fc"]).chunk(2, dim=-1)
-        return _rms_norm(x + (F.silu(gate) * up) @ layer["mlp_proj"], n4, eps)
+        x = rms_norm(x + attn_out @ layer["proj"], n2, eps)
+        gate, up = (rms_norm(x, n3, eps) @ layer["fc"]).chunk(2, dim=-1)
+        return rms_norm(x + (F.silu(gate) * up) @ layer["mlp_proj"], n4, eps)
 
     def step_static(self, state, embedded, iteration: int, start: int, k_cache, v_cache):
         """One iteration writing into preallocated caches [L, B, S, H, K] at `start`.
@@ -104,15 +113,20 @@ class TorchCore:
         import torch
 
         x = torch.cat([state, embedded], dim=-1) @ self.adapter
-        t = x.shape[1]
         for j, layer in enumerate(self.layers):
             slot = iteration * len(self.layers) + j
-            q, key, v = self._qkv(layer, _rms_norm(x, layer["norm"][0], self.cfg.norm_eps), start)
-            k_cache[slot, :, start : start + t] = key
-            v_cache[slot, :, start : start + t] = v
-            k_all, v_all = k_cache[slot, :, : start + t], v_cache[slot, :, : start + t]
-            x = self._block(layer, x, self._attend(q, k_all, v_all, fresh=start == 0))
+            x = self.block_static(layer, x, start, k_cache[slot], v_cache[slot])
         return x
+
+    def block_static(self, layer: dict, x, start: int, k_slot, v_slot):
+        """One sandwich layer (any of `layer_weights`: prelude, Core or coda) on x [B, T, D],
+        writing its K/V into the slot's caches [B, S, H, K] at [start, start + T) in place."""
+        t = x.shape[1]
+        q, key, v = self._qkv(layer, rms_norm(x, layer["norm"][0], self.cfg.norm_eps), start)
+        k_slot[:, start : start + t] = key
+        v_slot[:, start : start + t] = v
+        k_all, v_all = k_slot[:, : start + t], v_slot[:, : start + t]
+        return self._block(layer, x, self._attend(q, k_all, v_all, fresh=start == 0))
 
     def step_teaching(self, state, embedded, iteration: int, start: int, history: list):
         """One iteration with the teaching cache: `history[slot]` = (k, v) [B, start, H, K],
@@ -122,7 +136,7 @@ class TorchCore:
         x = torch.cat([state, embedded], dim=-1) @ self.adapter
         for j, layer in enumerate(self.layers):
             slot = iteration * len(self.layers) + j
-            q, key, v = self._qkv(layer, _rms_norm(x, layer["norm"][0], self.cfg.norm_eps), start)
+            q, key, v = self._qkv(layer, rms_norm(x, layer["norm"][0], self.cfg.norm_eps), start)
             old_k, old_v = history[slot]
             k_all, v_all = torch.cat([old_k, key], dim=1), torch.cat([old_v, v], dim=1)
             x = self._block(layer, x, self._attend(q, k_all, v_all, fresh=start == 0))
@@ -146,6 +160,7 @@ def to_torch_fn(device: str, dtype):
     def convert(array):
         if device == "cuda":
             return torch.from_dlpack(array).to(dtype)
-        return torch.from_numpy(np.asarray(array, dtype=np.float32)).to(dtype)
+        # A writable host copy: np.asarray of a JAX array is read-only, which torch warns about.
+        return torch.from_numpy(np.array(array, dtype=np.float32)).to(dtype)
 
     return convert

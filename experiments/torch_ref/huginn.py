@@ -1,0 +1,307 @@
+"""The whole Huginn model in PyTorch, for a decode loop side by side with the JAX one.
+
+embedding × embed_scale → prelude → Core loop (`core.TorchCore`: adapter on concat[state,
+embedded], state first) → ln_f → coda → ln_f → tied head, with the layers of `core.py` (RMSNorm
+and interleaved-pair RoPE in float32, qk_bias added before RoPE, gated SiLU MLP whose gate is the
+first half of fc). Generation as `huginn_jax.generate.greedy`: a fixed number of Core iterations,
+a zero initial state (init_scale 0), greedy argmax.
+
+The KV cache is preallocated, K and V each [L, B, S, H, K] with the slots of
+`huginn_jax.kv_cache` ("full"): prelude layer j at j, Core (iteration i, layer j) at P + C·i + j,
+coda layer j after the Core slots; every step writes its position in place. A decode step's shapes
+and addresses therefore depend only on its position, so `decode_graph` can capture a whole token
+(prelude, every iteration, coda, head, argmax) in one CUDA graph for that position.
+
+Weights: the nested dict of `nnx.to_pure_dict(nnx.state(model))` (kernels [in, out]), turned into
+tensors by `core.to_torch_fn` (zero-copy DLPack on CUDA). This module imports nothing from JAX and
+imports torch lazily, like the rest of `torch_ref`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from experiments.torch_ref.core import TorchCore, layer_list, rms_norm
+
+if TYPE_CHECKING:
+    import torch
+
+_GRAPH_WARMUP = 2  # side-stream runs before a capture, as the CUDA-graph docs ask
+
+
+def _mm_f32_out(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `torch.mm(..., out_dtype=torch.float32)` works for `dtype` operands here (CUDA in
+    recent torch; not on the CPU), i.e. a head with float32 logits without an upcast copy."""
+    import torch
+
+    if dtype == torch.float32:
+        return False
+    try:
+        a = torch.zeros(1, 8, dtype=dtype, device=device)
+        return torch.mm(a, a.T, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError):  # unknown keyword (old torch) or no kernel for the device
+        return False
+
+
+class TorchHuginn:
+    """Huginn with weights taken from a `huginn_jax.model.Huginn` state, and a static KV cache.
+
+    Call `setup_cache` first; `prefill`, `decode_step`, `forward` and `decode_graph` use it.
+    """
+
+    def __init__(self, params: dict, config: Any, to_torch: Any):
+        """params: `nnx.to_pure_dict(nnx.state(model))` (keys wte, prelude/{i}, adapter,
+        core_block/{j}, coda/{i}, ln_f; int or str layer keys); config: its `HuginnConfig`;
+        to_torch: one JAX (or numpy) array → torch tensor (`core.to_torch_fn`)."""
+        import torch
+
+        self.cfg = config
+        self.core = TorchCore(params, config, to_torch)  # adapter + Core layers
+        self.wte = to_torch(params["wte"])  # [V, D]
+        self.prelude = layer_list(params["prelude"], config, to_torch)
+        self.coda = layer_list(params["coda"], config, to_torch)
+        self.ln_f = to_torch(params["ln_f"]["weight"])  # [D], applied before and after the coda
+        # [D, V]: the tied head is wte's transposed view, no copy.
+        self.head = self.wte.T if config.tie_embeddings else to_torch(params["lm_head"])
+        self.device, self.dtype = self.wte.device, self.wte.dtype
+        # JAX rounds embed_scale to the weight dtype before multiplying; so does this 0-d tensor.
+        self.embed_scale = torch.tensor(config.embed_scale, dtype=self.dtype, device=self.device)
+        # JAX's head accumulates and returns float32 (preferred_element_type); a bf16 output
+        # would round the logits and let argmax ties differ, so use an f32-output GEMM if any.
+        self.head_f32_out = _mm_f32_out(self.device, self.dtype)
+        self.k_cache: torch.Tensor | None = None  # [L, B, S, H, K]
+        self.v_cache: torch.Tensor | None = None
+        self.max_steps = 0
+
+    # ---------------------------------------------------------------- cache
+
+    def setup_cache(self, batch: int, max_len: int, num_steps: int) -> None:
+        """Zeroed K and V [P + num_steps·C + Q, batch, max_len, H, K] in the weights' dtype."""
+        import torch
+
+        cfg = self.cfg
+        slots = cfg.n_layers_in_prelude + num_steps * cfg.n_core + cfg.n_layers_in_coda
+        shape = (slots, batch, max_len, cfg.n_heads, cfg.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.max_steps = num_steps
+
+    @property
+    def cache_bytes(self) -> int:
+        if self.k_cache is None or self.v_cache is None:
+            return 0
+        return sum(c.numel() * c.element_size() for c in (self.k_cache, self.v_cache))
+
+    def _check(self, ids_BxT: torch.Tensor, num_steps: int, start: int) -> None:
+        if self.k_cache is None:
+            raise ValueError("no KV cache: call setup_cache(batch, max_len, num_steps) first")
+        slots, batch, max_len = self.k_cache.shape[:3]
+        b, t = ids_BxT.shape
+        if not 1 <= num_steps <= self.max_steps:
+            raise ValueError(f"num_steps={num_steps} must lie in [1, {self.max_steps}] (cache)")
+        if b != batch or start + t > max_len:
+            raise ValueError(
+                f"ids {tuple(ids_BxT.shape)} at start={start} do not fit the cache "
+                f"(batch {batch}, max_len {max_len})"
+            )
+        if t > 1 and start != 0:
+            # core.TorchCore's attention is causal only for a fresh prefill from position 0.
+            raise ValueError(f"several new positions ({t}) need start=0, got start={start}")
+
+    # ---------------------------------------------------------------- forward
+
+    def forward(
+        self, ids_BxT: torch.Tensor, num_steps: int, start: int = 0, *, last_only: bool = False
+    ) -> torch.Tensor:
+        """Logits float32 [B, T, V] (or [B, V] of the last position with `last_only`) for ids
+        [B, T] int at positions [start, start + T), writing every slot's K/V there in place.
+
+        T > 1 only from start 0 (a prefill); T == 1 anywhere (a decode step over the cache).
+        """
+        import torch
+        import torch.nn.functional as F
+
+        self._check(ids_BxT, num_steps, start)
+        k, v = self.k_cache, self.v_cache
+        prelude, core = len(self.prelude), num_steps * self.cfg.n_core
+        coda_first = prelude + self.max_steps * self.cfg.n_core
+        eps = self.cfg.norm_eps
+
+        x = F.embedding(ids_BxT, self.wte) * self.embed_scale  # [B, T, D]
+        for j, layer in enumerate(self.prelude):
+            x = self.core.block_static(layer, x, start, k[j], v[j])
+        state = torch.zeros_like(x)  # init_scale 0
+        # Slicing the slot axis gives views: TorchCore writes straight into this cache.
+        core_k, core_v = k[prelude : prelude + core], v[prelude : prelude + core]
+        state = self.core.run_static(state, x, num_steps, start, core_k, core_v)
+        y = rms_norm(state, self.ln_f, eps)
+        for j, layer in enumerate(self.coda):
+            slot = coda_first + j
+            y = self.core.block_static(layer, y, start, k[slot], v[slot])
+        if last_only:
+            y = y[:, -1:]  # the coda ran on every position (their K/V); the head on the last
+        y = rms_norm(y, self.ln_f, eps)
+        logits = self._head(y.flatten(0, 1)).unflatten(0, y.shape[:2])
+        return logits[:, -1] if last_only else logits
+
+    def _head(self, x_NxD: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [N, V] of x [N, D] through the (tied) head [D, V]."""
+        import torch
+
+        if self.head_f32_out:
+            return torch.mm(x_NxD, self.head, out_dtype=torch.float32)
+        return (x_NxD @ self.head).float()  # exact in float32; rounded logits in bf16
+
+    def prefill(self, ids_BxT: torch.Tensor, num_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt ids [B, T] from position 0: (greedy next token [B] int64, logits [B, V]
+        float32 of the last position)."""
+        logits = self.forward(ids_BxT, num_steps, 0, last_only=True)
+        return logits.argmax(-1), logits
+
+    def decode_step(
+        self, ids_Bx1: torch.Tensor, position: int, num_steps: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token ids [B, 1] at `position`, eager: (next token [B] int64, logits [B, V])."""
+        logits = self.forward(ids_Bx1, num_steps, position, last_only=True)
+        return logits.argmax(-1), logits
+
+    def decode_graph(
+        self, ids_Bx1: torch.Tensor, position: int, num_steps: int, warmup: int = _GRAPH_WARMUP
+    ) -> DecodeGraph:
+        """`decode_step` at `position` captured in a CUDA graph (CUDA only); see DecodeGraph."""
+        return DecodeGraph(self, ids_Bx1, position, num_steps, warmup)
+
+
+class DecodeGraph:
+    """One whole decode token (prelude, `num_steps` iterations, coda, head, argmax) captured in a
+    CUDA graph at a fixed position.
+
+    Reads the static buffer ids_Bx1 (int64 [B, 1], filled by the caller before each replay);
+    `replay` rewrites every slot's K/V at `position` and leaves the next token in `next_ids`
+    ([B] int64) and its logits in `logits` ([B, V] float32), both static buffers. The warm-up runs
+    before the capture execute the same step on the same input, so the K/V they write are the
+    ones a replay writes.
+    """
+
+    def __init__(
+        self, model: TorchHuginn, ids_Bx1: torch.Tensor, position: int, num_steps: int, warmup: int
+    ):
+        import torch
+
+        if model.device.type != "cuda":
+            raise ValueError("a CUDA graph needs the model on a CUDA device")
+
+        def step() -> torch.Tensor:
+            return model.forward(ids_Bx1, num_steps, position, last_only=True)
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = step()
+            self.next_ids = self.logits.argmax(-1)
+
+    def replay(self) -> torch.Tensor:
+        """Runs the captured step (asynchronously); returns the static next_ids [B]."""
+        self.graph.replay()
+        return self.next_ids
+
+
+# -------------------------------------------------------------------- timed greedy generation
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchGeneration:
+    """What `generate_greedy` returns. Token 0 comes from the prefill, as in huginn_jax."""
+
+    tokens: np.ndarray  # [B, N] int64
+    logits: np.ndarray  # [B, N, V] float32: what each token was drawn from
+    prefill_s: float
+    latencies_s: list[float]  # N - 1 decode tokens: graph replay (or eager step) + synchronize
+    capture_s: list[float]  # per decode token: warm-up + capture (not in latencies_s); [] eager
+    graph: bool
+    head_f32_out: bool
+
+    @property
+    def latency_median_s(self) -> float | None:
+        return statistics.median(self.latencies_s) if self.latencies_s else None
+
+
+def generate_greedy(
+    model: TorchHuginn,
+    prompt_ids_BxT: np.ndarray,
+    max_new_tokens: int,
+    num_steps: int,
+    *,
+    graph: bool = True,
+    warmup: int = _GRAPH_WARMUP,
+) -> TorchGeneration:
+    """Greedy generation of `max_new_tokens` tokens after prompt ids [B, T], timed per token.
+
+    A cache of T + max_new_tokens positions (as huginn_jax's default), an eager prefill, then one
+    step per token at positions T, T + 1, ...: with `graph` (CUDA), that position's DecodeGraph
+    is captured (untimed, `capture_s`) and then one replay is timed until
+    `torch.cuda.synchronize` returns; without, the eager `decode_step` is timed. The next token
+    stays on the device (copied into the graph's input buffer); logits go to the host untimed.
+    """
+    import torch
+
+    cuda = model.device.type == "cuda"
+    if graph and not cuda:
+        raise ValueError("graph=True needs the model on a CUDA device")
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    batch, prompt_len = prompt_ids_BxT.shape
+    model.setup_cache(batch, prompt_len + max_new_tokens, num_steps)
+    prompt = torch.as_tensor(np.asarray(prompt_ids_BxT), dtype=torch.int64, device=model.device)
+    with torch.no_grad():  # no tensor here needs grad; this only skips autograd bookkeeping
+        sync()
+        t0 = time.perf_counter()
+        token, logits = model.prefill(prompt, num_steps)
+        sync()
+        prefill_s = time.perf_counter() - t0
+        tokens, all_logits = [token.cpu()], [logits.cpu()]
+        ids = token[:, None].clone()  # [B, 1]: the decode input, a buffer outside any graph pool
+        latencies, captures = [], []
+        for n in range(1, max_new_tokens):
+            position = prompt_len + n - 1
+            if graph:
+                t0 = time.perf_counter()
+                step = model.decode_graph(ids, position, num_steps, warmup)
+                sync()
+                captures.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                token = step.replay()
+                sync()
+                latencies.append(time.perf_counter() - t0)
+                logits = step.logits
+            else:
+                t0 = time.perf_counter()
+                token, logits = model.decode_step(ids, position, num_steps)
+                sync()
+                latencies.append(time.perf_counter() - t0)
+            tokens.append(token.cpu())
+            all_logits.append(logits.cpu())
+            ids.copy_(token[:, None])
+            step = None  # frees the graph (and its memory pool) before the next capture
+    return TorchGeneration(
+        tokens=torch.stack(tokens, dim=1).numpy(),
+        logits=torch.stack(all_logits, dim=1).numpy(),
+        prefill_s=prefill_s,
+        latencies_s=latencies,
+        capture_s=captures,
+        graph=graph,
+        head_f32_out=model.head_f32_out,
+    )
