@@ -73,7 +73,8 @@ def define_flags() -> None:
 
 
 TORCH_IMPLS = ("torch_graph", "torch_eager", "torch_teaching")
-IMPLS = ("xla", *TORCH_IMPLS)
+XLA_IMPLS = ("xla", "xla_cudnn")  # xla_cudnn: prefill attention fused by cuDNN (GPU only)
+IMPLS = (*XLA_IMPLS, *TORCH_IMPLS)
 NCU_CALLS = 2
 
 
@@ -166,8 +167,12 @@ def build_core(cfg, dtype, seed: int):
     def init(key):
         return nnx.split(Core(cfg, rngs=nnx.Rngs(params=key), dtype=dtype))[1]
 
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Core(cfg, rngs=nnx.Rngs(0), dtype=dtype)))
-    return graphdef, init(jax.random.key(seed))
+    return core_graphdef(cfg, dtype), init(jax.random.key(seed))
+
+
+def core_graphdef(cfg, dtype):
+    """The Core's structure (static: it carries the config) without allocating weights."""
+    return nnx.graphdef(nnx.eval_shape(lambda: Core(cfg, rngs=nnx.Rngs(0), dtype=dtype)))
 
 
 def case_inputs(cfg, case: Case, dtype, seed: int):
@@ -197,27 +202,30 @@ def _core_jit(graphdef, params, state, embedded, cache, start, *, iterations):
 
 
 class XlaRunner:
-    """Calls the jitted Core with the cache fed back (donated, updated in place)."""
+    """The Core compiled once ahead of time; each call feeds the cache back (donated, so XLA
+    updates it in place)."""
 
     sync = None
 
     def __init__(self, graphdef, params, state, embedded, cache, case: Case):
-        self.args = (graphdef, params, state, embedded)
+        self.args = (params, state, embedded)
         self.start = jnp.int32(case.start)
-        self.iterations = case.iterations
         self.cache = cache
+        lowered = _core_jit.lower(
+            graphdef, params, state, embedded, cache, self.start, iterations=case.iterations
+        )
+        self.compiled = lowered.compile()
 
     def compile_report(self):
-        lowered = _core_jit.lower(*self.args, self.cache, self.start, iterations=self.iterations)
-        compiled = lowered.compile()
-        return compiled.as_text(), compiled.memory_analysis()
+        """Optimized HLO text and `memory_analysis()` of the executable that is timed."""
+        return self.compiled.as_text(), self.compiled.memory_analysis()
 
     def __call__(self):
-        out, self.cache = _core_jit(*self.args, self.cache, self.start, iterations=self.iterations)
+        out, self.cache = self.compiled(*self.args, self.cache, self.start)
         return out
 
     def release(self):
-        self.cache = None
+        self.cache = self.compiled = None
 
 
 class TorchRunner:
@@ -361,6 +369,11 @@ def make_runner(impl, cfg, graphdef, params, case, dtype_name):
     state, embedded, cache = case_inputs(cfg, case, jax_dtype(dtype_name), FLAGS.seed)
     if impl == "xla":
         return XlaRunner(graphdef, params, state, embedded, cache, case)
+    if impl == "xla_cudnn":
+        fused = core_graphdef(
+            dataclasses.replace(cfg, attention_impl="cudnn"), jax_dtype(dtype_name)
+        )
+        return XlaRunner(fused, params, state, embedded, cache, case)
     return TorchRunner(
         impl, nnx.to_pure_dict(params), cfg, state, embedded, cache, case, dtype_name
     )
@@ -369,14 +382,14 @@ def make_runner(impl, cfg, graphdef, params, case, dtype_name):
 def run_case(impl, cfg, graphdef, params, case, dtype_name, ceilings, hlo_dir) -> tuple[dict, Any]:
     runner = make_runner(impl, cfg, graphdef, params, case, dtype_name)
     extra = {}
-    if impl == "xla":
+    if impl in XLA_IMPLS:
         text, memory = runner.compile_report()
         report = hlo_lib.loop_report(text, memory, big_buffer_dims=tuple(runner.cache.k.shape))
         live = runner.cache.nbytes + sum(x.nbytes for x in jax.tree.leaves(params))
         report["temp_pct_of_weights_and_cache"] = 100 * report.get("temp_bytes", 0) / live
         extra["xla_report"] = report
         if hlo_dir:
-            path = Path(hlo_dir) / f"core-{case.spec().replace(':', '-')}.hlo.txt"
+            path = Path(hlo_dir) / f"core-{impl}-{case.spec().replace(':', '-')}.hlo.txt"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
     samples = timing.time_fn(
@@ -393,10 +406,21 @@ def run_case(impl, cfg, graphdef, params, case, dtype_name, ceilings, hlo_dir) -
         case, impl, samples, cost_of(cfg, case, 2 if dtype_name == "bf16" else 4), ceilings
     )
     rec.update(extra)
-    if FLAGS.trace_dir:
-        rec["trace"] = trace_case(runner, impl, case)
     runner.release()
     return rec, out
+
+
+def trace_all(records: list[dict], cfg, graphdef, params) -> None:
+    """Per-kernel breakdowns, XLA first: once the torch profiler has run in a process, JAX's
+    profiler can no longer subscribe to CUPTI there (seen on the H200: the next trace hung)."""
+    order = sorted(records, key=lambda r: r["impl"] not in XLA_IMPLS)
+    for rec in order:
+        case = Case(rec["mode"], rec["batch"], rec["context"], rec["iterations"])
+        runner = make_runner(rec["impl"], cfg, graphdef, params, case, FLAGS.dtype)
+        for _ in range(2):
+            wait(runner, runner())
+        rec["trace"] = trace_case(runner, rec["impl"], case)
+        runner.release()
 
 
 def trace_case(runner, impl: str, case: Case) -> list[dict]:
@@ -409,7 +433,7 @@ def trace_case(runner, impl: str, case: Case) -> list[dict]:
         wait(runner, out)
 
     per = calls * case.iterations  # rows are reported per Core iteration
-    if impl == "xla":
+    if impl in XLA_IMPLS:
         rows = trace_lib.trace_jax(run, Path(FLAGS.trace_dir) / label, chains=per)
     else:
         rows = trace_lib.trace_torch(
@@ -469,10 +493,10 @@ def run(cases: list[Case], impls: list[str]) -> dict:
     device = jax.devices()[0]
     on_gpu = device.platform == "gpu"
     if not on_gpu:
-        skipped = [i for i in impls if i == "torch_graph"]
+        skipped = [i for i in impls if i in ("torch_graph", "xla_cudnn")]
         impls = [i for i in impls if i not in skipped]
         if skipped:
-            print("note: torch_graph needs CUDA; skipped on this device")
+            print(f"note: {', '.join(skipped)} need(s) CUDA; skipped on this device")
     if any(i in TORCH_IMPLS for i in impls):
         from experiments.torch_ref.chain import available
 
@@ -489,12 +513,14 @@ def run(cases: list[Case], impls: list[str]) -> dict:
         rec, out = run_case(impl, cfg, graphdef, params, case, FLAGS.dtype, ceilings, FLAGS.hlo_dir)
         records.append(rec)
         outputs[(case, impl)] = out
+    if FLAGS.trace_dir:
+        trace_all(records, cfg, graphdef, params)
     for case in cases:
         if (case, "xla") not in outputs:
             continue
         ref = outputs[(case, "xla")]
-        for impl in impls[1:]:
-            if (case, impl) in outputs:
+        for impl in impls:
+            if impl != "xla" and (case, impl) in outputs:
                 got = outputs[(case, impl)]
                 rel = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
                 checks.append({**dataclasses.asdict(case), "impl": impl, "rel_err_vs_xla": rel})

@@ -36,8 +36,14 @@ class HuginnConfig:
     out_proj_std: float = 0.0  # 0: init_std / sqrt(2 * effective_expected_depth)
     embed_scale: float = 0.0  # 0: sqrt(n_embd)
     effective_expected_depth: int = 0  # 0: prelude + coda + core * mean_recurrence
+    # How multi-position attention (prefill) is computed: "xla" (scores materialized, any
+    # backend) or "cudnn" (fused flash attention through jax.nn.dot_product_attention; NVIDIA
+    # GPUs, bf16/fp16). Single-position decode always uses "xla".
+    attention_impl: str = "xla"
 
     def __post_init__(self):
+        if self.attention_impl not in ("xla", "cudnn"):
+            raise ValueError(f"attention_impl={self.attention_impl!r} must be 'xla' or 'cudnn'")
         for name in ("n_embd", "n_heads", "intermediate_size", "vocab_size", "block_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")

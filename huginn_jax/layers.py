@@ -90,6 +90,15 @@ def attend(
     return jnp.einsum("bhts,bshk->bthk", probs, v_BxSxHxK, precision=precision)
 
 
+def attend_cudnn(q_BxTxHxK, k_BxSxHxK, v_BxSxHxK, q_pos_T, k_pos_S) -> jax.Array:
+    """`attend` through cuDNN's fused attention: the [T, S] visibility mask goes in as a mask,
+    so scores never reach HBM. NVIDIA GPUs, bf16/fp16 only."""
+    visible = (k_pos_S[None, :] <= q_pos_T[:, None])[None, None]
+    return jax.nn.dot_product_attention(
+        q_BxTxHxK, k_BxSxHxK, v_BxSxHxK, mask=visible, implementation="cudnn"
+    )
+
+
 class Attention(nnx.Module):
     """Multi-head attention with fused Wqkv, a learned qk_bias added before RoPE, and a KV slot."""
 
@@ -116,12 +125,15 @@ class Attention(nnx.Module):
         positions_T = start + jnp.arange(t, dtype=jnp.int32)
         q = apply_rope(q, positions_T, self.cfg.rope_base)
         key = apply_rope(key, positions_T, self.cfg.rope_base)
+        fused = self.cfg.attention_impl == "cudnn" and t > 1
+        attention = attend_cudnn if fused else attend
         if cache is None:
-            out = attend(q, key, v, positions_T, positions_T)
+            out = attention(q, key, v, positions_T, positions_T)
         else:
             cache = cache.write(slot, start, key, v)
             k_all, v_all = cache.read(slot)
-            out = attend(q, k_all, v_all, positions_T, jnp.arange(k_all.shape[1], dtype=jnp.int32))
+            k_pos_S = jnp.arange(k_all.shape[1], dtype=jnp.int32)
+            out = attention(q, k_all, v_all, positions_T, k_pos_S)
         return self.proj(out.reshape(b, t, h * k)), cache
 
 
