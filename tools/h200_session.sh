@@ -35,7 +35,8 @@ chain)
   grep -v "chain:" "$OUT/chain_sweep.txt" | tail -5; grep -v "chain:" "$OUT/chain_hbm.txt" | tail -30
   ;;
 core)
-  timeout 330 python3 -m experiments.core --mode=decode,prefill --iterations=1,8 --impls=xla,torch \
+  timeout 330 python3 -m experiments.core --mode=decode,prefill --iterations=1,8 \
+    --impls=xla,xla_cudnn,torch \
     --hbm --trace_dir="$OUT/trace" --hlo_dir="$OUT/hlo" --json_out="$OUT/core.json" \
     > "$OUT/core.txt" 2>&1
   timeout 120 python3 -m experiments.core --mode=decode --iterations=8 --batch=1,8,32 \
