@@ -3,7 +3,8 @@
 #
 #   bash tools/h200_session.sh tests      # GPU-only tests (pallas kernel, traces, torch reference)
 #   bash tools/h200_session.sh chain      # issue 3 + 4: sweep with pallas, HBM at 8/48/72/288 MiB
-#   bash tools/h200_session.sh core       # issue 5: Core decode/prefill, adapter, HBM, traces, HLO
+#   bash tools/h200_session.sh core       # issue 5: Core decode/prefill, sweeps, adapter, traces, HLO
+#   bash tools/h200_session.sh core_hbm   # issue 5: HBM bytes per Core iteration (ncu)
 #   bash tools/h200_session.sh generate   # issue 6: per-token latency and peak memory
 #   bash tools/h200_session.sh generate_torch  # issue 6: the same weights in a PyTorch loop
 #   bash tools/h200_session.sh train      # issue 7: training run and the accuracy curve
@@ -12,7 +13,7 @@
 # carry `.wheels` (flax 0.12 wheel, installed only if the image's flax lacks nnx.List).
 # Everything is written under $OUT (at most 8 files come back: traces and HLO are tarred).
 set -u
-stage=${1:?stage: tests, chain, core, generate, generate_torch or train}
+stage=${1:?stage: tests, chain, core, core_hbm, generate, generate_torch or train}
 OUT=${OUT:-out/device}
 mkdir -p "$OUT"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=.
@@ -36,9 +37,8 @@ chain)
   ;;
 core)
   timeout 330 python3 -m experiments.core --mode=decode,prefill --iterations=1,8 \
-    --impls=xla,xla_cudnn,torch \
-    --hbm --trace_dir="$OUT/trace" --hlo_dir="$OUT/hlo" --json_out="$OUT/core.json" \
-    > "$OUT/core.txt" 2>&1
+    --impls=xla,xla_cudnn,torch --trace_dir="$OUT/trace" --hlo_dir="$OUT/hlo" \
+    --json_out="$OUT/core.json" > "$OUT/core.txt" 2>&1
   timeout 120 python3 -m experiments.core --mode=decode --iterations=8 --batch=1,8,32 \
     --context=1024,4096 --impls=xla,torch_graph --repeats=10 --json_out="$OUT/core_sweep.json" \
     > "$OUT/core_sweep.txt" 2>&1
@@ -46,6 +46,12 @@ core)
     > "$OUT/adapter.txt" 2>&1
   tar czf "$OUT/core_traces_hlo.tgz" -C "$OUT" trace hlo 2>/dev/null && rm -rf "$OUT/trace" "$OUT/hlo"
   tail -25 "$OUT/core.txt"; tail -12 "$OUT/core_sweep.txt"; tail -8 "$OUT/adapter.txt"
+  ;;
+core_hbm)
+  timeout 560 python3 -m experiments.core --mode=decode,prefill --iterations=1,8 \
+    --impls=xla,torch_graph --repeats=5 --hbm --json_out="$OUT/core_hbm.json" \
+    > "$OUT/core_hbm.txt" 2>&1
+  tail -20 "$OUT/core_hbm.txt"
   ;;
 generate)
   timeout 250 python3 -m huginn_jax.generate --config=huginn_0125 --random_weights --dtype=bf16 \
