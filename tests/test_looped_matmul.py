@@ -1,13 +1,16 @@
 """Tests of pallas_kernels.looped_matmul.
 
 CPU: the reference against a float64 NumPy chain with per-step bf16 rounding; config and input
-validation; the kernel in GPU interpret mode where no grid barrier is needed (one step, or one
-block). GPU (marked `gpu`, skipped elsewhere): the kernel against the reference.
+validation; both kernels (resident and split-K) in GPU interpret mode where no grid barrier is
+needed (one step, or one block/worker); both lowered for sm_90 (the split-K module checked for
+its register-operand wgmmas, ldmatrix.trans loads and TMA reduce-adds). GPU (marked `gpu`,
+skipped elsewhere): both kernels against the reference.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -19,13 +22,17 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.looped_matmul import (
     DeviceInfo,
     LoopedMatmulConfig,
+    SplitKConfig,
     looped_matmul,
     looped_matmul_copies,
     looped_matmul_copies_reference,
     looped_matmul_reference,
+    pick_any_config,
     pick_config,
+    pick_splitk_config,
 )
 from pallas_kernels.looped_matmul.kernel import looped_matmul_kernel
+from pallas_kernels.looped_matmul.splitk_kernel import build_splitk, looped_matmul_splitk
 
 ON_GPU = jax.devices()[0].platform == "gpu"
 gpu = pytest.mark.gpu
@@ -307,3 +314,240 @@ def test_kernel_repeated_calls_gpu():
     want = looped_matmul_reference(x, w, 8)
     for _ in range(3):
         assert rel_fro(looped_matmul(x, w, 8), want) <= 2e-2
+
+
+# ================================================================== split-K kernel
+SPLITK_H200_PICKS = [(1, 2048), (8, 3520), (1, 6144), (8, 6144), (17, 6144), (1, 12288)]
+
+
+def splitk_module_text(capfd, m, d, steps, cfg) -> str:
+    """The Mosaic GPU module of the split-K kernel, as printed by `debug=True` when lowering."""
+    f = build_splitk(m, d, steps, cfg, debug=True)
+    x0 = jax.ShapeDtypeStruct((d, cfg.n_pad(m)), jnp.float32)
+    w = jax.ShapeDtypeStruct((d, d), jnp.bfloat16)
+    capfd.readouterr()
+    jax.jit(f).trace(x0, w).lower(lowering_platforms=("cuda",))
+    return capfd.readouterr().out
+
+
+# ------------------------------------------------------------------ config (CPU)
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(tiles=0), "tiles=0 must be in 1..16"),
+        (dict(k_split=0), "k_split=0 must be >= 1"),
+        (dict(warpgroups=3), "warpgroups=3 must be 1 or 2"),
+        (dict(reg_units=-1), "reg_units=-1 must be >= 0"),
+        (dict(x_stages=0), "x_stages=0 must be >= 1"),
+        (dict(wgmma_lag=0), "wgmma_lag=0 must be >= 1"),
+        (dict(min_n_pad=24), "min_n_pad=24 must be 8, 16, 32 or 64"),
+    ],
+)
+def test_splitk_config_post_init_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SplitKConfig(**kwargs)
+
+
+def test_splitk_config_validate_errors():
+    h200 = DeviceInfo()
+    cfg = SplitKConfig(tiles=2, k_split=4, warpgroups=2, ring=2)
+    cfg.validate(1, 512, 8, device=h200)
+    with pytest.raises(ValueError, match="multiple of block_cols=128"):
+        cfg.validate(1, 576, 2, device=h200)
+    with pytest.raises(ValueError, match="not a multiple of k_split=4"):
+        cfg.validate(1, 384, 2, device=h200)
+    with pytest.raises(ValueError, match="do not fill blocks of warpgroups=2"):
+        SplitKConfig(tiles=1, k_split=1, warpgroups=2).validate(1, 192, 1, device=h200)
+    with pytest.raises(ValueError, match="blocks > 132 SMs"):
+        SplitKConfig(tiles=1, k_split=2, warpgroups=1).validate(1, 64 * 134, 2, device=h200)
+    with pytest.raises(ValueError, match="units in a worker's slice"):
+        dataclasses.replace(cfg, reg_units=3, smem_units=2).validate(1, 512, 2, device=h200)
+    with pytest.raises(ValueError, match="ring=1 must be >= wgmma_lag"):
+        dataclasses.replace(cfg, ring=1).validate(1, 512, 2, device=h200)
+    with pytest.raises(ValueError, match="registers per thread > 255"):
+        SplitKConfig(tiles=4, k_split=1, reg_units=14, ring=2).validate(1, 1024, 2, device=h200)
+    with pytest.raises(ValueError, match="B of shared memory per block"):
+        SplitKConfig(tiles=4, k_split=1, smem_units=15, ring=2).validate(1, 1024, 2, device=h200)
+    with pytest.raises(ValueError, match="barriers > 32"):
+        SplitKConfig(tiles=4, k_split=1, warpgroups=2, smem_units=17).validate(
+            1, 512, 2, device=DeviceInfo(smem_bytes=10**7)
+        )
+    with pytest.raises(ValueError, match="stacked weights"):
+        cfg.validate(1, 512, 2, stacked=True, device=h200)
+
+
+@pytest.mark.parametrize("m", [1, 8, 17])
+@pytest.mark.parametrize("d", [2048, 3520, 4096, 6144, 8192, 12288])
+def test_pick_splitk_config_is_valid(m, d):
+    h200 = DeviceInfo()
+    cfg = pick_splitk_config(m, d, device=h200)
+    cfg.validate(m, d, 8, device=h200)
+    assert cfg.num_blocks(d) <= h200.num_sms
+    assert cfg.num_blocks(d) * cfg.warpgroups >= 120  # >= 120 SMs' worth of workers
+    assert cfg.regs_per_thread(m) <= 240
+
+
+def test_pick_splitk_config_puts_weight_on_chip():
+    cfg = pick_splitk_config(1, 6144)
+    # 72 MiB: every SM busy, about half the weight on chip (registers + shared memory)
+    assert cfg.num_blocks(6144) == 128 and cfg.warpgroups == 2
+    on_chip = cfg.reg_units + cfg.smem_units
+    assert on_chip >= 16 and cfg.reg_units >= 8
+    small = pick_splitk_config(1, 3520)  # 24 MiB: all of it on chip, nothing streamed
+    assert small.streamed_units(3520) == 0
+    big = pick_splitk_config(1, 12288)  # 288 MiB: HBM-bound, a deeper ring instead
+    assert big.ring == 6 and 4 * big.streamed_units(12288) > 3 * big.units(12288)
+
+
+def test_pick_any_config_variants():
+    assert isinstance(pick_any_config(1, 2048, variant="splitk"), SplitKConfig)
+    assert isinstance(pick_any_config(1, 2048, variant="resident"), LoopedMatmulConfig)
+    assert isinstance(pick_any_config(1, 2048, stacked=True, variant="splitk"), LoopedMatmulConfig)
+    with pytest.raises(ValueError, match="variant='fast' must be one of"):
+        pick_any_config(1, 2048, variant="fast")
+    with pytest.raises(ValueError, match="no split-K tiling fits"):
+        pick_splitk_config(64, 6144)
+
+
+# ------------------------------------------------------------------ interpret mode (CPU)
+# Interpret mode runs blocks one after another, has no global semaphores and no TMA reduction
+# (emulated by a read-modify-write), and cannot take a wgmma A operand from registers (the
+# register fragments are stored back to a shared-memory tile first). So: one step with any
+# number of workers (one warpgroup per block when k_split > 1), or one worker and many steps.
+SPLITK_INTERPRET_CASES = [
+    # (m, d, steps, config)
+    (1, 128, 3, SplitKConfig(tiles=2, k_split=1, warpgroups=1, reg_units=1, smem_units=1)),
+    (3, 256, 1, SplitKConfig(tiles=1, k_split=1, warpgroups=2, reg_units=2, smem_units=1)),
+    (5, 256, 1, SplitKConfig(tiles=2, k_split=2, warpgroups=1, reg_units=1, smem_units=1)),
+    # ragged first chunk (4 on-chip units, 3 tiles), state refilled one chunk at a time, lag 2
+    (2, 192, 4, SplitKConfig(3, 1, 1, reg_units=3, smem_units=1, ring=3, x_stages=1, wgmma_lag=2)),
+    # reduction over 4 K ranges, n_pad 24, 2 state slots for 3 chunks (static + dynamic refills)
+    (17, 768, 1, SplitKConfig(3, 4, 1, reg_units=2, smem_units=2, ring=2, x_stages=2)),
+    (64, 256, 1, SplitKConfig(tiles=1, k_split=1, warpgroups=2, ring=2, x_stages=2)),  # streamed
+    (8, 128, 3, SplitKConfig(tiles=2, k_split=1, warpgroups=1, reg_units=4, ring=0)),  # all regs
+    (4, 256, 2, SplitKConfig(tiles=4, k_split=1, warpgroups=1, reg_units=2, smem_units=5)),
+]
+
+
+@pytest.mark.parametrize("m,d,steps,cfg", SPLITK_INTERPRET_CASES)
+def test_splitk_interpret_matches_reference(m, d, steps, cfg):
+    x, w = make_inputs(2000 + m * d + steps, m, d)
+    got = looped_matmul(x, w, steps, config=cfg, interpret=INTERPRET)
+    want = looped_matmul_reference(x, w, steps)
+    assert got.shape == (m, d) and got.dtype == jnp.bfloat16
+    assert float(jnp.abs(want.astype(jnp.float32)).max()) > 0
+    assert rel_fro(got, want) <= 2e-3
+
+
+def test_splitk_interpret_refuses_barrier_and_racy_emulation():
+    x, w = make_inputs(3, 2, 256)
+    two_workers = SplitKConfig(tiles=2, k_split=1, warpgroups=1, ring=2)
+    with pytest.raises(ValueError, match="cannot run the grid barrier"):
+        looped_matmul(x, w, 2, config=two_workers, interpret=INTERPRET)
+    two_wg_reduce = SplitKConfig(tiles=2, k_split=2, warpgroups=2, ring=2)
+    with pytest.raises(ValueError, match="use warpgroups=1 with k_split > 1"):
+        looped_matmul(x, w, 1, config=two_wg_reduce, interpret=INTERPRET)
+
+
+# ------------------------------------------------------------------ lowering for CUDA (CPU)
+@pytest.mark.parametrize("m,d", SPLITK_H200_PICKS)
+def test_splitk_lowers_for_cuda(capfd, m, d):
+    """The picked configs lower (sm_90); the module has the planned instructions."""
+    cfg = pick_splitk_config(m, d)
+    text = splitk_module_text(capfd, m, d, 8, cfg)
+    reg_wgmma = re.findall(r"wgmma\.mma_async[^\"]*\}, \{\$", text)
+    assert len(reg_wgmma) == 4 * cfg.reg_units  # 4 k16 instructions per register unit
+    ldmatrix_trans = re.findall(r"nvvm\.ldmatrix[^\n]*layout = <col>", text)
+    assert len(ldmatrix_trans) == 4 * cfg.reg_units
+    assert f"m64n{cfg.n_pad(m)}k16.f32.bf16.bf16" in text
+    if cfg.k_split > 1:
+        assert len(re.findall(r"cp\.reduce\.async\.bulk\.tensor[^\"]*\.add", text)) == cfg.tiles
+    assert "red.release.gpu.global.add.u32" in text and "ld.acquire.sys.u32" in text
+
+
+@pytest.mark.parametrize(
+    "m,d,steps,overrides",
+    [
+        (1, 6144, 8, dict(reg_units=6, wgmma_lag=2)),
+        (1, 6144, 2, dict(x_stages=2, ring=4, smem_units=6)),
+        (64, 2048, 2, {}),
+        (1, 6144, 1, {}),
+        (1, 2048, 8, dict(leader_poll=True)),
+        (8, 6144, 1, dict(leader_poll=True)),
+    ],
+)
+def test_splitk_variants_lower_for_cuda(m, d, steps, overrides):
+    cfg = dataclasses.replace(pick_splitk_config(m, d), **overrides)
+    cfg.validate(m, d, steps)
+    x = jax.ShapeDtypeStruct((m, d), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((d, d), jnp.bfloat16)
+    f = jax.jit(lambda x, w: looped_matmul_splitk(x, w, steps=steps, cfg=cfg))
+    assert "mosaic_gpu" in f.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+
+
+# ------------------------------------------------------------------ GPU
+@gpu
+@requires_gpu
+@pytest.mark.parametrize("d", GPU_D)
+@pytest.mark.parametrize("m", [1, 8, 17])
+@pytest.mark.parametrize("steps", [1, 2, 8, 32])
+def test_splitk_matches_reference_gpu(d, m, steps):
+    x, w = make_inputs(d + 11 * m + steps, m, d)
+    got = looped_matmul(x, w, steps, config=pick_splitk_config(m, d))
+    want = looped_matmul_reference(x, w, steps)
+    assert got.shape == (m, d) and bool(jnp.isfinite(got.astype(jnp.float32)).all())
+    assert rel_fro(got, want) <= 2e-2
+
+
+@gpu
+@requires_gpu
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(reg_units=0),  # no register residency
+        dict(reg_units=4, wgmma_lag=2),
+        dict(x_stages=2),  # state refilled while converting
+        dict(k_split=8, tiles=3),  # other 2-D split (re-filled below)
+    ],
+)
+def test_splitk_configs_gpu(overrides):
+    m, d, steps = 4, 6144, 8
+    x, w = make_inputs(23, m, d)
+    cfg = dataclasses.replace(pick_splitk_config(m, d), **overrides)
+    if "k_split" in overrides:
+        cfg = dataclasses.replace(cfg, reg_units=8, smem_units=2, x_stages=4)
+    got = looped_matmul(x, w, steps, config=cfg)
+    assert rel_fro(got, looped_matmul_reference(x, w, steps)) <= 2e-2
+
+
+@gpu
+@requires_gpu
+def test_splitk_repeated_calls_gpu():
+    # S[0] is zeroed by the kernel itself and the semaphore per call: a stale one would show.
+    x, w = make_inputs(43, 8, 6144)
+    cfg = pick_splitk_config(8, 6144)
+    want = looped_matmul_reference(x, w, 8)
+    for _ in range(3):
+        assert rel_fro(looped_matmul(x, w, 8, config=cfg), want) <= 2e-2
+
+
+# ------------------------------------------------------------------ smoke plumbing (CPU)
+def test_smoke_cases_have_configs_and_table_prints(capsys):
+    from pallas_kernels.looped_matmul import smoke
+
+    for name, spec in {**smoke.TABLE_CASES, **smoke.LEGACY_CASES}.items():
+        try:
+            cfg = smoke._config_for(spec)
+            cfg.validate(spec["m"], spec["d"], spec["steps"], stacked=spec.get("stacked", False))
+        except ValueError as e:  # only the split-K kernel at M=64 has no plan
+            assert spec.get("variant") == "splitk" and spec["m"] == 64, (name, e)
+    rows = [
+        dict(case="resident_d6144_m1", steps=8, kernel_us=240.0, xla_us=190.0, status="OK"),
+        dict(case="splitk_d6144_m1", steps=8, kernel_us=70.0, xla_us=190.0, status="OK"),
+        dict(case="splitk_d6144_m1_lag2", steps=8, kernel_wall_us=80.0, status="OK", rel=1e-3),
+        dict(case="splitk_d6144_m64", steps=8, status="n/a"),
+        dict(case="splitk_d2048_m8", steps=8, status="TIMEOUT"),
+    ]
+    smoke.print_table(rows)
+    out = capsys.readouterr().out
+    assert "    70.0" in out and "0.37" in out and "splitk_d6144_m1_lag2" in out

@@ -4,7 +4,13 @@ Public entry points (jitted, shapes and `steps`/`config`/`interpret` static):
 - `looped_matmul(x, w, steps)`: x [M, d] bf16 (1 <= M <= 64), w [d, d] bf16 -> [M, d] bf16.
 - `looped_matmul_copies(x, w_stacked)`: w_stacked [steps, d, d] bf16, step s uses w_stacked[s].
 Each step accumulates in float32 and rounds the state to bf16, as the unfused chain
-(`reference.py`) does. See `kernel.py` for the design and the traffic per step.
+(`reference.py`) does. Two kernels, chosen by the config's type:
+- `LoopedMatmulConfig` -> `kernel.py` ("resident"): blocks own whole columns, weight resident in
+  shared memory or streamed; also runs stacked weights. Measured on the H200.
+- `SplitKConfig` -> `splitk_kernel.py` ("splitk"): 2-D split over all SMs, weight in registers
+  + shared memory + L2, f32 partial sums reduced by TMA. Lowered and interpreted on CPU only
+  so far; `pick_config(..., variant="splitk")` picks it.
+See each kernel's module docstring for its design and traffic per step.
 """
 
 from __future__ import annotations
@@ -27,17 +33,60 @@ from pallas_kernels.looped_matmul.reference import (
     looped_matmul_copies_reference,
     looped_matmul_reference,
 )
+from pallas_kernels.looped_matmul.splitk_config import (
+    SplitKConfig,
+    describe_splitk,
+    pick_splitk_config,
+)
+from pallas_kernels.looped_matmul.splitk_kernel import looped_matmul_splitk
+
+# The kernel `config=None` runs. "resident" until the H200 smoke run (smoke.py) shows the
+# split-K kernel correct and faster; then flip to "splitk" for the shapes where it wins.
+DEFAULT_VARIANT = "resident"
+VARIANTS = ("resident", "splitk")
 
 __all__ = [
+    "DEFAULT_VARIANT",
+    "VARIANTS",
     "DeviceInfo",
     "LoopedMatmulConfig",
+    "SplitKConfig",
     "describe",
+    "describe_config",
     "looped_matmul",
     "looped_matmul_copies",
     "looped_matmul_copies_reference",
     "looped_matmul_reference",
+    "pick_any_config",
     "pick_config",
+    "pick_splitk_config",
 ]
+
+AnyConfig = LoopedMatmulConfig | SplitKConfig
+
+
+def pick_any_config(
+    m: int,
+    d: int,
+    *,
+    stacked: bool = False,
+    device: DeviceInfo | None = None,
+    variant: str | None = None,
+) -> AnyConfig:
+    """The frozen tuning of `variant` ("resident" or "splitk"; None = DEFAULT_VARIANT)."""
+    variant = variant or DEFAULT_VARIANT
+    if variant not in VARIANTS:
+        raise ValueError(f"variant={variant!r} must be one of {VARIANTS}")
+    if variant == "splitk" and not stacked:
+        return pick_splitk_config(m, d, device=device)
+    return pick_config(m, d, stacked=stacked, device=device)
+
+
+def describe_config(cfg: AnyConfig, m: int, d: int) -> str:
+    """One line for either kernel's config."""
+    if isinstance(cfg, SplitKConfig):
+        return describe_splitk(cfg, m, d)
+    return "resident: " + describe(cfg, m, d)
 
 
 def _check_device(interpret: Any) -> None:
@@ -81,15 +130,17 @@ def _run(
     x: jax.Array,
     w: jax.Array,
     steps: int,
-    config: LoopedMatmulConfig | None,
+    config: AnyConfig | None,
     interpret: Any,
     stacked: bool,
 ) -> jax.Array:
     m, d = _check_inputs(x, w, steps, stacked)
     _check_device(interpret)
     device = DeviceInfo.current() if interpret is None else DeviceInfo()
-    cfg = config or pick_config(m, d, stacked=stacked, device=device)
+    cfg = config or pick_any_config(m, d, stacked=stacked, device=device)
     cfg.validate(m, d, steps, stacked=stacked, device=device)
+    if isinstance(cfg, SplitKConfig):
+        return looped_matmul_splitk(x, w, steps=steps, cfg=cfg, interpret=interpret)
     return looped_matmul_kernel(x, w, steps=steps, cfg=cfg, stacked=stacked, interpret=interpret)
 
 
@@ -99,13 +150,14 @@ def looped_matmul(
     w: jax.Array,
     steps: int,
     *,
-    config: LoopedMatmulConfig | None = None,
+    config: AnyConfig | None = None,
     interpret: Any = None,
 ) -> jax.Array:
     """x <- x @ w, `steps` times, one launch. x [M, d] bf16, w [d, d] bf16 -> [M, d] bf16.
 
-    `config=None` picks the frozen tuning for (M, d) (`pick_config`). Raises ValueError naming
-    the broken limit (shape, dtype, M range, d multiple of 64, SM count, shared memory, no GPU).
+    `config=None` picks the frozen tuning of DEFAULT_VARIANT for (M, d) (`pick_any_config`);
+    a `SplitKConfig` runs the split-K kernel. Raises ValueError naming the broken limit (shape,
+    dtype, M range, d multiple of 64, SM count, shared memory, registers, no GPU).
     """
     return _run(x, w, steps, config, interpret, stacked=False)
 
@@ -115,7 +167,7 @@ def looped_matmul_copies(
     x: jax.Array,
     w_stacked: jax.Array,
     *,
-    config: LoopedMatmulConfig | None = None,
+    config: AnyConfig | None = None,
     interpret: Any = None,
 ) -> jax.Array:
     """x <- x @ w_stacked[s] for s in range(steps). w_stacked [steps, d, d] bf16; one launch."""

@@ -40,6 +40,8 @@ all results within rel. Frobenius 5e-3 of the reference): d=2048 (8 MiB) 49 us; 
 110 us; d=6144 (72 MiB) 240 us (M=64: 175 us); d=12288 (288 MiB) 856 us vs 578 us for XLA's 8
 dots. With 64-column blocks only 96 SMs work at d=6144 and 16% of each slice is resident, so
 the streamed 60 MiB/step does not stay in L2: this version does not reach the targets there.
+Successor for one weight and small M: `splitk_kernel.py` (2-D split over all SMs, weight in
+registers + shared memory, one state round trip per step); its docstring has the design numbers.
 """
 
 from __future__ import annotations

@@ -1,19 +1,30 @@
-"""GPU smoke test of the looped matmul kernel: errors vs the reference and rough timings.
+"""GPU smoke run of the looped matmul kernels: correctness vs the reference, kernel times, a table.
 
-    python -m pallas_kernels.looped_matmul.smoke            # all cases, each in a subprocess
-    python -m pallas_kernels.looped_matmul.smoke --case NAME  # one case in this process
+    python -m pallas_kernels.looped_matmul.smoke                # the comparison suite + table
+    python -m pallas_kernels.looped_matmul.smoke --suite legacy  # the resident kernel's probes
+    python -m pallas_kernels.looped_matmul.smoke --case NAME     # one case in this process
     python -m pallas_kernels.looped_matmul.smoke --list
 
-Every case runs in its own subprocess with a timeout, so that a hung grid barrier or a crash
-in one case leaves the others running; its exception and traceback are printed. Timings:
-median of `--reps` calls after warm-up (jax.block_until_ready, time.perf_counter), kernel vs
-the jitted XLA chain (`looped_matmul_reference`).
+Every case runs in its own subprocess with a timeout, so that a hung grid barrier or a crash in
+one case leaves the others running (its output and traceback are printed). A case prints one
+`RESULT {json}` line; the parent prints a compact table of them last. The default suite times
+the resident and split-K kernels side by side (d in 2048, 3520, 6144, 12288; M in 1, 8, 64;
+8 steps) against XLA's unrolled chain of 8 dots, then split-K variants at 72 MiB. Kernel times
+are CUPTI device times (median over --reps calls, all kernels of a call summed), as the issue's
+numbers. If the first split-K case times out, the other split-K cases are skipped (a barrier
+bug would hang them all); --budget stops launching cases before the 10-minute device limit.
+
+HBM bytes of one case (issue target: <= 1.25 x W per chain at 72 MiB):
+    ncu --clock-control none --cache-control none --metrics dram__bytes_read.sum,\
+lts__t_sector_hit_rate.pct python -m pallas_kernels.looped_matmul.smoke --case \
+splitk_d6144_m1 --reps 2
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import statistics
 import subprocess
@@ -22,8 +33,16 @@ import time
 import traceback
 from typing import Any
 
-CASES: dict[str, dict[str, Any]] = {
-    # name: m, d, steps, optional config overrides (None = pick_config), stacked, barrier
+TABLE_D = (6144, 3520, 2048, 12288)  # the 72 MiB target first
+TABLE_M = (1, 8, 64)
+TABLE_STEPS = 8
+# PyTorch CUDA-graph replay of the unfused chain, M=1, 8 steps (measured on the H200, us).
+TORCH_GRAPH_US = {2048: 42.5, 3520: 72.1, 6144: 183.0, 12288: 575.0}
+# Issue targets for M=1, 8 steps (us); 288 MiB: no slower than XLA.
+TARGET_US = {3520: 72.1 / 2.5, 6144: 183.0 / 3}
+
+# name: variant, m, d, steps, optional config overrides, stacked
+LEGACY_CASES: dict[str, dict[str, Any]] = {
     "minimal_d2048_s1": dict(m=1, d=2048, steps=1),
     "minimal_d256_s3_1block_nobarrier": dict(
         m=1, d=256, steps=3, cfg=dict(block_cols=256, block_k=64, resident_chunks=2)
@@ -65,28 +84,119 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
-def run_case(name: str, reps: int) -> None:
-    """Runs one case in this process and prints one result line (or raises)."""
+def _table_cases() -> dict[str, dict[str, Any]]:
+    cases: dict[str, dict[str, Any]] = {}
+    # canary: small, all in registers; if the split-K barrier hangs, this shows it first
+    cases["splitk_d2048_m1"] = dict(variant="splitk", m=1, d=2048, steps=TABLE_STEPS)
+    for d in TABLE_D:
+        for m in TABLE_M:
+            for variant in ("resident", "splitk"):
+                cases.setdefault(
+                    f"{variant}_d{d}_m{m}", dict(variant=variant, m=m, d=d, steps=TABLE_STEPS)
+                )
+    six = dict(variant="splitk", m=1, d=6144, steps=TABLE_STEPS)
+    variants = {
+        "regs0": dict(reg_units=0),  # shared memory + L2 only: what registers buy
+        "regs6": dict(reg_units=6),
+        "regs11": dict(reg_units=11),  # spill probe: slower than the pick => ptxas spilled
+        "lag2": dict(wgmma_lag=2),
+        "ring4": dict(ring=4, smem_units=7),
+        "ksplit8": dict(split=(3, 8)),  # 32 col groups x 8 K ranges, refilled
+        "leaderpoll": dict(leader_poll=True),  # one polling warpgroup per block
+    }
+    for tag, over in variants.items():
+        cases[f"splitk_d6144_m1_{tag}"] = dict(six, cfg=over)
+    cases["splitk_d12288_m1_ring3"] = dict(
+        variant="splitk", m=1, d=12288, steps=TABLE_STEPS, cfg=dict(ring=3, smem_units=6)
+    )
+    cases["splitk_d2048_m1_npad16"] = dict(  # if n_pad=8 mismatches and this matches: N=8 B
+        variant="splitk", m=1, d=2048, steps=TABLE_STEPS, cfg=dict(min_n_pad=16)
+    )
+    cases["splitk_d2048_m1_leaderpoll"] = dict(
+        variant="splitk", m=1, d=2048, steps=TABLE_STEPS, cfg=dict(leader_poll=True)
+    )
+    cases["splitk_d6144_m8_s32"] = dict(variant="splitk", m=8, d=6144, steps=32)
+    return cases
+
+
+TABLE_CASES = _table_cases()
+SUITES = {"table": TABLE_CASES, "legacy": LEGACY_CASES}
+
+
+def _config_for(spec: dict[str, Any]):
+    from pallas_kernels.looped_matmul import pick_any_config
+    from pallas_kernels.looped_matmul.splitk_config import SplitKConfig, fill_on_chip
+
+    m, d = spec["m"], spec["d"]
+    stacked = spec.get("stacked", False)
+    cfg = pick_any_config(m, d, stacked=stacked, variant=spec.get("variant", "resident"))
+    over = dict(spec.get("cfg", {}))
+    if "split" in over:  # another 2-D split for the split-K kernel, filled like the picker
+        tiles, k_split = over.pop("split")
+        base = SplitKConfig(tiles=tiles, k_split=k_split, warpgroups=cfg.warpgroups, ring=3)
+        cfg = fill_on_chip(base, m, d)
+        if cfg is None:
+            raise ValueError(f"split {tiles} tiles x k_split {k_split} does not fit")
+    return dataclasses.replace(cfg, **over) if over else cfg
+
+
+def _result(name: str, spec: dict[str, Any], **fields: Any) -> None:
+    row = dict(
+        case=name, variant=spec.get("variant", "resident"), d=spec["d"], m=spec["m"],
+        steps=spec["steps"], **fields,
+    )  # fmt: skip
+    print("RESULT " + json.dumps(row), flush=True)
+
+
+def _cupti_us(fn, reps: int) -> tuple[float | None, str]:
+    """Median over `reps` calls of the summed device time of all kernels of one call (us)."""
+    try:
+        from jax.experimental.mosaic.gpu import profiler
+
+        _, runs = profiler.measure(fn, aggregate=False, iterations=reps)()
+        if not runs:
+            return None, "CUPTI saw no kernels"
+        total = statistics.median(sum(t for _, t in it) for it in runs) * 1e3
+        return total, f"{len(runs[0])} kernel(s)"
+    except Exception as e:  # CUPTI can be unavailable; wall-clock still prints
+        return None, f"{type(e).__name__}: {e}"
+
+
+def _wall_us(fn, reps: int) -> float:
+    import jax
+
+    for _ in range(2):
+        jax.block_until_ready(fn())
+    t = time.perf_counter()
+    outs = [fn() for _ in range(reps)]
+    jax.block_until_ready(outs)
+    return (time.perf_counter() - t) / reps * 1e6
+
+
+def run_case(name: str, spec: dict[str, Any], reps: int) -> None:
+    """Runs one case in this process: prints the config, errors, times and a RESULT line."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from pallas_kernels.looped_matmul import (
-        describe,
+        describe_config,
         looped_matmul,
         looped_matmul_copies,
         looped_matmul_copies_reference,
         looped_matmul_reference,
-        pick_config,
     )
 
-    spec = CASES[name]
     m, d, steps = spec["m"], spec["d"], spec["steps"]
     stacked = spec.get("stacked", False)
-    cfg = pick_config(m, d, stacked=stacked)
-    if "cfg" in spec:
-        cfg = dataclasses.replace(cfg, **spec["cfg"])
-    print(f"[{name}] M={m} d={d} steps={steps} stacked={stacked}: {describe(cfg, m, d)}")
+    try:
+        cfg = _config_for(spec)
+        cfg.validate(m, d, steps, stacked=stacked)
+    except ValueError as e:
+        print(f"[{name}] no config: {e}")
+        _result(name, spec, status="n/a", note=str(e)[:80])
+        return
+    print(f"[{name}] M={m} d={d} steps={steps}: {describe_config(cfg, m, d)}", flush=True)
     kx, kw = jax.random.split(jax.random.key(hash(name) % 2**31))
     x = jax.random.normal(kx, (m, d), jnp.float32).astype(jnp.bfloat16)
     wshape = (steps, d, d) if stacked else (d, d)
@@ -97,87 +207,108 @@ def run_case(name: str, reps: int) -> None:
     else:
         kern = lambda: looped_matmul(x, w, steps, config=cfg)  # noqa: E731
         ref = lambda: looped_matmul_reference(x, w, steps)  # noqa: E731
-    t0 = time.perf_counter()
-    out = jax.block_until_ready(kern())
-    t_first = time.perf_counter() - t0
-    want = jax.block_until_ready(ref())
-    o, r = np.asarray(out, np.float32), np.asarray(want, np.float32)
-    rel = float(np.linalg.norm(o - r) / max(np.linalg.norm(r), 1e-30))
-    print(
-        f"[{name}] first call (compile+run) {t_first:.2f} s; max|out-ref|="
-        f"{np.abs(o - r).max():.3e} rel_fro={rel:.3e} |ref|={np.linalg.norm(r):.3e} "
-        f"finite={bool(np.isfinite(o).all())} {'OK' if rel < 2e-2 else 'MISMATCH'}"
-    )
-
-    def timeit(fn) -> tuple[float, float]:
-        """(median us per blocked call, us per call of `reps` calls blocked once)."""
-        for _ in range(3):
-            jax.block_until_ready(fn())
-        ts = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            jax.block_until_ready(fn())
-            ts.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        outs = [fn() for _ in range(reps)]
-        jax.block_until_ready(outs)
-        return statistics.median(ts) * 1e6, (time.perf_counter() - t) / reps * 1e6
 
     @jax.jit
     def unrolled(x, w):  # the chain as `steps` separate dots, as PyTorch would launch them
         for s in range(steps):
-            ws = w[s] if stacked else w
-            x = jnp.dot(x, ws, preferred_element_type=jnp.float32).astype(x.dtype)
+            x = jnp.dot(x, w[s] if stacked else w, preferred_element_type=jnp.float32)
+            x = x.astype(jnp.bfloat16)
         return x
 
-    def device_us(fn) -> str:
-        """GPU time from CUPTI (no host overhead): median over `reps` of the sum of all kernels
-        of one call, and of its longest kernel (the Mosaic kernel, or the biggest dot)."""
-        try:
-            from jax.experimental.mosaic.gpu import profiler
-
-            _, runs = profiler.measure(lambda: fn(), aggregate=False, iterations=reps)()
-            if not runs:  # XLA may hide its kernels in a command buffer (CUDA graph)
-                return "n/a (CUPTI saw no kernels)"
-            total = statistics.median(sum(t for _, t in it) for it in runs) * 1e3
-            top = statistics.median(max(t for _, t in it) for it in runs) * 1e3
-            return f"{total:.1f} us ({len(runs[0])} kernels, longest {top:.1f})"
-        except Exception as e:  # CUPTI can be unavailable; the wall-clock times still print
-            return f"n/a ({type(e).__name__}: {e})"
-
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(kern())
+    first_s = time.perf_counter() - t0
+    want = jax.block_until_ready(ref())
+    o, r = np.asarray(out, np.float32), np.asarray(want, np.float32)
+    rel = float(np.linalg.norm(o - r) / max(np.linalg.norm(r), 1e-30))
+    ok = bool(np.isfinite(o).all()) and rel < 2e-2
     print(
-        f"[{name}] device time (CUPTI): kernel {device_us(kern)}; XLA unrolled chain "
-        f"{device_us(lambda: unrolled(x, w))}"
+        f"[{name}] first call (compile+run) {first_s:.1f} s; max|out-ref|="
+        f"{np.abs(o - r).max():.3e} rel_fro={rel:.3e} {'OK' if ok else 'MISMATCH'}",
+        flush=True,
     )
-    tk, tkb = timeit(kern)
-    tr, trb = timeit(ref)
-    tu, tub = timeit(lambda: unrolled(x, w))
+    k_us, k_note = _cupti_us(kern, reps)
+    x_us, x_note = _cupti_us(lambda: unrolled(x, w), reps)
+    k_wall, x_wall = _wall_us(kern, reps), _wall_us(lambda: unrolled(x, w), reps)
     w_bytes = d * d * 2 * (steps if stacked else 1)
     print(
-        f"[{name}] time (median blocked / back-to-back) us: kernel {tk:.1f} / {tkb:.1f}, "
-        f"XLA fori chain {tr:.1f} / {trb:.1f}, XLA unrolled chain {tu:.1f} / {tub:.1f}; "
-        f"kernel/unrolled {tkb / tub:.2f}; W={w_bytes / 2**20:.1f} MiB; weight bytes read by "
-        f"the chain / kernel time = {steps * d * d * 2 / tkb / 1e6:.2f} TB/s"
+        f"[{name}] CUPTI us: kernel {k_us} ({k_note}), XLA unrolled {x_us} ({x_note}); wall "
+        f"us/call back-to-back: kernel {k_wall:.1f}, XLA {x_wall:.1f}; W={w_bytes / 2**20:.0f} "
+        f"MiB; chain weight bytes / kernel time = "
+        f"{steps * d * d * 2 / ((k_us or k_wall) * 1e6):.2f} TB/s",
+        flush=True,
     )
+    _result(
+        name, spec, status="OK" if ok else "MISMATCH", rel=rel, kernel_us=k_us,
+        xla_us=x_us, kernel_wall_us=k_wall, xla_wall_us=x_wall,
+    )  # fmt: skip
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def _time(row: dict[str, Any], what: str) -> float | None:
+    """CUPTI time, else the back-to-back wall time (when CUPTI saw nothing)."""
+    return row.get(f"{what}_us") or row.get(f"{what}_wall_us")
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    """Resident vs split-K vs XLA per (d, M), then the split-K variants."""
+    by = {r["case"]: r for r in rows}
+    print("\n=== looped matmul, 8 steps, device time per chain (us; CUPTI, else wall) ===")
+    print(
+        f"{'d':>6} {'W MiB':>6} {'M':>3} | {'resident':>9} {'splitk':>9} {'XLA':>8} "
+        f"{'split/XLA':>9} {'torch(M=1)':>10} {'target':>7} | status res/split"
+    )
+    for d in TABLE_D:
+        for m in TABLE_M:
+            res, spl = by.get(f"resident_d{d}_m{m}", {}), by.get(f"splitk_d{d}_m{m}", {})
+            xla = _time(spl, "xla") or _time(res, "xla")
+            k = _time(spl, "kernel")
+            ratio = f"{k / xla:.2f}" if k and xla else "-"
+            torch_us = TORCH_GRAPH_US.get(d) if m == 1 else None
+            target = TARGET_US.get(d) if m == 1 else None
+            if d == 12288 and m == 1:
+                target = xla
+            print(
+                f"{d:>6} {d * d * 2 / 2**20:>6.0f} {m:>3} | {_fmt(_time(res, 'kernel')):>9} "
+                f"{_fmt(k):>9} {_fmt(xla):>8} {ratio:>9} {_fmt(torch_us):>10} "
+                f"{_fmt(target):>7} | {res.get('status', '?')}/{spl.get('status', '?')}"
+            )
+    extra = [r for r in rows if r["case"] not in {f"{v}_d{d}_m{m}" for v in ("resident", "splitk")
+             for d in TABLE_D for m in TABLE_M}]  # fmt: skip
+    if extra:
+        print("--- other cases ---")
+        for r in extra:
+            print(
+                f"{r['case']:<34} steps={r['steps']:<3} kernel {_fmt(_time(r, 'kernel')):>8} us"
+                f"  XLA {_fmt(_time(r, 'xla')):>8} us  rel={r.get('rel', float('nan')):.1e}"
+                f"  {r.get('status', '?')}"
+            )
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--suite", choices=sorted(SUITES), default="table")
     p.add_argument("--case", help="run one case in this process")
     p.add_argument("--list", action="store_true")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds per case")
-    p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--only", default="", help="comma list of case names (default: all)")
+    p.add_argument("--only", default="", help="comma list of case names (default: the suite)")
+    p.add_argument("--timeout", type=float, default=75.0, help="seconds per case")
+    p.add_argument("--budget", type=float, default=560.0, help="stop launching after this (s)")
+    p.add_argument("--reps", type=int, default=10)
     args = p.parse_args()
+    all_cases = {**LEGACY_CASES, **TABLE_CASES}
     if args.list:
-        print("\n".join(CASES))
+        print("\n".join(SUITES[args.suite]))
         return
     if args.case:
         try:
-            run_case(args.case, args.reps)
+            run_case(args.case, all_cases[args.case], args.reps)
         except Exception:
             print(f"[{args.case}] EXCEPTION:")
             traceback.print_exc(file=sys.stdout)
+            _result(args.case, all_cases[args.case], status="ERROR")
             sys.exit(1)
         return
 
@@ -186,29 +317,44 @@ def main() -> None:
     dev = jax.devices()[0]
     print(
         f"jax {jax.__version__}; device {dev.platform} {getattr(dev, 'device_kind', '')} "
-        f"cc={getattr(dev, 'compute_capability', None)} sms={getattr(dev, 'core_count', None)} "
-        f"smem_optin={getattr(dev, 'shared_memory_per_block_optin', None)}",
+        f"cc={getattr(dev, 'compute_capability', None)} sms={getattr(dev, 'core_count', None)}",
         flush=True,
     )
-    names = [n for n in args.only.split(",") if n] or list(CASES)
+    names = [n for n in args.only.split(",") if n] or list(SUITES[args.suite])
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    start, rows, splitk_hung = time.perf_counter(), [], False
     for name in names:
+        spec = all_cases[name]
+        if splitk_hung and spec.get("variant") == "splitk":
+            print(f"[{name}] SKIPPED: an earlier split-K case timed out")
+            rows.append(dict(case=name, steps=spec["steps"], status="SKIP"))
+            continue
+        if time.perf_counter() - start + args.timeout > args.budget:
+            print(f"[{name}] SKIPPED: --budget {args.budget:.0f} s would be exceeded")
+            rows.append(dict(case=name, steps=spec["steps"], status="BUDGET"))
+            continue
         cmd = [sys.executable, "-m", "pallas_kernels.looped_matmul.smoke", "--case", name]
-        cmd += ["--reps", str(args.reps)]
         t = time.perf_counter()
         try:
             proc = subprocess.run(
-                cmd, capture_output=True, text=True, timeout=args.timeout, env=env
-            )
-            out = proc.stdout + (proc.stderr[-4000:] if proc.returncode else "")
-            print(out.rstrip())
+                cmd + ["--reps", str(args.reps)],
+                capture_output=True, text=True, timeout=args.timeout, env=env,
+            )  # fmt: skip
+            out = proc.stdout + (proc.stderr[-3000:] if proc.returncode else "")
             if proc.returncode:
-                print(f"[{name}] exit code {proc.returncode}")
+                out += f"\n[{name}] exit code {proc.returncode}"
         except subprocess.TimeoutExpired as e:
             so = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-            print(so.rstrip())
-            print(f"[{name}] TIMEOUT after {args.timeout:.0f} s (hang? grid barrier?)")
+            out = so + f"\n[{name}] TIMEOUT after {args.timeout:.0f} s (hang? grid barrier?)"
+            rows.append(dict(case=name, steps=spec["steps"], status="TIMEOUT"))
+            splitk_hung |= spec.get("variant") == "splitk"
+        lines = out.rstrip().splitlines()
+        for line in lines:
+            if line.startswith("RESULT "):
+                rows.append(json.loads(line[len("RESULT ") :]))
+        print("\n".join(ln for ln in lines if not ln.startswith("RESULT ")))
         print(f"[{name}] wall {time.perf_counter() - t:.1f} s", flush=True)
+    print_table(rows)
 
 
 if __name__ == "__main__":

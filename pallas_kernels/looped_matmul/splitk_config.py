@@ -1,0 +1,334 @@
+"""Frozen config of the split-K looped matmul (`splitk_kernel.py`), its checks and its picker.
+
+Vocabulary (sizes in elements unless a name ends in `_bytes`):
+- worker: one warpgroup (128 threads). A block holds `warpgroups` workers that share nothing
+  but the SM. Worker w owns column group `w // k_split` (`tiles` 64-column tiles, block_cols =
+  64 * tiles output columns) and K range `w % k_split` (k_len = d / k_split rows of w).
+- unit: a [64 rows, 64 cols] bf16 piece of the worker's weight slice (8 KiB). Units are ordered
+  k-chunk major, tile minor: unit u = (k chunk u // tiles, tile u % tiles). The first
+  `reg_units` live in registers (wgmma A fragments, 16 registers per thread each), the next
+  `smem_units` in shared memory, the rest are streamed from L2 every step through a ring of
+  `ring` slots.
+- n_pad: the state's rows M padded to a multiple of 8 (the wgmma N, 8..64).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pallas_kernels.looped_matmul.config import (
+    MAX_M,
+    SMEM_RESERVE_BYTES,
+    DeviceInfo,
+)
+
+UNIT = 64  # rows and columns of a weight unit
+UNIT_BYTES = UNIT * UNIT * 2
+F32_BYTES = 4
+BF16_BYTES = 2
+MAX_REGS_PER_THREAD = 255
+# Registers per thread the kernel needs besides weight fragments and accumulators (addresses,
+# loop counters, barrier phases, the f32 -> bf16 state conversion). An estimate: ptxas decides;
+# the smoke run reports spills as slowness, and `reg_units` can be lowered per config.
+REG_RESERVE = 64
+# validate() only rejects plans above 255 with this smaller reserve (a CUDA proxy of the
+# register-operand loop compiled with ptxas 13.0: 11 units + a 24-register accumulator took
+# 248 registers without spills, 13 units spilled and serialized the wgmmas).
+REG_RESERVE_MIN = 40
+# The picker keeps its estimate below this (margin under the 255 limit against spills).
+PICK_MAX_REGS = 240
+DEEP_RING = 6  # ring slots per worker when most of the slice is streamed
+MAX_BARRIERS_PER_ARRAY = 32
+SMEM_ALIGN = 1024  # every scratch buffer is rounded up to this (swizzled TMA tiles need it)
+
+
+def n_pad_splitk(m: int, min_n_pad: int = 8) -> int:
+    """State rows as multiplied: M rounded up to a multiple of 8, at least `min_n_pad`."""
+    if not 1 <= m <= MAX_M:
+        raise ValueError(
+            f"M={m} is out of range: 1 <= M <= {MAX_M} (the state is the N of one wgmma)"
+        )
+    return max(-(-m // 8) * 8, min_n_pad)
+
+
+def _align(nbytes: int) -> int:
+    return -(-nbytes // SMEM_ALIGN) * SMEM_ALIGN
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitKConfig:
+    """Tiling of the split-K persistent looped matmul (see the module docstring)."""
+
+    tiles: int = 1
+    k_split: int = 1
+    warpgroups: int = 2
+    reg_units: int = 0
+    smem_units: int = 0
+    ring: int = 2
+    x_stages: int = 64  # f32 state chunks [64, n_pad] in flight (capped at k_len / 64)
+    wgmma_lag: int = 1
+    min_n_pad: int = 8
+    # Grid barrier: every thread polls the counter (False, the form proven on the H200), or
+    # only warpgroup 0 polls and releases warpgroup 1 through an mbarrier (True).
+    leader_poll: bool = False
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.tiles <= 16:
+            raise ValueError(f"tiles={self.tiles} must be in 1..16 (64-column wgmma tiles)")
+        if self.k_split < 1:
+            raise ValueError(f"k_split={self.k_split} must be >= 1")
+        if self.warpgroups not in (1, 2):
+            raise ValueError(f"warpgroups={self.warpgroups} must be 1 or 2")
+        for name in ("reg_units", "smem_units", "ring"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.x_stages < 1:
+            raise ValueError(f"x_stages={self.x_stages} must be >= 1")
+        if self.wgmma_lag < 1:
+            raise ValueError(f"wgmma_lag={self.wgmma_lag} must be >= 1")
+        if self.min_n_pad not in (8, 16, 32, 64):
+            raise ValueError(f"min_n_pad={self.min_n_pad} must be 8, 16, 32 or 64")
+
+    # ---------------------------------------------------------------- derived sizes
+    @property
+    def block_cols(self) -> int:
+        """Output columns of one worker (the wgmma M of its accumulator)."""
+        return UNIT * self.tiles
+
+    def n_pad(self, m: int) -> int:
+        return n_pad_splitk(m, self.min_n_pad)
+
+    def col_groups(self, d: int) -> int:
+        return d // self.block_cols
+
+    def k_len(self, d: int) -> int:
+        return d // self.k_split
+
+    def k_chunks(self, d: int) -> int:
+        return self.k_len(d) // UNIT
+
+    def units(self, d: int) -> int:
+        """Weight units per worker."""
+        return self.k_chunks(d) * self.tiles
+
+    def streamed_units(self, d: int) -> int:
+        return self.units(d) - self.reg_units - self.smem_units
+
+    def num_workers(self, d: int) -> int:
+        return self.col_groups(d) * self.k_split
+
+    def num_blocks(self, d: int) -> int:
+        return self.num_workers(d) // self.warpgroups
+
+    def x_slots(self, d: int) -> int:
+        """f32 state slots per worker; also used for the f32 partial sums (one per tile)."""
+        return max(min(self.x_stages, self.k_chunks(d)), self.tiles)
+
+    def ring_slots(self, d: int) -> int:
+        """Ring slots allocated: the ring, or at least one slot to stage register units."""
+        if self.streamed_units(d) > 0 or (self.reg_units and not self.smem_units):
+            return max(self.ring, 1)
+        return self.ring
+
+    def regs_per_thread(self, m: int) -> int:
+        """Estimated registers per thread: weight fragments + accumulator + REG_RESERVE."""
+        acc = self.tiles * self.n_pad(m) // 2  # [64*tiles, n_pad] f32 over 128 threads
+        return 16 * self.reg_units + acc + REG_RESERVE
+
+    def smem_bytes(self, m: int, d: int, *, interpret: bool = False) -> int:
+        """Shared memory per block, each buffer rounded up to SMEM_ALIGN bytes."""
+        n_pad = self.n_pad(m)
+        per_worker = (
+            _align(self.x_slots(d) * UNIT * n_pad * F32_BYTES)  # f32 state / partial sums
+            + _align(self.k_chunks(d) * n_pad * UNIT * BF16_BYTES)  # bf16 state (wgmma B)
+            + (_align(UNIT * n_pad * F32_BYTES) if self.k_split > 1 else 0)  # zero tile
+            + self.smem_units * UNIT_BYTES
+            + self.ring_slots(d) * UNIT_BYTES
+            + (UNIT_BYTES if interpret and self.reg_units else 0)
+        )
+        barriers = 8 * (self.x_slots(d) + self.smem_units + self.ring_slots(d))
+        return self.warpgroups * per_worker + _align(self.warpgroups * barriers)
+
+    def validate(
+        self,
+        m: int,
+        d: int,
+        steps: int,
+        *,
+        stacked: bool = False,
+        device: DeviceInfo | None = None,
+    ) -> None:
+        """Raises ValueError naming the limit that (m, d, steps) and this config break."""
+        device = device or DeviceInfo()
+        n_pad = self.n_pad(m)
+        if steps < 1:
+            raise ValueError(f"steps={steps} must be >= 1")
+        if stacked:
+            raise ValueError(
+                "the split-K kernel keeps one weight on chip; use the resident kernel "
+                "(LoopedMatmulConfig) for stacked weights"
+            )
+        if d % self.block_cols:
+            raise ValueError(
+                f"d={d} must be a multiple of block_cols={self.block_cols} (tiles={self.tiles})"
+            )
+        if (d // UNIT) % self.k_split:
+            raise ValueError(
+                f"d={d} has {d // UNIT} chunks of 64 rows, not a multiple of k_split={self.k_split}"
+            )
+        workers = self.num_workers(d)
+        if workers % self.warpgroups:
+            raise ValueError(
+                f"{workers} workers do not fill blocks of warpgroups={self.warpgroups}"
+            )
+        blocks = self.num_blocks(d)
+        if (steps > 1 or self.k_split > 1) and blocks > device.num_sms:
+            raise ValueError(
+                f"{blocks} blocks > {device.num_sms} SMs: the grid barrier deadlocks unless "
+                "every block is resident at once; raise tiles or lower k_split"
+            )
+        units = self.units(d)
+        if self.reg_units + self.smem_units > units:
+            raise ValueError(
+                f"reg_units + smem_units = {self.reg_units + self.smem_units} > {units} "
+                "units in a worker's slice"
+            )
+        if self.streamed_units(d) > 0 and self.ring < self.wgmma_lag + 1:
+            raise ValueError(
+                f"ring={self.ring} must be >= wgmma_lag + 1 = {self.wgmma_lag + 1} when "
+                f"{self.streamed_units(d)} units are streamed: a slot is refilled "
+                f"{self.wgmma_lag} wgmma group(s) late"
+            )
+        for name, n in (
+            ("x slots", self.x_slots(d)),
+            ("smem_units", self.smem_units),
+            ("ring slots", self.ring_slots(d)),
+        ):
+            if self.warpgroups * n > MAX_BARRIERS_PER_ARRAY:
+                raise ValueError(
+                    f"{name}: {self.warpgroups} x {n} barriers > {MAX_BARRIERS_PER_ARRAY} "
+                    "(Mosaic GPU tracks the phases of a barrier array in one 32-bit word)"
+                )
+        regs = self.regs_per_thread(m) - REG_RESERVE + REG_RESERVE_MIN
+        if regs > MAX_REGS_PER_THREAD:
+            raise ValueError(
+                f"reg_units={self.reg_units} with tiles={self.tiles}, n_pad={n_pad} needs "
+                f"at least ~{regs} registers per thread > {MAX_REGS_PER_THREAD} (16 per unit, "
+                f"{self.tiles * n_pad // 2} accumulator, >= {REG_RESERVE_MIN} other)"
+            )
+        need = self.smem_bytes(m, d) + SMEM_RESERVE_BYTES
+        if need > device.smem_bytes:
+            raise ValueError(
+                f"the split-K plan needs {need} B of shared memory per block > "
+                f"{device.smem_bytes} B ({self.warpgroups} worker(s): {self.smem_units} "
+                f"resident + {self.ring_slots(d)} ring units of {UNIT_BYTES} B, state "
+                "buffers); lower smem_units, ring or x_stages"
+            )
+
+
+def fill_on_chip(
+    base: SplitKConfig, m: int, d: int, device: DeviceInfo | None = None
+) -> SplitKConfig | None:
+    """Fills base's split: registers first (up to PICK_MAX_REGS), then shared memory.
+
+    The ring keeps `base.ring` slots, or DEEP_RING when more than 3/4 of the slice is streamed
+    anyway (HBM-bound shapes want bytes in flight more than a few resident units). Returns
+    None when not even the state buffers fit.
+    """
+    device = device or DeviceInfo()
+    cfg = _fill(base, m, d, device)
+    if cfg is not None and base.ring < DEEP_RING and 4 * cfg.streamed_units(d) > 3 * cfg.units(d):
+        return _fill(dataclasses.replace(base, ring=DEEP_RING), m, d, device) or cfg
+    return cfg
+
+
+def _fill(base: SplitKConfig, m: int, d: int, device: DeviceInfo) -> SplitKConfig | None:
+    """The f32 state is staged whole (one TMA round trip per step) when that leaves room for
+    the ring, else in fewer slots."""
+    units = base.units(d)
+    acc = base.tiles * base.n_pad(m) // 2
+    reg_units = min(units, max(0, (PICK_MAX_REGS - REG_RESERVE - acc) // 16))
+    free = device.smem_bytes - SMEM_RESERVE_BYTES
+    chunks = base.k_chunks(d)
+    for x_stages in sorted({chunks, min(chunks, 8), min(chunks, 4), min(chunks, 2)}, reverse=True):
+        cfg = dataclasses.replace(base, reg_units=reg_units, smem_units=0, x_stages=x_stages)
+        all_in = dataclasses.replace(cfg, smem_units=units - reg_units, ring=0)
+        if all_in.smem_bytes(m, d) <= free:
+            return all_in  # everything on chip, no ring
+        for smem_units in range(units - reg_units - 1, -1, -1):
+            cand = dataclasses.replace(cfg, smem_units=smem_units)
+            if cand.smem_bytes(m, d) <= free:
+                return cand
+    return None
+
+
+def pick_splitk_config(m: int, d: int, *, device: DeviceInfo | None = None) -> SplitKConfig:
+    """The frozen split-K tuning for (M, d): most SMs busy, then least state traffic.
+
+    Candidates: warpgroups in (2, 1), tiles in 1..12, k_split dividing d/64, with every block
+    resident (<= SM count) and the state buffers fitting next to a 3-unit ring. Raises
+    ValueError when none fits.
+    """
+    device = device or DeviceInfo()
+    n_pad = n_pad_splitk(m)
+    if d <= 0 or d % UNIT:
+        raise ValueError(f"d={d} must be a positive multiple of 64")
+    chunks = d // UNIT
+    best: tuple | None = None
+    for wgs in (2, 1):
+        for tiles in range(1, 13):
+            if chunks % tiles or tiles * n_pad // 2 > 96:
+                continue
+            for k_split in range(1, chunks + 1):
+                if chunks % k_split:
+                    continue
+                base = SplitKConfig(tiles=tiles, k_split=k_split, warpgroups=wgs, ring=3)
+                workers = base.num_workers(d)
+                if workers % wgs or base.num_blocks(d) > device.num_sms:
+                    continue
+                cfg = fill_on_chip(base, m, d, device)
+                if cfg is None:
+                    continue
+                try:
+                    cfg.validate(m, d, 2, device=device)
+                except ValueError:
+                    continue
+                blocks = cfg.num_blocks(d)
+                on_chip = (cfg.reg_units + cfg.smem_units) * workers
+                # state bytes per step: f32 reads (column groups x d) + reduce-adds (k_split x d)
+                state = (cfg.col_groups(d) + (k_split if k_split > 1 else 0)) * d * n_pad
+                key = (min(blocks, device.num_sms) * wgs, on_chip, -state, -k_split)
+                if best is None or key > best[0]:
+                    best = (key, cfg)
+    if best is None:
+        raise ValueError(
+            f"no split-K tiling fits d={d}, M={m} on {device.num_sms} SMs with "
+            f"{device.smem_bytes} B of shared memory"
+        )
+    return best[1]
+
+
+def describe_splitk(cfg: SplitKConfig, m: int, d: int) -> str:
+    """One line: workers, slice, what is in registers / shared memory / streamed."""
+    workers, units = cfg.num_workers(d), cfg.units(d)
+    kib = UNIT_BYTES / 1024
+    streamed = cfg.streamed_units(d)
+    on_chip_mib = workers * (cfg.reg_units + cfg.smem_units) * UNIT_BYTES / 2**20
+    return (
+        f"splitk: {cfg.num_blocks(d)} blocks x {cfg.warpgroups} wg = {workers} workers "
+        f"({cfg.col_groups(d)} col groups x k_split {cfg.k_split}), slice "
+        f"[{cfg.k_len(d)}, {cfg.block_cols}] = {units} units of {kib:.0f} KiB: "
+        f"{cfg.reg_units} regs + {cfg.smem_units} smem + {streamed} streamed "
+        f"(ring {cfg.ring}); on chip {on_chip_mib:.1f} MiB, streamed "
+        f"{workers * streamed * UNIT_BYTES / 2**20:.1f} MiB/step; ~{cfg.regs_per_thread(m)} "
+        f"regs/thread, smem {cfg.smem_bytes(m, d)} B, n_pad={cfg.n_pad(m)}"
+    )
+
+
+__all__ = [
+    "SplitKConfig",
+    "describe_splitk",
+    "fill_on_chip",
+    "n_pad_splitk",
+    "pick_splitk_config",
+]
