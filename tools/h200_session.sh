@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Device runs for the open issues, in stages that each fit one device call (10 min limit):
 #
+#   bash tools/h200_session.sh pallas     # issue 4: both kernel variants against XLA, one table
 #   bash tools/h200_session.sh tests      # GPU-only tests (pallas kernel, traces, torch reference)
 #   bash tools/h200_session.sh chain      # issue 3 + 4: sweep with pallas, HBM at 8/48/72/288 MiB
 #   bash tools/h200_session.sh core       # issue 5: Core decode/prefill, sweeps, adapter, traces, HLO
@@ -13,7 +14,7 @@
 # carry `.wheels` (flax 0.12 wheel, installed only if the image's flax lacks nnx.List).
 # Everything is written under $OUT (at most 8 files come back: traces and HLO are tarred).
 set -u
-stage=${1:?stage: tests, chain, core, core_hbm, generate, generate_torch or train}
+stage=${1:?stage: pallas, tests, chain, core, core_hbm, generate, generate_torch or train}
 OUT=${OUT:-out/device}
 mkdir -p "$OUT"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=.
@@ -21,6 +22,10 @@ python3 -c "from flax import nnx; nnx.List" 2>/dev/null || pip install -q --no-d
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
 
 case "$stage" in
+pallas)
+  timeout 570 python3 -m pallas_kernels.looped_matmul.smoke --budget 540 > "$OUT/smoke.log" 2>&1
+  tail -c 6000 "$OUT/smoke.log"
+  ;;
 tests)
   timeout 500 python3 -m pytest -q -m gpu tests/ 2>&1 | tail -30 | tee "$OUT/pytest_gpu.txt"
   ;;
