@@ -11,7 +11,8 @@
 #   bash tools/h200_session.sh train      # issue 7: training run and the accuracy curve
 #
 # Run from the repository root on the H200 machine (its own python3 with jax 0.11.2 and torch);
-# carry `.wheels` (flax 0.12 wheel, installed only if the image's flax lacks nnx.List).
+# carry `.wheels` (made here with `pip download --no-deps -d .wheels flax==0.12.12`; installed
+# there only if the image's flax, 0.12.10 on 2026-11-30, lacks nnx.List).
 # Everything is written under $OUT (at most 8 files come back: traces and HLO are tarred).
 set -u
 stage=${1:?stage: pallas, tests, chain, core, core_hbm, generate, generate_torch or train}
