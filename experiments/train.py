@@ -1,12 +1,16 @@
 """Trains a small Huginn on a synthetic task with the reference recipe; evaluates test-time compute.
 
-    python -m experiments.train --config=small --task=khop --steps=3000 --out_dir=results/train
+    python -m experiments.train --config=micro --vocab_size=128 --nodes=10 --max_chain=6 \
+        --queries=6 --steps=3000 --mean_recurrence=8 --backprop_depth=4 --lr=2e-3 --out_dir=DIR
     python -m experiments.train --flagfile=experiments/train_h200.flags --out_dir=DIR
 
 Recipe (huginn_jax.train): recurrence p = Poisson(τ) + 1 with τ ~ LogNormal(ln(mean) − σ²/2, 0.5),
 the first max(p − k, 0) iterations without gradient and the last min(p, k) with it; AdamW
 (0.9, 0.95), linear warm-up, global-norm clipping; loss on the task's answer tokens only. Data are
-drawn in-graph from fold_in(seed, step), so `--resume` continues bit for bit.
+drawn in-graph from fold_in(seed, step), so `--resume` continues bit for bit. Tasks
+(huginn_jax.tasks): `root` (follow parent pointers to a chain's head; the default), `khop`
+(h hops through a permutation), `add` (addition, sum most-significant digit first).
+`--max_train_seconds` caps the training wall time (compilation included) for fixed budgets.
 
 Outputs (all optional; `--out_dir` sets the defaults):
   DIR/train.json   flags, environment, training history (loss, accuracy, tokens/s), the
@@ -18,7 +22,8 @@ Outputs (all optional; `--out_dir` sets the defaults):
 Trained vs random (`--compare_random`): times one decode step (a token through prelude, r Core
 iterations with a full KV cache, coda) for the trained weights and for random weights of the same
 shape, with `experiments.measure.timing` (warm-up calls, then the median of timed calls, caches
-not flushed), and reports the KV-exit statistics of both on the task.
+not flushed), and reports the KL-exit statistics of both on the task, and of
+`huginn_jax.generate.generate(..., criterion="kl")` where that exists.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+import numpy as np
 from absl import app, flags, logging
 
 from huginn_jax.config import PRESETS
@@ -74,7 +80,7 @@ _SAVE_EVERY = flags.DEFINE_integer("save_every", 500, "Save a checkpoint every N
 _KEEP = flags.DEFINE_integer("keep", 3, "Checkpoints kept.")
 _RESUME = flags.DEFINE_bool("resume", False, "Continue from the newest good checkpoint.")
 _LOG_EVERY = flags.DEFINE_integer(
-    "log_every", 50, "Steps between host syncs: bar, history flush, time-limit check."
+    "log_every", 50, "Steps per history entry (window means) and per host sync / time check."
 )
 _MAX_SECONDS = flags.DEFINE_float(
     "max_train_seconds", 0.0, "Stop training (save, evaluate) after this wall time; 0: no limit."
@@ -223,10 +229,14 @@ def run_meta(config, task, cfg, seed: int) -> dict[str, Any]:
 def check_resumable(saved: dict, current: dict, note) -> None:
     """Model, task and seed must match; other differences are noted (they change the curve)."""
     for key in ("model", "task", "seed"):
-        if saved.get(key) != current[key]:
-            raise UserError(
-                f"checkpoint was written with {key}={saved.get(key)}, flags say {current[key]}"
-            )
+        old, new = saved.get(key), current[key]
+        if old == new:
+            continue
+        if isinstance(old, dict) and isinstance(new, dict):
+            fields = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+            old = ", ".join(f"{k}={old.get(k)}" for k in fields)
+            new = ", ".join(f"{k}={new.get(k)}" for k in fields)
+        raise UserError(f"checkpoint was written with {key} {old}; the flags give {new}")
     old, new = saved.get("train", {}), current["train"]
     changed = [f"{k}: {old.get(k)} -> {new[k]}" for k in new if old.get(k) != new[k]]
     if old.get("schedule") == new["schedule"] == "constant":  # total_steps shapes cosine only
@@ -236,6 +246,24 @@ def check_resumable(saved: dict, current: dict, note) -> None:
 
 
 # ----------------------------------------------------------------------------- training loop
+
+
+def window_entry(steps: list[int], metrics: list[dict], tokens_per_s: float | None) -> dict:
+    """One history entry for the steps since the last sync: means over the window (loss, answer
+    accuracy, gradient norm, recurrence p = n_nograd + n_grad), the last step's lr and loss."""
+    mean = {
+        k: float(np.mean([float(m[k]) for m in metrics])) for k in ("loss", "accuracy", "grad_norm")
+    }
+    depths = [float(m["n_nograd"]) + float(m["n_grad"]) for m in metrics]
+    return {
+        "step": steps[-1],
+        "steps": len(steps),
+        **mean,
+        "last_loss": float(metrics[-1]["loss"]),
+        "lr": float(metrics[-1]["lr"]),
+        "mean_recurrence": float(np.mean(depths)),
+        "tokens_per_s": tokens_per_s,
+    }
 
 
 def train_loop(
@@ -253,8 +281,9 @@ def train_loop(
     """Runs steps until state.step == steps (or `max_seconds` of wall time have passed, checked at
     log points); returns (state, history, timing dict).
 
-    Metrics stay on the device between log points (no per-step host sync); the bar shows the loss
-    and tokens/s of the last window. The first step is timed apart (it includes compilation).
+    Metrics stay on the device between log points (no per-step host sync); each log point appends
+    one `window_entry` to `history`, and the bar shows its loss and tokens/s. The first step is
+    timed apart (it includes compilation).
     """
     import jax
     from tqdm import tqdm
@@ -275,11 +304,7 @@ def train_loop(
             steady_s += now - window_t0
             steady_steps += window_steps
             rate = window_steps * tokens_per_step / (now - window_t0)
-        for (step, _), m in zip(pending, values, strict=True):
-            entry = {"step": step, **{k: float(v) for k, v in m.items()}}
-            if step == pending[-1][0]:
-                entry["tokens_per_s"] = rate
-            history.append(entry)
+        history.append(window_entry([s for s, _ in pending], values, rate))
         last = history[-1]
         bar.set_postfix(
             loss=f"{last['loss']:.4f}",
@@ -334,13 +359,12 @@ def train_loop(
 # ----------------------------------------------------------------------------- trained vs random
 
 
-def time_decode(model, task, *, num_steps: int, repeats: int, seed: int) -> dict[str, Any]:
-    """Median wall time of one decoded token (prelude, `num_steps` Core iterations with a full KV
-    cache, coda) after a prompt of the task's length; batch 1, zero initial state."""
+def decoder(model, task, *, num_steps: int, seed: int):
+    """A callable that decodes one token (prelude, `num_steps` Core iterations with a full KV
+    cache, coda) after a prompt of the task's length; batch 1, zero initial state. Returns
+    (decode, context length)."""
     import jax
-    import numpy as np
 
-    from experiments.measure import timing as timing_lib
     from huginn_jax.kv_cache import KVCache
 
     tokens = task.sample(jax.random.key(seed), 1).tokens[:, :-1]
@@ -349,7 +373,7 @@ def time_decode(model, task, *, num_steps: int, repeats: int, seed: int) -> dict
         model.config, batch=1, max_len=length, num_steps=num_steps, dtype=model.dtype
     )
     out = model(tokens[:, :-1], num_steps=num_steps, init_scale=0.0, cache=cache)
-    held = {"cache": out.cache}
+    held = {"cache": out.cache}  # the cache is donated: thread it through the calls
     last = tokens[:, -1:]
 
     def decode():
@@ -357,22 +381,51 @@ def time_decode(model, task, *, num_steps: int, repeats: int, seed: int) -> dict
         held["cache"] = o.cache
         return o.logits
 
-    samples = timing_lib.time_fn(decode, warmup=3, repeats=repeats)
-    core_bytes = sum(
-        int(np.prod(x.shape)) * x.dtype.itemsize
-        for x in jax.tree.leaves(nnx_state((model.adapter, model.core_block)))
-    )
-    per_iter_s = samples.median / num_steps
-    return {
-        **samples.summary_us(),
-        "num_steps": num_steps,
-        "context": length,
-        "us_per_iteration": per_iter_s * 1e6,
-        "core_param_bytes": core_bytes,
-        # Every iteration re-reads the Core + adapter weights: the achieved weight-read rate.
-        "core_weight_gb_per_s": core_bytes / per_iter_s / 1e9,
-        "memory": device_memory(),
+    return decode, length
+
+
+def time_decoders(models: dict, task, *, num_steps: int, repeats: int, seed: int) -> dict:
+    """Decode time per model, measured in alternating rounds (A, B, A, B, ...) so that clock and
+    cache warm-up drift hit every model alike; each round is `experiments.measure.timing.time_fn`
+    (3 warm-up calls, then timed calls until the device is done). Summary: median and spread over
+    all rounds, the achieved Core weight-read rate, and the allocator's memory afterwards."""
+    from experiments.measure import timing as timing_lib
+
+    rounds = 5
+    decoders = {
+        name: decoder(m, task, num_steps=num_steps, seed=seed) for name, m in models.items()
     }
+    seconds: dict[str, list[float]] = {name: [] for name in models}
+    for _ in range(rounds):
+        for name, (decode, _) in decoders.items():
+            per_round = max(1, repeats // rounds)
+            seconds[name] += timing_lib.time_fn(decode, warmup=3, repeats=per_round).seconds
+    out = {}
+    for name, model in models.items():
+        samples = timing_lib.Samples(seconds=seconds[name], warmup=3 * rounds)
+        core_bytes = sum(
+            x.size * x.dtype.itemsize
+            for x in jax_leaves(nnx_state((model.adapter, model.core_block)))
+        )
+        per_iter_s = samples.median / num_steps
+        out[name] = {
+            **samples.summary_us(),
+            "repeats": len(samples.seconds),
+            "num_steps": num_steps,
+            "context": decoders[name][1],
+            "us_per_iteration": per_iter_s * 1e6,
+            "core_param_bytes": core_bytes,
+            # Every iteration re-reads the Core + adapter weights: the achieved weight-read rate.
+            "core_weight_gb_per_s": core_bytes / per_iter_s / 1e9,
+            "memory": device_memory(),
+        }
+    return out
+
+
+def jax_leaves(tree):
+    import jax
+
+    return jax.tree.leaves(tree)
 
 
 def nnx_state(obj):
@@ -403,7 +456,6 @@ def adaptive_generation(
     import inspect
 
     import jax
-    import numpy as np
 
     try:
         from huginn_jax import generate as generate_lib
@@ -444,17 +496,17 @@ def compare_random(trained, task, *, eval_kwargs: dict, num_steps: int, repeats:
     """Decode timing, memory and KL-exit statistics for the trained and a random model."""
     import jax
 
-    import huginn_jax
     from huginn_jax import train
 
-    random_model = huginn_jax.random_init(
-        trained.config, jax.random.key(seed + 7919), trained.dtype
-    )
+    graphdef, params = train.init_params(trained.config, jax.random.key(seed + 7919))
+    random_model = train.merge_model(graphdef, params, trained.dtype)
+    models = {"trained": trained, "random": random_model}
+    decode = time_decoders(models, task, num_steps=num_steps, repeats=repeats, seed=seed)
     out: dict[str, Any] = {}
-    for name, model in (("trained", trained), ("random", random_model)):
+    for name, model in models.items():
         evaluation = train.evaluate(model, task, jax.random.key(seed + 3), **eval_kwargs)
         out[name] = {
-            "decode": time_decode(model, task, num_steps=num_steps, repeats=repeats, seed=seed),
+            "decode": decode[name],
             "adaptive_exit": evaluation["adaptive_exit"],
             "accuracy": evaluation["accuracy"],
             "generate_kl": adaptive_generation(
@@ -541,6 +593,7 @@ def plot_results(json_path: str | Path, out_path: str | Path) -> Path:
     os.close(fd)
     fig.savefig(tmp, dpi=130)
     plt.close(fig)
+    os.chmod(tmp, 0o644)  # mkstemp makes it private
     os.replace(tmp, out_path)
     return out_path
 

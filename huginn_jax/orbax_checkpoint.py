@@ -1,11 +1,14 @@
 """Training checkpoints with orbax: periodic saves, keep-N, resume from the newest good one.
 
 Layout (orbax `CheckpointManager`): `<dir>/<step>/state` holds the train-state pytree,
-`<dir>/<step>/meta` a JSON with the run's description and a SHA-256 of every leaf. A restore checks
-files, shapes and dtypes (orbax, against the abstract target) and then the digest, so a truncated,
-partial or bit-flipped step is caught. Such a step is reported in one line, moved aside to
-`<dir>/corrupt-<step>` (kept for inspection, out of orbax's step list so that keep-N and later saves
-ignore it) and the next older step is tried: the last good checkpoint is what a run resumes from.
+`<dir>/<step>/meta` a JSON with the run's description, the [path, shape, dtype] of every leaf and a
+SHA-256 over all of them. A restore checks that both items exist, compares the leaf list with the
+expected tree (orbax alone would cast dtypes and ignore shapes), reads the arrays and checks the
+digest, so a missing, truncated, partial or bit-flipped step is caught. Such a step is reported
+in one line, moved aside to `<dir>/corrupt-<step>` (kept for inspection, out of orbax's step list
+so that keep-N and later saves ignore it) and the next older step is tried: the last good
+checkpoint is what a run resumes from. An intact checkpoint of another run is refused
+(CheckpointMismatch), never moved.
 """
 
 from __future__ import annotations
@@ -45,6 +48,24 @@ def tree_signature(tree: Any) -> list[list]:
 
 class CheckpointMismatch(CheckpointError):
     """An intact checkpoint of another run (other model, task or tree): never set aside."""
+
+
+def _quiet_closed_loop_callbacks() -> None:
+    """After a failed read, tensorstore still completes the pending reads of that restore and
+    calls back into orbax's event loop, already closed: each callback would print a traceback
+    ("Event loop is closed") through `sys.unraisablehook`. Drop exactly those; pass on the rest."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_drops_closed_loop", False):
+        return
+
+    def hook(unraisable):
+        exc = unraisable.exc_value
+        if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+            return
+        previous(unraisable)
+
+    hook._drops_closed_loop = True
+    sys.unraisablehook = hook
 
 
 def _report_stderr(message: str) -> None:
@@ -157,6 +178,7 @@ class TrainCheckpoints:
         try:
             return self._manager.restore(step, args=args)
         except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many kinds; all mean "bad"
+            _quiet_closed_loop_callbacks()
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise CheckpointError(f"unreadable: {type(e).__name__}: {first[:200]}") from e
 

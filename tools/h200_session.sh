@@ -77,7 +77,8 @@ generate_torch)
   ;;
 train)
   timeout 540 python3 -m experiments.train --flagfile=experiments/train_h200.flags \
-    --json_out="$OUT/train.json" --plot_out="$OUT/train.png" > "$OUT/train.txt" 2>&1
+    --json_out="$OUT/train.json" --plot_out="$OUT/train.png" \
+    --ckpt_dir=/tmp/huginn_train/ckpt --export_dir=/tmp/huginn_train/export > "$OUT/train.txt" 2>&1
   tail -30 "$OUT/train.txt"
   ;;
 *)
