@@ -29,6 +29,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from absl import app, flags  # noqa: E402
 
+from experiments import cli  # noqa: E402
 from experiments.measure import ncu as ncu_lib  # noqa: E402
 from experiments.measure import results as results_lib  # noqa: E402
 from experiments.measure import timing  # noqa: E402
@@ -298,4 +299,4 @@ def run_main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     define_flags()
-    app.run(run_main)
+    app.run(run_main, flags_parser=cli.flags_parser("adapter"))

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 from absl import app, flags, logging
 
+from experiments import cli
 from experiments.measure import ncu as ncu_lib
 from experiments.measure import results as results_lib
 from experiments.measure import timing
@@ -1078,4 +1079,4 @@ def main(argv: Sequence[str]) -> None:
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    app.run(main, flags_parser=cli.flags_parser("chain"))

@@ -36,6 +36,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from experiments import cli  # noqa: E402
 from experiments.measure import hlo as hlo_lib  # noqa: E402
 from experiments.measure import ncu as ncu_lib  # noqa: E402
 from experiments.measure import results as results_lib  # noqa: E402
@@ -620,4 +621,4 @@ def run_main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     define_flags()
-    app.run(run_main)
+    app.run(run_main, flags_parser=cli.flags_parser("core"))

@@ -31,6 +31,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from experiments import cli  # noqa: E402
 from experiments.measure import results as results_lib  # noqa: E402
 from experiments.torch_ref import chain as torch_chain  # noqa: E402 (imports no torch)
 from huginn_jax.checkpoint import from_pretrained  # noqa: E402
@@ -253,4 +254,4 @@ def run_main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     define_flags()
-    app.run(run_main)
+    app.run(run_main, flags_parser=cli.flags_parser("generate_vs_torch"))

@@ -14,12 +14,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import platform
-import sys
 from pathlib import Path
 from typing import NoReturn
 
 from absl import app, flags
 
+from experiments import cli
 from huginn_jax import costs
 from huginn_jax.config import PRESETS, HuginnConfig
 
@@ -35,16 +35,7 @@ _JSON_OUT = flags.DEFINE_string("json_out", None, "Write tables and headline num
 
 
 def _fail(message: str, code: int = 2) -> NoReturn:
-    print(f"roofline: {message}", file=sys.stderr)
-    sys.exit(code)
-
-
-def _parse_flags(argv: list[str]) -> list[str]:
-    """Like absl's parser, but a bad flag ends in one stderr line and exit code 2."""
-    try:
-        return flags.FLAGS(argv)
-    except flags.Error as e:
-        _fail(str(e).splitlines()[0])
+    cli.fail("roofline", message, code)
 
 
 def format_table(header: list[str], rows: list[list[str]]) -> str:
@@ -240,4 +231,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=_parse_flags)
+    app.run(main, flags_parser=cli.flags_parser("roofline"))

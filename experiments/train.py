@@ -39,6 +39,7 @@ from typing import Any, NoReturn
 import numpy as np
 from absl import app, flags, logging
 
+from experiments import cli
 from huginn_jax.config import PRESETS
 from huginn_jax.tasks import TASKS
 
@@ -108,16 +109,7 @@ class UserError(Exception):
 
 
 def _fail(message: str, code: int = 2) -> NoReturn:
-    print(f"{_NAME}: error: {message}", file=sys.stderr)
-    sys.exit(code)
-
-
-def _parse_flags(argv: list[str]) -> list[str]:
-    """absl's parser, but a bad flag ends in one stderr line and exit code 2."""
-    try:
-        return flags.FLAGS(argv)
-    except flags.Error as e:
-        _fail(str(e).splitlines()[0])
+    cli.fail(_NAME, f"error: {message}", code)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -784,4 +776,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=_parse_flags)
+    app.run(main, flags_parser=cli.flags_parser(f"{_NAME}: error"))
