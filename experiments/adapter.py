@@ -151,16 +151,9 @@ def ncu_child(spec: str) -> None:
     """Warm up, then ONE product inside the profiler range (ncu flushes L2 before it)."""
     impl, variant, m = spec.split(":")
     runner = make_runner(impl, config(), int(m), variant, 1)
-    wait(runner, runner())
+    timing.wait(runner(), runner.sync)
     with ncu_lib.cuda_profiler_range():
-        wait(runner, runner())
-
-
-def wait(runner, out) -> None:
-    if runner.sync:
-        runner.sync()
-    else:
-        jax.block_until_ready(out)
+        timing.wait(runner(), runner.sync)
 
 
 def hbm_pass(impl: str, variant: str, m: int, ncu: str) -> dict:

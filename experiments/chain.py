@@ -646,23 +646,13 @@ def profile_range(runner: Any, opts: Options) -> int:
     """Warm-up, then ceil(ncu_chains / per_call) calls inside the profiler range; returns the
     chains run inside it. GPU only."""
     for _ in range(max(opts.warmup, 1)):
-        wait(runner, runner.fn())
+        timing.wait(runner.fn(), runner.sync)
     calls = math.ceil(opts.ncu_chains / runner.per_call)
     with ncu_lib.cuda_profiler_range():
         for _ in range(calls):
             out = runner.fn()
-        wait(runner, out)
+        timing.wait(out, runner.sync)
     return calls * runner.per_call
-
-
-def wait(runner: Any, out: Any) -> None:
-    """Blocks until the device work behind `out` is done (torch: sync; JAX: block on out)."""
-    if runner.sync is not None:
-        runner.sync()
-    else:
-        import jax
-
-        jax.block_until_ready(out)
 
 
 def build_runner(
@@ -730,12 +720,12 @@ def trace_pass(
     base = Path(opts.trace_dir) / f"{size_label(cfg.weight_bytes)}-{layout}-{impl}"
     runner, release = build_runner(impl, layout, x_host, w_host, cfg, opts)
     for _ in range(max(opts.warmup, 1)):  # compile and autotune outside the trace
-        wait(runner, runner.fn())
+        timing.wait(runner.fn(), runner.sync)
 
     def run_n() -> None:
         for _ in range(n):
             y = runner.fn()
-        wait(runner, y)
+        timing.wait(y, runner.sync)
 
     try:
         if impl in torch_chain.IMPLS:

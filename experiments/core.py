@@ -419,7 +419,7 @@ def trace_all(records: list[dict], cfg, graphdef, params) -> None:
         case = Case(rec["mode"], rec["batch"], rec["context"], rec["iterations"])
         runner = make_runner(rec["impl"], cfg, graphdef, params, case, FLAGS.dtype)
         for _ in range(2):
-            wait(runner, runner())
+            timing.wait(runner(), runner.sync)
         rec["trace"] = trace_case(runner, rec["impl"], case)
         runner.release()
 
@@ -431,7 +431,7 @@ def trace_case(runner, impl: str, case: Case) -> list[dict]:
     def run():
         for _ in range(calls):
             out = runner()
-        wait(runner, out)
+        timing.wait(out, runner.sync)
 
     per = calls * case.iterations  # rows are reported per Core iteration
     if impl in XLA_IMPLS:
@@ -455,18 +455,11 @@ def ncu_child(spec: str) -> None:
     runner = make_runner(impl, cfg, graphdef, params, case, FLAGS.dtype)
     for _ in range(2):
         out = runner()
-    wait(runner, out)
+    timing.wait(out, runner.sync)
     with ncu_lib.cuda_profiler_range():
         for _ in range(NCU_CALLS):
             out = runner()
-        wait(runner, out)
-
-
-def wait(runner, out) -> None:
-    if runner.sync:
-        runner.sync()
-    else:
-        jax.block_until_ready(out)
+        timing.wait(out, runner.sync)
 
 
 def hbm_pass(impl: str, case: Case, ncu: str) -> dict:

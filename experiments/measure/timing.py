@@ -70,7 +70,12 @@ class Samples:
         return cls(seconds=list(d["seconds"]), warmup=int(d["warmup"]), per_call=d["per_call"])
 
 
-def _block_jax(out: Any) -> None:
+def wait(out: Any, sync: Callable[[], None] | None = None) -> None:
+    """Blocks until the device work behind `out` is done: `sync()` when given (torch), else
+    `jax.block_until_ready(out)`."""
+    if sync is not None:
+        sync()
+        return
     import jax  # imported here so that torch-only callers need no JAX backend
 
     jax.block_until_ready(out)
@@ -97,11 +102,7 @@ def time_fn(
         )
 
     def call_and_wait() -> None:
-        out = fn()
-        if sync is not None:
-            sync()
-        else:
-            _block_jax(out)
+        wait(fn(), sync)
 
     for _ in range(warmup):
         call_and_wait()
