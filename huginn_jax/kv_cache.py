@@ -28,6 +28,7 @@ here it is the model's Core depth.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 import jax
@@ -58,6 +59,12 @@ def _num_core_slots(config: HuginnConfig, num_steps: int, strategy: str) -> int:
     return compress if compress is not None else num_steps * config.n_core
 
 
+def _shape(config: HuginnConfig, batch: int, max_len: int, num_core_slots: int) -> tuple:
+    """[L, B, S, H, K] with L = prelude slots + Core slots + coda slots."""
+    slots = config.n_layers_in_prelude + num_core_slots + config.n_layers_in_coda
+    return (slots, batch, max_len, config.n_heads, config.head_dim)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
@@ -81,15 +88,14 @@ class KVCache:
     ) -> KVCache:
         """A zeroed cache: a slot per prelude layer, the strategy's Core slots, a slot per coda
         layer. `num_steps` is the most Core iterations a token may run (ignored by compress-sN)."""
-        num_core_slots = _num_core_slots(config, num_steps, strategy)
         if max_len > config.block_size:
             raise ValueError(
                 f"max_len={max_len} exceeds the model's block_size={config.block_size}"
             )
         if batch < 1 or max_len < 1 or num_steps < 1:
             raise ValueError(f"{batch=}, {max_len=} and {num_steps=} must be positive")
-        slots = config.n_layers_in_prelude + num_core_slots + config.n_layers_in_coda
-        shape = (slots, batch, max_len, config.n_heads, config.head_dim)
+        num_core_slots = _num_core_slots(config, num_steps, strategy)
+        shape = _shape(config, batch, max_len, num_core_slots)
         return cls(
             k=jnp.zeros(shape, dtype),
             v=jnp.zeros(shape, dtype),
@@ -110,10 +116,8 @@ class KVCache:
         strategy: str = "full",
     ) -> int:
         """What `create` would allocate, in bytes (K and V), without allocating it."""
-        core = _num_core_slots(config, num_steps, strategy)
-        slots = config.n_layers_in_prelude + core + config.n_layers_in_coda
-        per_slot = batch * max_len * config.n_heads * config.head_dim * jnp.dtype(dtype).itemsize
-        return 2 * slots * per_slot
+        shape = _shape(config, batch, max_len, _num_core_slots(config, num_steps, strategy))
+        return 2 * math.prod(shape) * jnp.dtype(dtype).itemsize
 
     @property
     def compressed(self) -> bool:
