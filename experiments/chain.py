@@ -16,6 +16,8 @@ Implementations (`--impls` takes these names or the families "xla" and "torch"):
   torch_graph    PyTorch, one captured chain replayed N times per call (CUDA only)
   pallas         the persistent Pallas kernel (pallas_kernels.looped_matmul): all steps in one
                  launch; copies: the step weights stacked [steps, d, d] (GPU, sm_90)
+  pallas_splitk  the split-K persistent kernel (weight in registers + shared memory + L2);
+                 copies: the stacked resident kernel, as `pallas` (split-K keeps one weight)
 
 Data path, one function per arrow: size string -> d (`parse_size`, `dim_for_size`) -> weights
 (`host_values`, `make_weights`) -> one jitted chain per implementation (`xla_runner`,
@@ -77,9 +79,11 @@ def define_flags() -> None:
 
 
 XLA_IMPLS = ("xla", "xla_loop", "xla_nocb", "xla_loop_nocb")
-PALLAS_IMPLS = ("pallas",)
+PALLAS_IMPLS = ("pallas", "pallas_splitk")
 FAMILIES = {"xla": XLA_IMPLS, "torch": torch_chain.IMPLS}
 KNOWN_IMPLS = XLA_IMPLS + torch_chain.IMPLS + PALLAS_IMPLS
+# --trace_dir traces these (one dispatch per chain) and torch_eager; not the looped forms.
+TRACED_JAX_IMPLS = ("xla", *PALLAS_IMPLS)
 LAYOUTS = ("shared", "copies")
 DTYPES = {
     "bf16": "bfloat16",
@@ -672,25 +676,35 @@ def build_runner(
 
     ws = make_weights(w_host, cfg.steps, layout)
     if impl in PALLAS_IMPLS:
-        runner = pallas_runner(jax.device_put(x_host), ws, layout)
+        variant = "splitk" if impl == "pallas_splitk" else "resident"
+        runner = pallas_runner(jax.device_put(x_host), ws, layout, variant)
         return runner, ws.clear
     runner = xla_runner(impl, jax.device_put(x_host), ws, n=opts.chains_per_call)
     return runner, ws.clear
 
 
-def pallas_runner(x: Any, ws: list[Any], layout: str) -> Runner:
-    """The persistent kernel: all steps in one launch. shared: w used at every step; copies:
-    the step weights stacked [steps, d, d] (one allocation holding `steps` distinct copies)."""
+def pallas_runner(x: Any, ws: list[Any], layout: str, variant: str) -> Runner:
+    """The persistent kernel: all steps in one launch. shared: w used at every step, kernel
+    `variant` ("resident" or "splitk"); copies: the step weights stacked [steps, d, d] (one
+    allocation holding `steps` distinct copies), always the resident kernel."""
     import jax.numpy as jnp
 
-    from pallas_kernels.looped_matmul import looped_matmul, looped_matmul_copies
+    from pallas_kernels.looped_matmul import (
+        DeviceInfo,
+        looped_matmul,
+        looped_matmul_copies,
+        pick_any_config,
+    )
 
     steps = len(ws)
     if layout == "shared":
         w = ws[0]
+        config = pick_any_config(
+            x.shape[0], w.shape[0], variant=variant, device=DeviceInfo.current()
+        )
 
         def call() -> Any:
-            return looped_matmul(x, w, steps)
+            return looped_matmul(x, w, steps, config=config)
 
     else:
         w_stacked = jnp.stack(ws)
@@ -959,14 +973,15 @@ def trace_all(
     w_host: np.ndarray,
     note: Callable[[str], None],
 ) -> dict[str, dict[str, list[trace_lib.Row]]]:
-    """layout -> impl -> kernel rows, for xla (in this process) and torch_eager (in a child)."""
+    """layout -> impl -> kernel rows, for xla and the Pallas kernels (in this process, one
+    dispatch per chain) and torch_eager (in a child)."""
     traced: dict[str, dict[str, list[trace_lib.Row]]] = {layout: {} for layout in opts.layouts}
-    if "xla" in impls:
+    for impl in [i for i in impls if i in TRACED_JAX_IMPLS]:
         for layout in opts.layouts:
-            rows = trace_pass(cfg, opts, layout, "xla", x_host, w_host)
+            rows = trace_pass(cfg, opts, layout, impl, x_host, w_host)
             if not rows:
-                note(f"trace of xla {layout}: the profiler recorded no kernels")
-            traced[layout]["xla"] = rows
+                note(f"trace of {impl} {layout}: the profiler recorded no kernels")
+            traced[layout][impl] = rows
     if "torch_eager" in impls:
         try:
             for layout, rows in run_trace_child(cfg, opts, "torch_eager").items():

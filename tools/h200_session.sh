@@ -1,87 +1,122 @@
 #!/usr/bin/env bash
-# Device runs for the open issues, in stages that each fit one device call (10 min limit):
+# Device runs for the open issues, in stages; several stages can share one device call:
 #
-#   bash tools/h200_session.sh pallas     # issue 4: both kernel variants against XLA, one table
-#   bash tools/h200_session.sh tests      # GPU-only tests (pallas kernel, traces, torch reference)
-#   bash tools/h200_session.sh chain      # issue 3 + 4: sweep with pallas, HBM at 8/48/72/288 MiB
-#   bash tools/h200_session.sh core       # issue 5: Core decode/prefill, sweeps, adapter, traces, HLO
-#   bash tools/h200_session.sh core_hbm   # issue 5: HBM bytes per Core iteration (ncu)
-#   bash tools/h200_session.sh generate   # issue 6: per-token latency and peak memory
-#   bash tools/h200_session.sh generate_torch  # issue 6: the same weights in a PyTorch loop
-#   bash tools/h200_session.sh train      # issue 7: training run and the accuracy curve
+#   bash tools/h200_session.sh tests pallas chain   # one call: GPU tests, kernels, chain + ncu
+#
+#   tests     GPU-only tests (Pallas kernels, cuDNN attention) and the PyTorch reference tests,
+#             three pytest processes side by side (compilation is CPU-bound; correctness only)
+#   pallas    issue 4: both kernel variants against XLA at the issue's sizes, one table
+#   chain     issues 3 + 4: xla_loop / torch_graph / $CHAIN_PALLAS (default pallas; add
+#             pallas_splitk once the smoke run shows it correct) at 8/24/48/72/288 MiB with ncu;
+#             a trace at 72 MiB
+#   core      issue 5: Core decode/prefill with traces + HLO, batch/context sweep, ncu, adapter
+#   generate  issue 6: JAX vs PyTorch per-token latency, breakdown, peak memory at 4096
+#   train     issue 7: training run and the accuracy curve (TRAIN_SECONDS, default 150)
 #
 # Run from the repository root on the H200 machine (its own python3 with jax 0.11.2 and torch);
 # carry `.wheels` (made here with `pip download --no-deps -d .wheels flax==0.12.12`; installed
 # there only if the image's flax, 0.12.10 on 2026-11-30, lacks nnx.List).
-# Everything is written under $OUT (at most 8 files come back: traces and HLO are tarred).
+# Each stage writes under $OUT/STAGE, which is packed into $OUT/STAGE.tgz at the end (at most 8
+# files come back); $OUT/STAGE.txt keeps the stage's summary lines.
 set -u
-stage=${1:?stage: pallas, tests, chain, core, core_hbm, generate, generate_torch or train}
+[ $# -ge 1 ] || { echo "usage: $0 STAGE [STAGE...] (tests pallas chain core generate train)" >&2; exit 2; }
+for stage in "$@"; do
+  case "$stage" in
+  tests | pallas | chain | core | generate | train) ;;
+  *) echo "unknown stage $stage" >&2; exit 2 ;;
+  esac
+done
 OUT=${OUT:-out/device}
 mkdir -p "$OUT"
-export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. PYTHONUNBUFFERED=1
 python3 -c "from flax import nnx; nnx.List" 2>/dev/null || pip install -q --no-deps .wheels/flax-*.whl
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
+T0=$(date +%s)
+stamp() { echo "[$(($(date +%s) - T0)) s] $*"; }
 
-case "$stage" in
-pallas)
-  timeout 570 python3 -m pallas_kernels.looped_matmul.smoke --budget 540 > "$OUT/smoke.log" 2>&1
-  tail -c 6000 "$OUT/smoke.log"
-  ;;
-tests)
-  timeout 500 python3 -m pytest -q -m gpu tests/ 2>&1 | tail -30 | tee "$OUT/pytest_gpu.txt"
-  ;;
-chain)
-  timeout 200 python3 -m experiments.chain \
-    --size=8MiB,16MiB,24MiB,32MiB,40MiB,48MiB,56MiB,64MiB,72MiB,96MiB,144MiB,288MiB \
-    --impls=xla,torch,pallas --json_out="$OUT/chain_sweep.json" --plot_out="$OUT/chain_sweep.png" \
-    > "$OUT/chain_sweep.txt" 2>&1
-  timeout 360 python3 -m experiments.chain --size=8MiB,48MiB,72MiB,288MiB \
-    --impls=xla_loop,torch_graph,pallas --hbm --trace_dir="$OUT/trace" \
-    --json_out="$OUT/chain_hbm.json" --plot_out="$OUT/chain_hbm.png" > "$OUT/chain_hbm.txt" 2>&1
-  tar czf "$OUT/chain_traces.tgz" -C "$OUT" trace 2>/dev/null && rm -rf "$OUT/trace"
-  grep -v "chain:" "$OUT/chain_sweep.txt" | tail -5; grep -v "chain:" "$OUT/chain_hbm.txt" | tail -30
-  ;;
-core)
-  timeout 330 python3 -m experiments.core --mode=decode,prefill --iterations=1,8 \
-    --impls=xla,xla_cudnn,torch --trace_dir="$OUT/trace" --hlo_dir="$OUT/hlo" \
-    --json_out="$OUT/core.json" > "$OUT/core.txt" 2>&1
-  timeout 120 python3 -m experiments.core --mode=decode --iterations=8 --batch=1,8,32 \
-    --context=1024,4096 --impls=xla,torch_graph --repeats=10 --json_out="$OUT/core_sweep.json" \
-    > "$OUT/core_sweep.txt" 2>&1
-  timeout 100 python3 -m experiments.adapter --m=1,1024 --hbm --json_out="$OUT/adapter.json" \
-    > "$OUT/adapter.txt" 2>&1
-  tar czf "$OUT/core_traces_hlo.tgz" -C "$OUT" trace hlo 2>/dev/null && rm -rf "$OUT/trace" "$OUT/hlo"
-  tail -25 "$OUT/core.txt"; tail -12 "$OUT/core_sweep.txt"; tail -8 "$OUT/adapter.txt"
-  ;;
-core_hbm)
-  timeout 560 python3 -m experiments.core --mode=decode,prefill --iterations=1,8 \
-    --impls=xla,torch_graph --repeats=5 --hbm --json_out="$OUT/core_hbm.json" \
-    > "$OUT/core_hbm.txt" 2>&1
-  tail -20 "$OUT/core_hbm.txt"
-  ;;
-generate)
-  timeout 250 python3 -m huginn_jax.generate --config=huginn_0125 --random_weights --dtype=bf16 \
-    --prompt_len=1024 --max_new_tokens=64 --num_steps=32 --init_scale=0 --breakdown --noprogress \
-    --json_out="$OUT/generate_ctx1024.json" > "$OUT/generate.txt" 2>&1
-  timeout 150 python3 -m huginn_jax.generate --config=huginn_0125 --random_weights --dtype=bf16 \
+stage_tests() {
+  local d=$1
+  timeout 150 python3 -m pytest -q -m gpu tests/test_looped_matmul.py -k "not splitk" \
+    > "$d/pytest_resident.txt" 2>&1 &
+  timeout 150 python3 -m pytest -q -m gpu tests/test_looped_matmul.py -k splitk \
+    > "$d/pytest_splitk.txt" 2>&1 &
+  timeout 150 python3 -m pytest -q tests/test_model.py tests/test_torch_ref.py \
+    > "$d/pytest_model_torch.txt" 2>&1 &
+  wait
+  for f in "$d"/pytest_*.txt; do echo "== $(basename "$f")"; tail -4 "$f"; done
+}
+
+stage_pallas() {
+  local d=$1
+  timeout 160 python3 -m pallas_kernels.looped_matmul.smoke --timeout 45 --budget 150 --reps 10 \
+    --only splitk_d2048_m1,splitk_d6144_m1,resident_d6144_m1,splitk_d3520_m1,splitk_d12288_m1,splitk_d6144_m8,splitk_d6144_m64,splitk_d6144_m1_regs0,splitk_d6144_m1_leaderpoll,splitk_d6144_m1_ksplit8 \
+    > "$d/smoke.log" 2>&1
+  sed -n '/=== looped matmul/,$p' "$d/smoke.log"
+}
+
+stage_chain() {
+  local d=$1 impls=xla_loop,torch_graph,${CHAIN_PALLAS:-pallas}
+  timeout 250 python3 -m experiments.chain --size=72MiB,24MiB,288MiB,48MiB,8MiB --impls=$impls \
+    --hbm --json_out="$d/chain_hbm.json" --plot_out="$d/chain_hbm.png" > "$d/chain_hbm.txt" 2>&1
+  timeout 80 python3 -m experiments.chain --size=72MiB --impls=xla,torch_eager,${CHAIN_PALLAS:-pallas} \
+    --trace_dir="$d/trace" --json_out="$d/chain_trace.json" --plot_out= > "$d/chain_trace.txt" 2>&1
+  grep -v "chain:" "$d/chain_hbm.txt" | tail -45; grep -v "chain:" "$d/chain_trace.txt" | tail -30
+}
+
+stage_core() {
+  local d=$1
+  timeout 200 python3 -m experiments.core --mode=decode,prefill --iterations=1,8 \
+    --impls=xla,xla_cudnn,torch --trace_dir="$d/trace" --hlo_dir="$d/hlo" \
+    --json_out="$d/core.json" > "$d/core.txt" 2>&1
+  stamp "core main done"
+  timeout 90 python3 -m experiments.core --mode=decode --iterations=8 --batch=1,8,32 \
+    --context=1024,4096 --impls=xla,torch_graph --repeats=10 --json_out="$d/core_sweep.json" \
+    > "$d/core_sweep.txt" 2>&1
+  stamp "core sweep done"
+  timeout 120 python3 -m experiments.core --mode=decode,prefill --iterations=1,8 \
+    --impls=xla,torch_graph --repeats=5 --hbm --json_out="$d/core_hbm.json" \
+    > "$d/core_hbm.txt" 2>&1
+  stamp "core hbm done"
+  timeout 45 python3 -m experiments.adapter --m=1,1024 --hbm --json_out="$d/adapter.json" \
+    > "$d/adapter.txt" 2>&1
+  tail -25 "$d/core.txt"; tail -12 "$d/core_sweep.txt"; tail -12 "$d/core_hbm.txt"
+  tail -8 "$d/adapter.txt"
+}
+
+stage_generate() {
+  local d=$1
+  timeout 170 python3 -m experiments.generate_vs_torch --config=huginn_0125 --dtype=bf16 \
+    --prompt_len=1024 --max_new_tokens=32 --num_steps=32 \
+    --json_out="$d/generate_vs_torch.json" > "$d/generate_vs_torch.txt" 2>&1
+  stamp "generate_vs_torch done"
+  timeout 120 python3 -m huginn_jax.generate --config=huginn_0125 --random_weights --dtype=bf16 \
+    --prompt_len=1024 --max_new_tokens=32 --num_steps=32 --init_scale=0 --breakdown --noprogress \
+    --json_out="$d/generate_ctx1024.json" > "$d/generate.txt" 2>&1
+  stamp "generate breakdown done"
+  timeout 100 python3 -m huginn_jax.generate --config=huginn_0125 --random_weights --dtype=bf16 \
     --prompt_len=1024 --max_new_tokens=16 --num_steps=32 --cache_len=4096 --init_scale=0 \
-    --noprogress --json_out="$OUT/generate_mem4096.json" >> "$OUT/generate.txt" 2>&1
-  tail -30 "$OUT/generate.txt"
-  ;;
-generate_torch)
-  timeout 150 python3 -m pytest -q tests/test_torch_ref.py 2>&1 | tail -15 | tee "$OUT/pytest_torch_ref.txt"
-  timeout 400 python3 -m experiments.generate_vs_torch --config=huginn_0125 --dtype=bf16 \
-    --prompt_len=1024 --max_new_tokens=32 --num_steps=32 --torch_eager \
-    --json_out="$OUT/generate_vs_torch.json" > "$OUT/generate_vs_torch.txt" 2>&1
-  tail -15 "$OUT/generate_vs_torch.txt"
-  ;;
-train)
-  timeout 540 python3 -m experiments.train --flagfile=experiments/train_h200.flags \
-    --json_out="$OUT/train.json" --plot_out="$OUT/train.png" \
-    --ckpt_dir=/tmp/huginn_train/ckpt --export_dir=/tmp/huginn_train/export > "$OUT/train.txt" 2>&1
-  tail -30 "$OUT/train.txt"
-  ;;
-*)
-  echo "unknown stage $stage" >&2; exit 2
-  ;;
-esac
+    --noprogress --json_out="$d/generate_mem4096.json" >> "$d/generate.txt" 2>&1
+  tail -15 "$d/generate_vs_torch.txt"; tail -30 "$d/generate.txt"
+}
+
+stage_train() {
+  local d=$1
+  timeout $((${TRAIN_SECONDS:-150} + 200)) python3 -m experiments.train \
+    --flagfile=experiments/train_h200.flags --max_train_seconds="${TRAIN_SECONDS:-150}" \
+    --json_out="$d/train.json" --plot_out="$d/train.png" \
+    --ckpt_dir=/tmp/huginn_train/ckpt --export_dir=/tmp/huginn_train/export > "$d/train.txt" 2>&1
+  tail -30 "$d/train.txt"
+}
+
+for stage in "$@"; do
+  d="$OUT/$stage"
+  mkdir -p "$d"
+  stamp "stage $stage"
+  "stage_$stage" "$d" 2>&1 | tee "$OUT/$stage.txt"
+  stamp "stage $stage done"
+done
+# Pack after all stages (the chain stage reads the pallas stage's log).
+for stage in "$@"; do
+  tar czf "$OUT/$stage.tgz" -C "$OUT" "$stage" && rm -rf "${OUT:?}/$stage"
+done
+ls -la "$OUT"
