@@ -33,6 +33,7 @@ from experiments import cli  # noqa: E402
 from experiments.measure import ncu as ncu_lib  # noqa: E402
 from experiments.measure import results as results_lib  # noqa: E402
 from experiments.measure import timing  # noqa: E402
+from experiments.torch_ref import chain as torch_chain  # noqa: E402 (imports no torch)
 from huginn_jax import costs  # noqa: E402
 from huginn_jax.config import HuginnConfig  # noqa: E402
 from huginn_jax.layers import truncated_normal  # noqa: E402
@@ -128,14 +129,7 @@ class TorchRunner:
                 torch.matmul(x, w, out=ys[i])
             return ys
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            run()
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = run()
+        self.graph, self.out = torch_chain.capture_graph(run, warmup=1)
 
     def __call__(self):
         self.graph.replay()

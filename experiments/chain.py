@@ -14,8 +14,9 @@ Implementations (`--impls` takes these names or the families "xla" and "torch"):
   xla_loop_nocb  as xla_loop, command buffers off (GPU only)
   torch_eager    PyTorch, one chain per call (CUDA only)
   torch_graph    PyTorch, one captured chain replayed N times per call (CUDA only)
-  pallas         the persistent Pallas kernel (pallas_kernels.looped_matmul): all steps in one
-                 launch; copies: the step weights stacked [steps, d, d] (GPU, sm_90)
+  pallas         the persistent Pallas kernel (pallas_kernels.looped_matmul): all steps of a
+                 chain in one launch, N chains per call as xla_loop; copies: the step weights
+                 stacked [steps, d, d] (GPU, sm_90)
   pallas_splitk  the split-K persistent kernel (weight in registers + shared memory + L2);
                  copies: the stacked resident kernel, as `pallas` (split-K keeps one weight)
 
@@ -67,6 +68,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("repeats", 50, "Timed calls; the median is reported (fewer on CPU).")
     flags.DEFINE_integer("chains_per_call", 20, "N: chains per call of xla_loop and torch_graph.")
     flags.DEFINE_integer("ncu_chains", 100, "Chains inside each range that --hbm profiles.")
+    flags.DEFINE_integer("ncu_timeout", 300, "Seconds an --hbm child may run under ncu.")
     flags.DEFINE_string("json_out", "out/chain.json", "Results JSON ('' to skip).")
     flags.DEFINE_string("plot_out", "out/chain.png", "Plot drawn from the JSON ('' to skip).")
     flags.DEFINE_bool("hbm", False, "Also measure HBM bytes and L2 hit rate with Nsight Compute.")
@@ -82,7 +84,12 @@ XLA_IMPLS = ("xla", "xla_loop", "xla_nocb", "xla_loop_nocb")
 PALLAS_IMPLS = ("pallas", "pallas_splitk")
 FAMILIES = {"xla": XLA_IMPLS, "torch": torch_chain.IMPLS}
 KNOWN_IMPLS = XLA_IMPLS + torch_chain.IMPLS + PALLAS_IMPLS
-# --trace_dir traces these (one dispatch per chain) and torch_eager; not the looped forms.
+# Impls whose two layouts run different kernels: no bit-identity check between them.
+LAYOUTS_NOT_COMPARABLE = {
+    "pallas_splitk": "copies run the resident kernel; split-K also adds its partial sums in a "
+    "run-dependent order (TMA reduce-add)",
+}
+# --trace_dir traces these in this process, and torch_eager in a child.
 TRACED_JAX_IMPLS = ("xla", *PALLAS_IMPLS)
 LAYOUTS = ("shared", "copies")
 DTYPES = {
@@ -370,7 +377,7 @@ def options_from_flags() -> Options:
         dtype = DTYPES[FLAGS.dtype.lower()]
     except KeyError:
         raise UserError(f"unknown --dtype={FLAGS.dtype!r}; use bf16, fp16 or fp32") from None
-    for name in ("steps", "batch", "repeats", "chains_per_call", "ncu_chains"):
+    for name in ("steps", "batch", "repeats", "chains_per_call", "ncu_chains", "ncu_timeout"):
         if FLAGS[name].value < 1:
             raise UserError(f"--{name} must be >= 1, got {FLAGS[name].value}")
     if FLAGS.warmup < 0:
@@ -595,6 +602,7 @@ def hbm_pass(
             log_file=str(Path(out) / "ncu.csv"),
             env=child_env(impls),
             cwd=str(REPO_ROOT),
+            timeout_s=FLAGS.ncu_timeout,
         )
         ranges = results_lib.read_json(Path(out) / "child.json")["ranges"]
         results = ncu_lib.parse_ncu_csv(text)
@@ -677,16 +685,19 @@ def build_runner(
     ws = make_weights(w_host, cfg.steps, layout)
     if impl in PALLAS_IMPLS:
         variant = "splitk" if impl == "pallas_splitk" else "resident"
-        runner = pallas_runner(jax.device_put(x_host), ws, layout, variant)
+        runner = pallas_runner(jax.device_put(x_host), ws, layout, variant, n=opts.chains_per_call)
         return runner, ws.clear
     runner = xla_runner(impl, jax.device_put(x_host), ws, n=opts.chains_per_call)
     return runner, ws.clear
 
 
-def pallas_runner(x: Any, ws: list[Any], layout: str, variant: str) -> Runner:
-    """The persistent kernel: all steps in one launch. shared: w used at every step, kernel
-    `variant` ("resident" or "splitk"); copies: the step weights stacked [steps, d, d] (one
-    allocation holding `steps` distinct copies), always the resident kernel."""
+def pallas_runner(x: Any, ws: list[Any], layout: str, variant: str, *, n: int) -> Runner:
+    """The persistent kernel, all steps of a chain in one launch; `n` chains per call, each
+    chain's output the next one's input, in one executable (as xla_loop and torch_graph, so
+    that no dispatch is timed). shared: w used at every step, kernel `variant` ("resident" or
+    "splitk"); copies: the step weights stacked [steps, d, d] (one allocation holding `steps`
+    distinct copies), always the resident kernel."""
+    import jax
     import jax.numpy as jnp
 
     from pallas_kernels.looped_matmul import (
@@ -703,22 +714,27 @@ def pallas_runner(x: Any, ws: list[Any], layout: str, variant: str) -> Runner:
             x.shape[0], w.shape[0], variant=variant, device=DeviceInfo.current()
         )
 
-        def call() -> Any:
-            return looped_matmul(x, w, steps, config=config)
+        def one_chain(y: Any, w: Any) -> Any:
+            return looped_matmul(y, w, steps, config=config)
 
     else:
-        w_stacked = jnp.stack(ws)
+        w = jnp.stack(ws)
         ws.clear()  # the stack holds the copies now
 
-        def call() -> Any:
-            return looped_matmul_copies(x, w_stacked)
+        def one_chain(y: Any, w: Any) -> Any:
+            return looped_matmul_copies(y, w)
+
+    loop = jax.jit(lambda x, w: jax.lax.fori_loop(0, n, lambda _, y: one_chain(y, w), x))
+
+    def call() -> Any:
+        return loop(x, w)
 
     return Runner(
         fn=call,
-        per_call=1,
+        per_call=n,
         sync=None,
         output=lambda: np.asarray(call()).astype(np.float32),
-        chains_in_output=1,
+        chains_in_output=n,
     )
 
 
@@ -728,23 +744,24 @@ def pallas_runner(x: Any, ws: list[Any], layout: str, variant: str) -> Runner:
 def trace_pass(
     cfg: ChainConfig, opts: Options, layout: str, impl: str, x_host: np.ndarray, w_host: np.ndarray
 ) -> list[trace_lib.Row]:
-    """Profiler trace of `chains_per_call` chains of `impl` (xla: one dispatch per chain;
-    torch_eager), compiled and warmed up first; the per-kernel breakdown."""
-    n = opts.chains_per_call
+    """Profiler trace of about `chains_per_call` chains of `impl` (calls of `per_call` chains
+    each), compiled and warmed up first; the per-kernel breakdown."""
     base = Path(opts.trace_dir) / f"{size_label(cfg.weight_bytes)}-{layout}-{impl}"
     runner, release = build_runner(impl, layout, x_host, w_host, cfg, opts)
+    calls = max(1, opts.chains_per_call // runner.per_call)
+    chains = calls * runner.per_call
     for _ in range(max(opts.warmup, 1)):  # compile and autotune outside the trace
         timing.wait(runner.fn(), runner.sync)
 
-    def run_n() -> None:
-        for _ in range(n):
+    def run_all() -> None:
+        for _ in range(calls):
             y = runner.fn()
         timing.wait(y, runner.sync)
 
     try:
         if impl in torch_chain.IMPLS:
-            return trace_lib.trace_torch(run_n, chains=n, export_path=f"{base}.trace.json")
-        return trace_lib.trace_jax(run_n, base, chains=n)
+            return trace_lib.trace_torch(run_all, chains=chains, export_path=f"{base}.trace.json")
+        return trace_lib.trace_jax(run_all, base, chains=chains)
     finally:
         release()
 
@@ -773,6 +790,12 @@ def _fmt(value: float | None, spec: str) -> str:
         if value is None or (isinstance(value, float) and math.isnan(value))
         else (format(value, spec))
     )
+
+
+def _fmt_identical(identical: bool | None, impl: str) -> str:
+    if identical is None:
+        return "n/a" if impl in LAYOUTS_NOT_COMPARABLE else "-"
+    return "yes" if identical else "NO"
 
 
 def _us(value: float) -> str:
@@ -808,7 +831,7 @@ def format_table(data: dict[str, Any]) -> str:
             f"{_fmt(r['pct_floor_once'], '.1f'):>8} {_fmt(r['pct_floor_steps'], '.1f'):>10} "
             f"{_fmt(speedup, '.2f'):>8} {_fmt(hbm.get('read_x_w'), '.2f'):>7} "
             f"{_fmt(hbm.get('l2_hit_pct'), '.1f'):>7} "
-            f"{'-' if ident is None else ('yes' if ident else 'NO'):>5} "
+            f"{_fmt_identical(ident, r['impl']):>5} "
             f"{_fmt(chk['rel_err'] / chk['tol'] if chk else None, '.2f'):>7}"
         )
     bw = data["env"].get("hbm_bandwidth")
@@ -818,8 +841,9 @@ def format_table(data: dict[str, Any]) -> str:
         f"{_fmt(bw / 1e12 if bw else None, '.2f')} TB/s / time.",
         "shared x = copies time / shared time; HBM xW = HBM bytes read per chain / W; "
         "L2 hit% = lts__t_sector_hit_rate over the profiled chains.",
-        "=bits: shared and copies outputs bit-identical; err/tol: max|y-ref| / max|ref| against "
-        "the fp32 numpy reference, over its tolerance (<= 1 passes).",
+        "=bits: shared and copies outputs bit-identical (n/a: the layouts run different kernels); "
+        "err/tol: max|y-ref| / max|ref| against the fp32 numpy reference, over its tolerance "
+        "(<= 1 passes).",
     ]
     return "\n".join(lines)
 
@@ -961,7 +985,10 @@ def run(opts: Options, notes: list[str], note: Callable[[str], None]) -> dict[st
                     }
                     for impl, rows in traced[layout].items()
                 )
+        if opts.json_out:  # what is done survives an interrupted sweep
+            results_lib.write_json_atomic(opts.json_out, {**data, "complete": False})
     bar.close()
+    data["complete"] = True
     return data
 
 
@@ -973,8 +1000,8 @@ def trace_all(
     w_host: np.ndarray,
     note: Callable[[str], None],
 ) -> dict[str, dict[str, list[trace_lib.Row]]]:
-    """layout -> impl -> kernel rows, for xla and the Pallas kernels (in this process, one
-    dispatch per chain) and torch_eager (in a child)."""
+    """layout -> impl -> kernel rows, for xla and the Pallas kernels (in this process) and
+    torch_eager (in a child)."""
     traced: dict[str, dict[str, list[trace_lib.Row]]] = {layout: {} for layout in opts.layouts}
     for impl in [i for i in impls if i in TRACED_JAX_IMPLS]:
         for layout in opts.layouts:
@@ -1002,10 +1029,14 @@ def add_checks(
     w = cfg.weight_bytes
     for impl in sorted({i for _, i in outputs}):
         if ("shared", impl) in outputs and ("copies", impl) in outputs:
-            identical = same_bits(outputs[("shared", impl)][0], outputs[("copies", impl)][0])
-            data["checks"]["layouts"].append(
-                {"weight_bytes": w, "impl": impl, "identical": identical}
-            )
+            check = {"weight_bytes": w, "impl": impl}
+            if impl in LAYOUTS_NOT_COMPARABLE:
+                check.update(identical=None, note=LAYOUTS_NOT_COMPARABLE[impl])
+            else:
+                check["identical"] = same_bits(
+                    outputs[("shared", impl)][0], outputs[("copies", impl)][0]
+                )
+            data["checks"]["layouts"].append(check)
     refs: dict[int, np.ndarray] = {}
     for (layout, impl), (y, chains) in outputs.items():
         if chains not in refs:
@@ -1040,6 +1071,7 @@ _OWN_FLAGS = (
     "repeats",
     "chains_per_call",
     "ncu_chains",
+    "ncu_timeout",
     "json_out",
     "plot_out",
     "hbm",

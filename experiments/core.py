@@ -42,6 +42,7 @@ from experiments.measure import ncu as ncu_lib  # noqa: E402
 from experiments.measure import results as results_lib  # noqa: E402
 from experiments.measure import timing  # noqa: E402
 from experiments.measure import trace as trace_lib  # noqa: E402
+from experiments.torch_ref import chain as torch_chain  # noqa: E402 (imports no torch)
 from huginn_jax import costs  # noqa: E402
 from huginn_jax.config import HuginnConfig  # noqa: E402
 from huginn_jax.kv_cache import KVCache  # noqa: E402
@@ -66,6 +67,7 @@ def define_flags() -> None:
     flags.DEFINE_string("json_out", "out/core.json", "Results JSON ('' to skip).")
     flags.DEFINE_bool("hbm", False, "HBM bytes per iteration from Nsight Compute (GPU + ncu).")
     flags.DEFINE_list("hbm_impls", ["xla", "torch_graph"], "Impls that --hbm profiles.")
+    flags.DEFINE_integer("ncu_timeout", 300, "Seconds an --hbm child may run under ncu.")
     flags.DEFINE_string("trace_dir", None, "Write profiler traces; print per-kernel breakdowns.")
     flags.DEFINE_string("hlo_dir", None, "Write each XLA executable's optimized HLO here.")
     flags.DEFINE_string(
@@ -260,17 +262,7 @@ class TorchRunner:
             self.fn = self._capture(self.fn)
 
     def _capture(self, fn):
-        import torch
-
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fn()
+        graph, out = torch_chain.capture_graph(fn, warmup=2)
 
         def replay():
             graph.replay()
@@ -473,7 +465,9 @@ def hbm_pass(impl: str, case: Case, ncu: str) -> dict:
         f"--seed={FLAGS.seed}",
     ]
     with tempfile.TemporaryDirectory(prefix="core-ncu-") as out:
-        text = ncu_lib.run_ncu(argv, ncu=ncu, log_file=str(Path(out) / "ncu.csv"))
+        text = ncu_lib.run_ncu(
+            argv, ncu=ncu, log_file=str(Path(out) / "ncu.csv"), timeout_s=FLAGS.ncu_timeout
+        )
     summary = ncu_lib.summarize(ncu_lib.parse_ncu_csv(text), NCU_CALLS * case.iterations)
     return dataclasses.asdict(summary)
 

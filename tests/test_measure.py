@@ -143,18 +143,21 @@ def test_parse_trace_cpu_sample():
     assert rows == sorted(rows, key=lambda r: -r.total_us)
 
 
-@pytest.mark.skipif(
-    not (DATA / "chain_h200.trace.json.gz").exists(),
-    reason="no GPU trace recorded yet: copy out/trace/8MiB-shared-xla/plugins/profile/*/"
-    "*.trace.json.gz from `python -m experiments.chain --size=8MiB --trace_dir=out/trace` on a GPU",
-)
-def test_parse_trace_gpu_sample():
-    """Recorded on a GPU: 20 chains of 8 steps (8 MiB, shared), kernels on GPU streams."""
+def test_parse_trace_gpu_samples():
+    """Recorded on the H200: 20 chains of 8 steps, W = 72 MiB, shared, profiler on."""
     rows = trace.parse_trace(DATA / "chain_h200.trace.json.gz", chains=20)
-    assert sum(r.launches for r in rows) % 20 == 0
-    assert all(r.total_us > 0 for r in rows)
-    # the host-side events (PjitFunction, ...) are not kernels
-    assert not any("Pjit" in r.name for r in rows)
+    # XLA: 8 products per chain, each a GEMM fusion (one of them a different fusion) + reduce
+    assert {r.name: r.launches for r in rows} == {
+        "gemm_fusion_dot_17": 140,
+        "gemm_fusion_dot_16": 20,
+        "loop_reduce_fusion": 160,
+    }
+    assert not any("Pjit" in r.name for r in rows)  # host-side events are not kernels
+    assert sum(r.us_per_chain for r in rows) == pytest.approx(183.2, abs=0.1)
+    # torch eager (its profiler's Chrome trace): one cuBLAS kernel per product
+    torch_rows = trace.parse_trace(DATA / "chain_h200_torch.trace.json.gz", chains=20)
+    assert [(r.launches, round(r.us_per_chain, 1)) for r in torch_rows] == [(160, 169.6)]
+    assert torch_rows[0].name.startswith("nvjet_sm90")
 
 
 def _event(pid, tid, name, dur, **args):

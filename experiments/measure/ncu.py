@@ -138,6 +138,11 @@ def ncu_command(
 
     cache_control "none" keeps L2 warm, as in the seeds' chain; "all" flushes every cache before
     each profiled range (the seeds' adapter measurement: L2 cleared before the call).
+
+    Only the child itself is profiled ("application-only"): XLA runs ptxas as a subprocess for
+    every kernel it compiles and autotunes, and with ncu injected into each of them (the default
+    "all") the children of experiments.chain and experiments.core did not finish within minutes
+    on the H200 (2026-11-30).
     """
     # Range replay takes its ranges from cuProfilerStart/Stop; kernel replay needs to be told.
     start = ["--profile-from-start", "off"] if replay_mode == "kernel" else []
@@ -145,7 +150,7 @@ def ncu_command(
         ncu,
         *("--clock-control", "none", "--cache-control", cache_control),
         *start,
-        *("--replay-mode", replay_mode, "--target-processes", "all"),
+        *("--replay-mode", replay_mode, "--target-processes", "application-only"),
         *("--metrics", ",".join(METRICS), "--print-units", "base"),
         *("--csv", "--log-file", log_file),
         *child_argv,
@@ -159,7 +164,7 @@ def run_ncu(
     log_file: str,
     env: dict[str, str] | None = None,
     cwd: str | None = None,
-    timeout_s: float = 600.0,
+    timeout_s: float = 300.0,
     replay_mode: str = "app-range",
     cache_control: str = "none",
 ) -> str:
@@ -167,9 +172,12 @@ def run_ncu(
     cmd = ncu_command(
         ncu, child_argv, log_file=log_file, replay_mode=replay_mode, cache_control=cache_control
     )
-    proc = subprocess.run(
-        cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout_s, check=False
-    )
+    try:
+        proc = subprocess.run(
+            cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout_s, check=False
+        )
+    except subprocess.TimeoutExpired:
+        raise NcuError(f"ncu did not finish within {timeout_s:.0f} s") from None
     text = ""
     if os.path.exists(log_file):
         with open(log_file, encoding="utf-8", errors="replace") as f:

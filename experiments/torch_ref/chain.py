@@ -91,15 +91,7 @@ def runner(impl: str, x_host: np.ndarray, ws: list[Any], *, dtype_name: str, n: 
         )
     if impl != "torch_graph":
         raise ValueError(f"unknown torch impl {impl!r}")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(_GRAPH_WARMUP):
-            chain(x, ws)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = chain(x, ws)  # static output buffer, rewritten by every replay
+    graph, y = capture_graph(lambda: chain(x, ws))  # y: rewritten by every replay
 
     def replay() -> None:
         for _ in range(n):
@@ -111,6 +103,29 @@ def runner(impl: str, x_host: np.ndarray, ws: list[Any], *, dtype_name: str, n: 
         return y.float().cpu().numpy()
 
     return Runner(fn=replay, per_call=n, sync=sync, output=output, chains_in_output=1)
+
+
+def capture_graph(fn: Callable[[], Any], warmup: int = _GRAPH_WARMUP) -> tuple[Any, Any]:
+    """Runs `fn` `warmup` times on a side stream (as the CUDA-graph docs ask), then captures one
+    call. Returns (graph, that call's output: static buffers that every replay rewrites).
+
+    Capture mode "thread_local": JAX shares the process, and its threads may call CUDA (freeing
+    buffers, polling events) while torch captures; in the default "global" mode such a call
+    invalidates the capture (cudaErrorStreamCaptureInvalidated, seen on the H200 in
+    experiments.generate_vs_torch right after the JAX loop).
+    """
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        out = fn()
+    return graph, out
 
 
 def release() -> None:

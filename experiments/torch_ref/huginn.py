@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from experiments.torch_ref.chain import capture_graph
 from experiments.torch_ref.core import TorchCore, layer_list, rms_norm
 
 if TYPE_CHECKING:
@@ -191,24 +192,14 @@ class DecodeGraph:
     def __init__(
         self, model: TorchHuginn, ids_Bx1: torch.Tensor, position: int, num_steps: int, warmup: int
     ):
-        import torch
-
         if model.device.type != "cuda":
             raise ValueError("a CUDA graph needs the model on a CUDA device")
 
-        def step() -> torch.Tensor:
-            return model.forward(ids_Bx1, num_steps, position, last_only=True)
+        def step() -> tuple[torch.Tensor, torch.Tensor]:
+            logits = model.forward(ids_Bx1, num_steps, position, last_only=True)
+            return logits, logits.argmax(-1)
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(warmup):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = step()
-            self.next_ids = self.logits.argmax(-1)
+        self.graph, (self.logits, self.next_ids) = capture_graph(step, warmup)
 
     def replay(self) -> torch.Tensor:
         """Runs the captured step (asynchronously); returns the static next_ids [B]."""
