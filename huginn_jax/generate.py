@@ -260,6 +260,9 @@ class StepSpec:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    # The step's positions start at 0 (the prompt): `start` is then the constant 0, so attention
+    # reads only the new positions, not the whole preallocated cache.
+    from_zero: bool = False
 
 
 class StepOutput(NamedTuple):
@@ -291,6 +294,8 @@ def step(
     cfg = model.config
     ids_BxT = ids_BxT[:, None] if ids_BxT.ndim == 1 else ids_BxT
     batch, tokens = ids_BxT.shape
+    if spec.from_zero:
+        start = 0
     init_key, sample_key = jax.random.split(jax.random.fold_in(key, start))
     if prev_state_BxD is not None:
         state0 = prev_state_BxD[:, None, :].astype(model.dtype)
@@ -319,7 +324,8 @@ def step(
     token = sample_token(
         logits, sample_key, temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p
     )
-    return StepOutput(token, steps, values, logits, state[:, -1], cache, start + tokens)
+    next_start = jnp.asarray(start + tokens, jnp.int32)  # int32 also when start is the constant 0
+    return StepOutput(token, steps, values, logits, state[:, -1], cache, next_start)
 
 
 def _adaptive_core(model, crit: Criterion, spec: StepSpec, exit_at, state0, embedded, start, cache):
@@ -589,7 +595,8 @@ def run_plan(
     key = jax.random.key(plan.seed)
     exit_at = (jnp.float32(plan.threshold), jnp.int32(plan.min_steps))
     prefill_args = (params, jnp.asarray(plan.ids), None, cache, jnp.int32(0), key, exit_at)
-    prefill, compile_prefill = _compiled(graphdef, spec, prefill_args)
+    prefill_spec = dataclasses.replace(spec, from_zero=True)
+    prefill, compile_prefill = _compiled(graphdef, prefill_spec, prefill_args)
     compile_decode = 0.0
     if plan.max_new_tokens > 1:
         prev_state = jnp.zeros((batch, cfg.n_embd), model.dtype) if plan.continuous else None

@@ -127,10 +127,13 @@ class Attention(nnx.Module):
         key = apply_rope(key, positions_T, self.cfg.rope_base)
         fused = self.cfg.attention_impl == "cudnn" and t > 1
         attention = attend_cudnn if fused else attend
-        if cache is None:
+        if cache is not None:
+            cache = cache.write(slot, start, key, v)
+        if cache is None or (isinstance(start, int) and start == 0):
+            # Nothing before the new positions (start known to be 0 at trace time): attending
+            # to them alone skips reading, scoring and masking the cache's other positions.
             out = attention(q, key, v, positions_T, positions_T)
         else:
-            cache = cache.write(slot, start, key, v)
             k_all, v_all = cache.read(slot)
             k_pos_S = jnp.arange(k_all.shape[1], dtype=jnp.int32)
             out = attention(q, k_all, v_all, positions_T, k_pos_S)

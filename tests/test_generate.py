@@ -3,6 +3,7 @@
 Compilations dominate the run time, so tests share settings (and thus executables) on purpose.
 """
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -19,6 +20,8 @@ import huginn_jax
 from huginn_jax.config import HuginnConfig
 from huginn_jax.generate import (
     CRITERIA,
+    StepSpec,
+    _step_jit,
     decode_step_bytes,
     exit_schedule,
     generate,
@@ -27,6 +30,7 @@ from huginn_jax.generate import (
 )
 
 MICRO = HuginnConfig.from_name("micro")
+EXIT_AT = (jnp.float32(5e-4), jnp.int32(0))
 # The reference's adaptive run (README (e)); cache_len fixed so that every use shares executables.
 ADAPTIVE = dict(num_steps=16, criterion="kl", threshold=5e-4, init_scale=0.0, cache_len=12)
 
@@ -188,6 +192,32 @@ def test_loop_exits_where_its_recorded_values_say(micro, criterion):
 
 
 # ---------------------------------------------------------------- sampling
+
+
+def test_prefill_from_zero_attends_to_the_prompt_alone_and_agrees(micro):
+    """The prefill's spec has from_zero: start is the constant 0, so attention scores only the
+    prompt's T positions, not [T, cache_len]; same result as reading the whole cache slot
+    (filled with noise beyond the prompt, which the mask must hide)."""
+    t, cache_len = 6, 16
+    ids = jnp.asarray(micro_prompt(2, t, seed=5))
+    spec = StepSpec(num_steps=3, init_scale=1.0)
+    graphdef, params = nnx.split(micro)
+
+    def prefill(spec):
+        cache = huginn_jax.KVCache.create(MICRO, batch=2, max_len=cache_len, num_steps=3)
+        noise = jax.random.normal(jax.random.key(13), cache.k.shape)
+        cache = dataclasses.replace(cache, k=noise, v=-noise)
+        args = (params, ids, None, cache, jnp.int32(0), jax.random.key(1), EXIT_AT)
+        text = _step_jit.lower(graphdef, *args, spec=spec).as_text()
+        return _step_jit(graphdef, *args, spec=spec), text.replace(", ", "x")
+
+    (read, read_hlo) = prefill(spec)
+    (alone, alone_hlo) = prefill(dataclasses.replace(spec, from_zero=True))
+    np.testing.assert_allclose(alone.logits, read.logits, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(alone.cache.k, read.cache.k, rtol=2e-5, atol=2e-5)
+    assert int(alone.next_start) == t and alone.next_start.dtype == jnp.int32
+    scores = f"{t}x{cache_len}xf32"  # [B, H, T, S] scores end in "6x16xf32" in StableHLO
+    assert scores in read_hlo and scores not in alone_hlo
 
 
 def test_sample_token_filters():
