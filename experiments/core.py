@@ -275,6 +275,7 @@ class TorchRunner:
 
     def release(self):
         self.fn = self.core = self.k = self.v = None
+        release_torch_memory()
 
 
 def to_numpy(out) -> np.ndarray:
@@ -475,6 +476,12 @@ def hbm_pass(impl: str, case: Case, ncu: str) -> dict:
 # ---------------------------------------------------------------- main
 
 
+def release_torch_memory() -> None:
+    """Returns torch's cached blocks to the driver (when torch is loaded), for the next case."""
+    if "torch" in sys.modules and sys.modules["torch"].cuda.is_available():
+        torch_chain.release()
+
+
 def run(cases: list[Case], impls: list[str]) -> dict:
     from tqdm import tqdm
 
@@ -497,8 +504,20 @@ def run(cases: list[Case], impls: list[str]) -> dict:
     records, checks = [], []
     grid = [(c, i) for c in cases for i in impls]
     outputs: dict[tuple, np.ndarray] = {}
+    failures = []
     for case, impl in tqdm(grid, desc="core", disable=len(grid) < 2, file=sys.stderr):
-        rec, out = run_case(impl, cfg, graphdef, params, case, FLAGS.dtype, ceilings, FLAGS.hlo_dir)
+        try:
+            rec, out = run_case(
+                impl, cfg, graphdef, params, case, FLAGS.dtype, ceilings, FLAGS.hlo_dir
+            )
+        except Exception as e:  # out of memory in one case of a sweep: note it, go on
+            if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+                raise
+            first = str(e).strip().splitlines()[0][:200]
+            print(f"note: {impl} {case.spec()} ran out of device memory: {first}")
+            failures.append({**dataclasses.asdict(case), "impl": impl, "error": first})
+            release_torch_memory()
+            continue
         records.append(rec)
         outputs[(case, impl)] = out
     if FLAGS.trace_dir:
@@ -531,7 +550,7 @@ def run(cases: list[Case], impls: list[str]) -> dict:
                 rec["cost_model"]["weight_bytes"] + rec["cost_model"]["kv_read_bytes"]
             )
             rec["hbm"] = hbm
-    return {"records": records, "checks": checks, "ceilings": ceilings}
+    return {"records": records, "checks": checks, "ceilings": ceilings, "failures": failures}
 
 
 def scaling_lines(records: list[dict]) -> list[str]:

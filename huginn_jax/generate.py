@@ -583,6 +583,7 @@ def run_plan(
     """Runs a checked request: compiles the prefill and decode steps, then the token loop."""
     cfg, spec = model.config, plan.spec
     batch, prompt_len = plan.ids.shape
+    peak_before = peak_memory_bytes()  # weights loaded; tells a loading peak from a run's
     cache = KVCache.create(
         cfg,
         batch=batch,
@@ -635,6 +636,7 @@ def run_plan(
         prefill_s=prefill_s,
         latencies=latencies,
     )
+    stats["peak_bytes_before_generation"] = peak_before
     return Generation(tokens, steps, values, logits, stats, out.cache)
 
 
@@ -1032,6 +1034,8 @@ def _print_table(stats: dict) -> None:
             f"{stats['cache_bytes'] / 1e9:.3f} GB / {stats['weight_bytes'] / 1e9:.3f} GB",
         ),
         ("peak device memory", fmt(stats["peak_bytes_in_use"], 1e-9, " GB")),
+        ("peak before generation", fmt(stats.get("peak_bytes_before_generation"), 1e-9, " GB")),
+        ("memory bound", fmt(stats.get("memory_bound_bytes"), 1e-9, " GB")),
     ]
     width = max(len(name) for name, _ in rows)
     for name, value in rows:

@@ -9,8 +9,11 @@
 #   chain     issues 3 + 4: xla_loop / torch_graph / $CHAIN_PALLAS (default pallas; add
 #             pallas_splitk once the smoke run shows it correct) at 8/24/48/72/288 MiB with ncu;
 #             a trace at 72 MiB
+#   chain_hbm the ncu part of `chain` alone
 #   core      issue 5: Core decode/prefill with traces + HLO, batch/context sweep, ncu, adapter
+#   core_cublas  issue 5: the Core with XLA's Triton GEMMs off (cuBLAS for every dot)
 #   generate  issue 6: JAX vs PyTorch per-token latency, breakdown, peak memory at 4096
+#   generate_mem  issue 6: peak memory at 4096 alone, beside the remaining split-K GPU tests
 #   train     issue 7: training run and the accuracy curve (TRAIN_SECONDS, default 150)
 #
 # Run from the repository root on the H200 machine (its own python3 with jax 0.11.2 and torch);
@@ -19,10 +22,10 @@
 # Each stage writes under $OUT/STAGE, which is packed into $OUT/STAGE.tgz at the end (at most 8
 # files come back); $OUT/STAGE.txt keeps the stage's summary lines.
 set -u
-[ $# -ge 1 ] || { echo "usage: $0 STAGE [STAGE...] (tests pallas chain core generate train)" >&2; exit 2; }
+[ $# -ge 1 ] || { echo "usage: $0 STAGE [STAGE...] (see the list above)" >&2; exit 2; }
 for stage in "$@"; do
   case "$stage" in
-  tests | pallas | chain | core | generate | train) ;;
+  tests | pallas | chain | chain_hbm | core | core_cublas | generate | generate_mem | train) ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done
@@ -55,12 +58,19 @@ stage_pallas() {
 }
 
 stage_chain() {
-  local d=$1 impls=xla_loop,torch_graph,${CHAIN_PALLAS:-pallas}
-  timeout 250 python3 -m experiments.chain --size=72MiB,24MiB,288MiB,48MiB,8MiB --impls=$impls \
-    --hbm --json_out="$d/chain_hbm.json" --plot_out="$d/chain_hbm.png" > "$d/chain_hbm.txt" 2>&1
+  stage_chain_hbm "$1"
+  local d=$1
   timeout 80 python3 -m experiments.chain --size=72MiB --impls=xla,torch_eager,${CHAIN_PALLAS:-pallas} \
     --trace_dir="$d/trace" --json_out="$d/chain_trace.json" --plot_out= > "$d/chain_trace.txt" 2>&1
-  grep -v "chain:" "$d/chain_hbm.txt" | tail -45; grep -v "chain:" "$d/chain_trace.txt" | tail -30
+  grep -v "chain:" "$d/chain_trace.txt" | tail -30
+}
+
+stage_chain_hbm() {
+  local d=$1
+  timeout 220 python3 -m experiments.chain --size=72MiB,288MiB,48MiB,24MiB,8MiB \
+    --impls=xla_loop,torch_graph,${CHAIN_PALLAS:-pallas} --hbm --ncu_timeout=80 \
+    --json_out="$d/chain_hbm.json" --plot_out="$d/chain_hbm.png" > "$d/chain_hbm.txt" 2>&1
+  grep -v "chain:" "$d/chain_hbm.txt" | tail -45
 }
 
 stage_core() {
@@ -69,7 +79,7 @@ stage_core() {
     --impls=xla,xla_cudnn,torch --trace_dir="$d/trace" --hlo_dir="$d/hlo" \
     --json_out="$d/core.json" > "$d/core.txt" 2>&1
   stamp "core main done"
-  timeout 90 python3 -m experiments.core --mode=decode --iterations=8 --batch=1,8,32 \
+  timeout 90 python3 -m experiments.core --mode=decode --iterations=4 --batch=1,8,32 \
     --context=1024,4096 --impls=xla,torch_graph --repeats=10 --json_out="$d/core_sweep.json" \
     > "$d/core_sweep.txt" 2>&1
   stamp "core sweep done"
@@ -81,6 +91,25 @@ stage_core() {
     > "$d/adapter.txt" 2>&1
   tail -25 "$d/core.txt"; tail -12 "$d/core_sweep.txt"; tail -12 "$d/core_hbm.txt"
   tail -8 "$d/adapter.txt"
+}
+
+stage_core_cublas() {
+  local d=$1
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" timeout 80 python3 -m experiments.core \
+    --mode=decode,prefill --iterations=8 --impls=xla,torch_graph --repeats=10 \
+    --json_out="$d/core_cublas.json" > "$d/core_cublas.txt" 2>&1
+  tail -8 "$d/core_cublas.txt"
+}
+
+stage_generate_mem() {
+  local d=$1
+  timeout 60 python3 -m pytest -q -m gpu tests/test_looped_matmul.py \
+    -k "splitk_configs or splitk_repeated" > "$d/pytest_splitk_rest.txt" 2>&1 &
+  timeout 60 python3 -m huginn_jax.generate --config=huginn_0125 --random_weights --dtype=bf16 \
+    --prompt_len=1024 --max_new_tokens=16 --num_steps=32 --cache_len=4096 --init_scale=0 \
+    --noprogress --json_out="$d/generate_mem4096.json" > "$d/generate_mem.txt" 2>&1
+  wait
+  tail -14 "$d/generate_mem.txt"; tail -3 "$d/pytest_splitk_rest.txt"
 }
 
 stage_generate() {

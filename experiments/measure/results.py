@@ -109,6 +109,7 @@ def environment(flag_values: dict[str, Any]) -> dict[str, Any]:
         "timestamp_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "argv": list(sys.argv),
         "flags": flag_values,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
 
 
