@@ -584,26 +584,36 @@ def run_plan(
     cfg, spec = model.config, plan.spec
     batch, prompt_len = plan.ids.shape
     peak_before = peak_memory_bytes()  # weights loaded; tells a loading peak from a run's
-    cache = KVCache.create(
-        cfg,
-        batch=batch,
-        max_len=plan.cache_len,
-        num_steps=spec.num_steps,
-        dtype=model.dtype,
-        strategy=plan.strategy,
-    )
+
+    def new_cache():
+        return KVCache.create(
+            cfg,
+            batch=batch,
+            max_len=plan.cache_len,
+            num_steps=spec.num_steps,
+            dtype=model.dtype,
+            strategy=plan.strategy,
+        )
+
+    # Compiled against the cache's shape before the cache exists: compilation (autotuning
+    # scratch buffers included) never holds device memory next to it.
+    cache_shape = jax.eval_shape(new_cache)
     graphdef, params = nnx.split(model)
     key = jax.random.key(plan.seed)
     exit_at = (jnp.float32(plan.threshold), jnp.int32(plan.min_steps))
-    prefill_args = (params, jnp.asarray(plan.ids), None, cache, jnp.int32(0), key, exit_at)
+    ids = jnp.asarray(plan.ids)
     prefill_spec = dataclasses.replace(spec, from_zero=True)
+    prefill_args = (params, ids, None, cache_shape, jnp.int32(0), key, exit_at)
     prefill, compile_prefill = _compiled(graphdef, prefill_spec, prefill_args)
     compile_decode = 0.0
+    temp_bytes = {"prefill": _temp_bytes(prefill)}
+    prev_state = jnp.zeros((batch, cfg.n_embd), model.dtype) if plan.continuous else None
     if plan.max_new_tokens > 1:
-        prev_state = jnp.zeros((batch, cfg.n_embd), model.dtype) if plan.continuous else None
         token = jnp.zeros((batch,), jnp.int32)
-        decode_args = (params, token, prev_state, cache, jnp.int32(0), key, exit_at)
+        decode_args = (params, token, prev_state, cache_shape, jnp.int32(0), key, exit_at)
         decode, compile_decode = _compiled(graphdef, spec, decode_args)
+        temp_bytes["decode"] = _temp_bytes(decode)
+    prefill_args = (params, ids, None, new_cache(), jnp.int32(0), key, exit_at)
 
     t0 = time.perf_counter()
     out = prefill(*prefill_args)
@@ -637,7 +647,16 @@ def run_plan(
         latencies=latencies,
     )
     stats["peak_bytes_before_generation"] = peak_before
+    stats["executable_temp_bytes"] = temp_bytes
     return Generation(tokens, steps, values, logits, stats, out.cache)
+
+
+def _temp_bytes(executable) -> int | None:
+    """Scratch memory XLA assigned to a compiled step (None where the backend does not say)."""
+    try:
+        return int(executable.memory_analysis().temp_size_in_bytes)
+    except Exception:  # memory_analysis is optional for a backend
+        return None
 
 
 def _record(out: StepOutput, with_logits: bool):
@@ -1035,6 +1054,13 @@ def _print_table(stats: dict) -> None:
         ),
         ("peak device memory", fmt(stats["peak_bytes_in_use"], 1e-9, " GB")),
         ("peak before generation", fmt(stats.get("peak_bytes_before_generation"), 1e-9, " GB")),
+        (
+            "XLA temp prefill / decode",
+            " / ".join(
+                fmt(stats.get("executable_temp_bytes", {}).get(n), 1e-9, " GB")
+                for n in ("prefill", "decode")
+            ),
+        ),
         ("memory bound", fmt(stats.get("memory_bound_bytes"), 1e-9, " GB")),
     ]
     width = max(len(name) for name, _ in rows)
