@@ -47,6 +47,7 @@ from huginn_jax import costs  # noqa: E402
 from huginn_jax.config import HuginnConfig  # noqa: E402
 from huginn_jax.kv_cache import KVCache  # noqa: E402
 from huginn_jax.model import Core, run_core  # noqa: E402
+from huginn_jax.xla_flags import GEMM_CHOICES, use_gemm  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -61,6 +62,9 @@ def define_flags() -> None:
     flags.DEFINE_list("impls", ["xla", "torch"], "xla, torch (= the three torch_* impls) or names.")
     flags.DEFINE_string("config", "huginn_0125", "Model preset whose Core is measured.")
     flags.DEFINE_enum("dtype", "bf16", ["bf16", "fp32"], "Weights, state and cache dtype.")
+    flags.DEFINE_enum(
+        "gemm", "cublas", list(GEMM_CHOICES), "Dots: cublas (Triton GEMMs off) or xla's choice."
+    )
     flags.DEFINE_integer("warmup", 3, "Untimed calls.")
     flags.DEFINE_integer("repeats", 20, "Timed calls (median reported).")
     flags.DEFINE_integer("seed", 0, "Seed of weights, state and history.")
@@ -464,6 +468,7 @@ def hbm_pass(impl: str, case: Case, ncu: str) -> dict:
         f"--config={FLAGS.config}",
         f"--dtype={FLAGS.dtype}",
         f"--seed={FLAGS.seed}",
+        f"--gemm={FLAGS.gemm}",
     ]
     with tempfile.TemporaryDirectory(prefix="core-ncu-") as out:
         text = ncu_lib.run_ncu(
@@ -570,6 +575,7 @@ def scaling_lines(records: list[dict]) -> list[str]:
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
+    use_gemm(FLAGS.gemm)  # before anything starts the backend (ncu children inherit it)
     if FLAGS.ncu_child:
         ncu_child(FLAGS.ncu_child)
         return
@@ -612,8 +618,8 @@ def main(argv: list[str]) -> None:
 
 
 _OWN_FLAGS = (
-    "mode iterations context batch impls config dtype warmup repeats seed json_out hbm "
-    "hbm_impls trace_dir hlo_dir"
+    "mode iterations context batch impls config dtype gemm warmup repeats seed json_out hbm "
+    "hbm_impls ncu_timeout trace_dir hlo_dir"
 ).split()
 
 

@@ -38,6 +38,7 @@ from huginn_jax.checkpoint import from_pretrained  # noqa: E402
 from huginn_jax.config import HuginnConfig  # noqa: E402
 from huginn_jax.generate import Generation, Plan, make_plan, run_plan  # noqa: E402
 from huginn_jax.model import Huginn, random_init  # noqa: E402
+from huginn_jax.xla_flags import GEMM_CHOICES, use_gemm  # noqa: E402
 
 FLAGS = flags.FLAGS
 _DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
@@ -48,6 +49,9 @@ def define_flags() -> None:
     flags.DEFINE_string("config", "huginn_0125", "Model preset (random weights, reference init).")
     flags.DEFINE_string("checkpoint", None, "Hugging Face checkpoint directory instead.")
     flags.DEFINE_enum("dtype", "bf16", list(_DTYPES), "Weights, activations and cache dtype.")
+    flags.DEFINE_enum(
+        "gemm", "cublas", list(GEMM_CHOICES), "JAX's dots: cublas (Triton GEMMs off) or xla."
+    )
     flags.DEFINE_integer("prompt_len", 1024, "Random prompt ids (drawn from --seed): the context.")
     flags.DEFINE_integer("batch", 1, "Sequences: copies of the prompt.")
     flags.DEFINE_integer("max_new_tokens", 32, "Tokens to generate (token 0 from the prefill).")
@@ -213,6 +217,7 @@ def main(argv: list[str]) -> None:
         raise ValueError(f"unexpected arguments: {' '.join(argv[1:])}")
     if FLAGS.graph_warmup < 1:
         raise ValueError("--graph_warmup must be at least 1 (cuBLAS and friends initialise there)")
+    use_gemm(FLAGS.gemm)  # before anything starts the backend
     config = _config()
     plan = _plan(config)  # every bad setting fails here, before weights or compilation
     model = _model(config)

@@ -43,6 +43,7 @@ from huginn_jax.model import (
     run_core,
     run_prelude,
 )
+from huginn_jax.xla_flags import use_gemm
 
 # --------------------------------------------------------------------------------------------
 # Exit criteria
@@ -900,6 +901,7 @@ _FLAGS = (  # (kind, name, default, help); defined only by `cli`, so importing d
     ("string", "config", None, "Preset name instead of --checkpoint; needs --random_weights."),
     ("bool", "random_weights", False, "Random weights (the reference's init) for --config."),
     ("string", "dtype", "bf16", "Parameter dtype: bf16 or f32."),
+    ("string", "gemm", "cublas", "Dots: cublas (XLA's Triton GEMMs off) or xla (XLA's choice)."),
     ("string", "prompt", None, "Prompt text, tokenized with --checkpoint's tokenizer.json."),
     ("list", "prompt_ids", None, "Prompt token ids, e.g. 1,2,3."),
     ("integer", "prompt_len", 0, "A random prompt of this many ids (drawn from --seed)."),
@@ -1074,6 +1076,7 @@ def _main(argv, F, flag_names) -> None:
 
     if len(argv) > 1:
         raise UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    use_gemm(F.gemm)  # before anything starts the backend
     costs.get_device(F.roofline_device)
     # Everything a user can get wrong fails here, before any weights are loaded or compiled.
     config = _config(F)

@@ -11,7 +11,8 @@
 #             a trace at 72 MiB
 #   chain_hbm the ncu part of `chain` alone
 #   core      issue 5: Core decode/prefill with traces + HLO, batch/context sweep, ncu, adapter
-#   core_cublas  issue 5: the Core with XLA's Triton GEMMs off (cuBLAS for every dot)
+#   core_xla_gemm  issue 5: the Core with XLA's own GEMM choice (Triton), against the default
+#             --gemm=cublas of the other stages
 #   generate  issue 6: JAX vs PyTorch per-token latency, breakdown, peak memory at 4096
 #   generate_mem  issue 6: peak memory at 4096 alone, beside the remaining split-K GPU tests
 #   train     issue 7: training run and the accuracy curve (TRAIN_SECONDS, default 150)
@@ -25,7 +26,7 @@ set -u
 [ $# -ge 1 ] || { echo "usage: $0 STAGE [STAGE...] (see the list above)" >&2; exit 2; }
 for stage in "$@"; do
   case "$stage" in
-  tests | pallas | chain | chain_hbm | core | core_cublas | generate | generate_mem | train) ;;
+  tests | pallas | chain | chain_hbm | core | core_xla_gemm | generate | generate_mem | train) ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done
@@ -93,12 +94,12 @@ stage_core() {
   tail -8 "$d/adapter.txt"
 }
 
-stage_core_cublas() {
+stage_core_xla_gemm() {
   local d=$1
-  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" timeout 80 python3 -m experiments.core \
+  timeout 80 python3 -m experiments.core --gemm=xla \
     --mode=decode,prefill --iterations=8 --impls=xla,torch_graph --repeats=10 \
-    --json_out="$d/core_cublas.json" > "$d/core_cublas.txt" 2>&1
-  tail -8 "$d/core_cublas.txt"
+    --json_out="$d/core_xla_gemm.json" > "$d/core_xla_gemm.txt" 2>&1
+  tail -8 "$d/core_xla_gemm.txt"
 }
 
 stage_generate_mem() {

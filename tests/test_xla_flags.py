@@ -1,0 +1,36 @@
+"""huginn_jax.xla_flags: the GEMM choice goes into XLA_FLAGS, and only before the backend starts."""
+
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from huginn_jax.xla_flags import TRITON_GEMM_OFF, use_gemm
+
+
+def test_unknown_choice_fails_clearly():
+    with pytest.raises(ValueError, match="must be one of"):
+        use_gemm("cutlass")
+
+
+def test_a_change_after_the_backend_started_is_refused(monkeypatch):
+    jax.devices()  # the backend runs in this process now
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    use_gemm("xla")  # nothing to change: accepted
+    with pytest.raises(RuntimeError, match="before JAX starts"):
+        use_gemm("cublas")
+
+
+def test_choice_sets_and_clears_the_flag_in_a_fresh_process():
+    code = (
+        "import os; from huginn_jax.xla_flags import use_gemm; "
+        "os.environ['XLA_FLAGS'] = '--xla_dump_to=/tmp/x'; "
+        "use_gemm('cublas'); a = os.environ['XLA_FLAGS']; use_gemm('cublas'); "
+        "b = os.environ['XLA_FLAGS']; use_gemm('xla'); print(a); print(b); "
+        "print(os.environ['XLA_FLAGS']); import jax; jax.numpy.ones(1).block_until_ready()"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert out == [f"--xla_dump_to=/tmp/x {TRITON_GEMM_OFF}"] * 2 + ["--xla_dump_to=/tmp/x"]
