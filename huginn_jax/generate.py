@@ -845,9 +845,12 @@ def _prelude_jit(graphdef, params, ids_BxT, cache, start):
     return run_prelude(m, embed(m, ids_BxT), start, cache)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
-def _core_iteration_jit(graphdef, params, state, embedded, cache, start):
-    return core_step(nnx.merge(graphdef, params), state, embedded, jnp.int32(0), start, cache)
+@functools.partial(jax.jit, static_argnames=("graphdef", "n"), donate_argnames=("cache",))
+def _core_iterations_jit(graphdef, params, state, embedded, cache, start, *, n):
+    return run_core(nnx.merge(graphdef, params), state, embedded, start, cache, n)
+
+
+CORE_TIMING_ITERATIONS = 8  # Core iterations in the executable whose time is divided by them
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
@@ -859,9 +862,11 @@ def _coda_jit(graphdef, params, state, cache, start):
 def time_parts(
     model: Huginn, cache: KVCache, position: int, *, warmup: int = 3, repeats: int = 20
 ) -> tuple[dict[str, float], KVCache]:
-    """Median seconds of one decode token's parts at `position`, each its own compiled call:
-    prelude, ONE Core iteration (adapter + Core layers), coda + head. Each call is timed until
-    its outputs are ready, after `warmup` untimed calls; caches are not flushed. Overwrites the
+    """Median seconds of one decode token's parts at `position`: prelude and coda + head, each
+    one compiled call, and ONE Core iteration (adapter + Core layers) as 1/n of an executable
+    that runs n = CORE_TIMING_ITERATIONS of them (as experiments.core measures it: one dispatch
+    per token-iteration would time the launch, not the GPU). Each call is timed until its
+    outputs are ready, after `warmup` untimed calls; caches are not flushed. Overwrites the
     cache's entries at `position`; returns the cache (it is donated)."""
     graphdef, params = nnx.split(model)
     batch = cache.k.shape[1]
@@ -869,20 +874,22 @@ def time_parts(
     ids = jnp.zeros((batch, 1), jnp.int32)
     state = jnp.ones((batch, 1, model.config.n_embd), model.dtype)
 
-    def timed(fn, *args):
+    def timed(fn, *args, **static):
         nonlocal cache
         samples = []
         for i in range(warmup + repeats):
             t0 = time.perf_counter()
-            out, cache = fn(graphdef, params, *args, cache, start)
+            out, cache = fn(graphdef, params, *args, cache, start, **static)
             jax.block_until_ready((out, cache))
             if i >= warmup:
                 samples.append(time.perf_counter() - t0)
         return statistics.median(samples), out
 
+    n = min(CORE_TIMING_ITERATIONS, cache.max_steps)
     prelude_s, embedded = timed(_prelude_jit, ids)
-    core_s, _ = timed(_core_iteration_jit, state, embedded)
+    core_s, _ = timed(_core_iterations_jit, state, embedded, n=n)
     coda_s, _ = timed(_coda_jit, state)
+    core_s /= n
     return {"prelude_s": prelude_s, "core_iteration_s": core_s, "coda_head_s": coda_s}, cache
 
 
