@@ -27,6 +27,7 @@ from huginn_jax.generate import (
     generate,
     make_plan,
     sample_token,
+    time_parts,
 )
 
 MICRO = HuginnConfig.from_name("micro")
@@ -218,6 +219,17 @@ def test_prefill_from_zero_attends_to_the_prompt_alone_and_agrees(micro):
     assert int(alone.next_start) == t and alone.next_start.dtype == jnp.int32
     scores = f"{t}x{cache_len}xf32"  # [B, H, T, S] scores end in "6x16xf32" in StableHLO
     assert scores in read_hlo and scores not in alone_hlo
+
+
+def test_time_parts_times_each_part_and_keeps_the_cache(micro):
+    cache = huginn_jax.KVCache.create(MICRO, batch=1, max_len=8, num_steps=3)
+    parts, cache2 = time_parts(micro, cache, position=5, warmup=1, repeats=2)
+    assert set(parts) == {"prelude_s", "core_iteration_s", "coda_head_s"}
+    assert all(0 < v < 60 for v in parts.values())
+    assert cache2.k.shape == cache.k.shape  # (the input cache was donated)
+    # the Core iterations wrote their own slots at position 5 (3 slots: min(8, max_steps))
+    written = np.abs(np.asarray(cache2.k[:, :, 5])).reshape(cache2.k.shape[0], -1).max(axis=1)
+    assert np.all(written[cache2.core_slot(0, 0) : cache2.core_slot(2, 3) + 1] > 0)
 
 
 def test_sample_token_filters():
