@@ -272,7 +272,7 @@ GPU_D = [
 @pytest.mark.parametrize("steps", [1, 2, 8, 32])
 def test_kernel_matches_reference_gpu(d, m, steps):
     x, w = make_inputs(d + 7 * m + steps, m, d)
-    got = looped_matmul(x, w, steps)
+    got = looped_matmul(x, w, steps, config=pick_config(m, d))  # the resident kernel
     want = looped_matmul_reference(x, w, steps)
     assert got.shape == (m, d) and got.dtype == jnp.bfloat16
     assert bool(jnp.isfinite(got.astype(jnp.float32)).all())
@@ -313,7 +313,7 @@ def test_kernel_repeated_calls_gpu():
     x, w = make_inputs(41, 8, 2048)
     want = looped_matmul_reference(x, w, 8)
     for _ in range(3):
-        assert rel_fro(looped_matmul(x, w, 8), want) <= 2e-2
+        assert rel_fro(looped_matmul(x, w, 8, config=pick_config(8, 2048)), want) <= 2e-2
 
 
 # ================================================================== split-K kernel
@@ -400,6 +400,9 @@ def test_pick_splitk_config_puts_weight_on_chip():
 
 
 def test_pick_any_config_variants():
+    assert isinstance(pick_any_config(1, 2048), SplitKConfig)  # the default
+    assert isinstance(pick_any_config(64, 6144), LoopedMatmulConfig)  # no split-K tiling fits
+    assert isinstance(pick_any_config(1, 2048, stacked=True), LoopedMatmulConfig)
     assert isinstance(pick_any_config(1, 2048, variant="splitk"), SplitKConfig)
     assert isinstance(pick_any_config(1, 2048, variant="resident"), LoopedMatmulConfig)
     assert isinstance(pick_any_config(1, 2048, stacked=True, variant="splitk"), LoopedMatmulConfig)
