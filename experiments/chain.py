@@ -14,11 +14,11 @@ Implementations (`--impls` takes these names or the families "xla" and "torch"):
   xla_loop_nocb  as xla_loop, command buffers off (GPU only)
   torch_eager    PyTorch, one chain per call (CUDA only)
   torch_graph    PyTorch, one captured chain replayed N times per call (CUDA only)
-  pallas         the persistent Pallas kernel (pallas_kernels.looped_matmul): all steps of a
-                 chain in one launch, N chains per call as xla_loop; copies: the step weights
-                 stacked [steps, d, d] (GPU, sm_90)
-  pallas_splitk  the split-K persistent kernel (weight in registers + shared memory + L2);
-                 copies: the stacked resident kernel, as `pallas` (split-K keeps one weight)
+  pallas         the resident persistent Pallas kernel (pallas_kernels.looped_matmul): all
+                 steps of a chain in one launch, N chains per call as xla_loop; copies: the
+                 step weights stacked [steps, d, d] (GPU, sm_90)
+  pallas_splitk  the split-K persistent kernel (weight in registers + shared memory + L2; the
+                 package's default); copies: the stacked resident kernel, as `pallas`
 
 Data path, one function per arrow: size string -> d (`parse_size`, `dim_for_size`) -> weights
 (`host_values`, `make_weights`) -> one jitted chain per implementation (`xla_runner`,
