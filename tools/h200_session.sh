@@ -13,6 +13,7 @@
 #   core      issue 5: Core decode/prefill with traces + HLO, batch/context sweep, ncu, adapter
 #   core_xla_gemm  issue 5: the Core with XLA's own GEMM choice (Triton), against the default
 #             --gemm=cublas of the other stages
+#   core_flags  issue 5: decode under XLA flag variants (command buffers, loop unrolling)
 #   generate  issue 6: JAX vs PyTorch per-token latency, breakdown, peak memory at 4096
 #   generate_mem  issue 6: peak memory at 4096 alone, beside the remaining split-K GPU tests
 #   train     issue 7: training run and the accuracy curve (TRAIN_SECONDS, default 150)
@@ -26,7 +27,7 @@ set -u
 [ $# -ge 1 ] || { echo "usage: $0 STAGE [STAGE...] (see the list above)" >&2; exit 2; }
 for stage in "$@"; do
   case "$stage" in
-  tests | pallas | chain | chain_hbm | core | core_xla_gemm | generate | generate_mem | train) ;;
+  tests | pallas | chain | chain_hbm | core | core_xla_gemm | core_flags | generate | generate_mem | train) ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done
@@ -100,6 +101,24 @@ stage_core_xla_gemm() {
     --mode=decode,prefill --iterations=8 --impls=xla,torch_graph --repeats=10 \
     --json_out="$d/core_xla_gemm.json" > "$d/core_xla_gemm.txt" 2>&1
   tail -8 "$d/core_xla_gemm.txt"
+}
+
+# XLA flags that may cut the launch gaps between the ~90 kernels of a decode iteration.
+CORE_FLAG_VARIANTS=(
+  ""
+  "--xla_gpu_command_buffer_unroll_loops=true"
+  "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL"
+  "--xla_gpu_enable_while_loop_double_buffering=true"
+)
+
+stage_core_flags() {
+  local d=$1 i=0
+  for flags in "${CORE_FLAG_VARIANTS[@]}"; do
+    XLA_FLAGS="$flags" timeout 70 python3 -m experiments.core --mode=decode --iterations=8 \
+      --impls=xla --repeats=10 --json_out="$d/core_flags_$i.json" > "$d/core_flags_$i.txt" 2>&1
+    echo "XLA_FLAGS='$flags': $(grep '^decode' "$d/core_flags_$i.txt")"
+    i=$((i + 1))
+  done
 }
 
 stage_generate_mem() {
