@@ -6,6 +6,7 @@
 #   tests     GPU-only tests (Pallas kernels, cuDNN attention) and the PyTorch reference tests,
 #             three pytest processes side by side (compilation is CPU-bound; correctness only)
 #   pallas    issue 4: both kernel variants against XLA at the issue's sizes, one table
+#   pallas_steps  issue 4: split-K time against steps at 8 and 24 MiB (the per-step cost)
 #   chain     issues 3 + 4: xla_loop / torch_graph / $CHAIN_PALLAS (default pallas; add
 #             pallas_splitk once the smoke run shows it correct) at 8/24/48/72/288 MiB with ncu;
 #             a trace at 72 MiB
@@ -27,7 +28,7 @@ set -u
 [ $# -ge 1 ] || { echo "usage: $0 STAGE [STAGE...] (see the list above)" >&2; exit 2; }
 for stage in "$@"; do
   case "$stage" in
-  tests | pallas | chain | chain_hbm | core | core_xla_gemm | core_flags | generate | generate_mem | train) ;;
+  tests | pallas | pallas_steps | chain | chain_hbm | core | core_xla_gemm | core_flags | generate | generate_mem | train) ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done
@@ -57,6 +58,13 @@ stage_pallas() {
     --only splitk_d2048_m1,splitk_d6144_m1,resident_d6144_m1,splitk_d3520_m1,splitk_d12288_m1,splitk_d6144_m8,splitk_d6144_m64,splitk_d6144_m1_regs0,splitk_d6144_m1_leaderpoll,splitk_d6144_m1_ksplit8 \
     > "$d/smoke.log" 2>&1
   sed -n '/=== looped matmul/,$p' "$d/smoke.log"
+}
+
+stage_pallas_steps() {
+  local d=$1
+  timeout 170 python3 -m pallas_kernels.looped_matmul.smoke --suite steps --timeout 40 \
+    --budget 160 --reps 10 > "$d/smoke_steps.log" 2>&1
+  sed -n '/--- other cases ---/,$p' "$d/smoke_steps.log"
 }
 
 stage_chain() {

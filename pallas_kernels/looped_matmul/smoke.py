@@ -2,6 +2,7 @@
 
     python -m pallas_kernels.looped_matmul.smoke                # the comparison suite + table
     python -m pallas_kernels.looped_matmul.smoke --suite legacy  # the resident kernel's probes
+    python -m pallas_kernels.looped_matmul.smoke --suite steps   # split-K time against steps
     python -m pallas_kernels.looped_matmul.smoke --case NAME     # one case in this process
     python -m pallas_kernels.looped_matmul.smoke --list
 
@@ -119,8 +120,22 @@ def _table_cases() -> dict[str, dict[str, Any]]:
     return cases
 
 
+def _steps_cases() -> dict[str, dict[str, Any]]:
+    """Per-step cost of the split-K kernel: the time against steps (1..32) at sizes that are all
+    on chip (8 and 24 MiB), where a step is only its grid barrier and state exchange plus a
+    little wgmma; and the leader-poll barrier variant at the same sizes."""
+    cases: dict[str, dict[str, Any]] = {}
+    for d in (2048, 3520):
+        for steps in (1, 2, 4, 8, 16, 32):
+            cases[f"splitk_d{d}_m1_s{steps}"] = dict(variant="splitk", m=1, d=d, steps=steps)
+        cases[f"splitk_d{d}_m1_s32_leaderpoll"] = dict(
+            variant="splitk", m=1, d=d, steps=32, cfg=dict(leader_poll=True)
+        )
+    return cases
+
+
 TABLE_CASES = _table_cases()
-SUITES = {"table": TABLE_CASES, "legacy": LEGACY_CASES}
+SUITES = {"table": TABLE_CASES, "legacy": LEGACY_CASES, "steps": _steps_cases()}
 
 
 def _config_for(spec: dict[str, Any]):
@@ -298,7 +313,7 @@ def main() -> None:
     p.add_argument("--budget", type=float, default=560.0, help="stop launching after this (s)")
     p.add_argument("--reps", type=int, default=10)
     args = p.parse_args()
-    all_cases = {**LEGACY_CASES, **TABLE_CASES}
+    all_cases = {name: spec for suite in SUITES.values() for name, spec in suite.items()}
     if args.list:
         print("\n".join(SUITES[args.suite]))
         return
