@@ -21,7 +21,6 @@ from huginn_jax.config import HuginnConfig
 from huginn_jax.generate import (
     CRITERIA,
     StepSpec,
-    _step_jit,
     decode_step_bytes,
     exit_schedule,
     generate,
@@ -29,6 +28,7 @@ from huginn_jax.generate import (
     sample_token,
     time_parts,
 )
+from huginn_jax.generate.step import _step_jit
 
 MICRO = HuginnConfig.from_name("micro")
 EXIT_AT = (jnp.float32(5e-4), jnp.int32(0))

@@ -1,0 +1,5 @@
+"""`python -m huginn_jax.generate`."""
+
+from huginn_jax.generate.cli import cli
+
+cli()
