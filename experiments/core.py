@@ -9,6 +9,9 @@ has its own KV slot.
 Modes: decode = one new position per sequence over `context` cached positions (the history is
 random, never zeros); prefill = `context` new positions from position 0. Implementations:
   xla             `lax.scan` over iterations, the cache donated and updated in place
+  xla_cudnn       as xla, prefill attention fused by cuDNN (GPU only)
+  xla_probe       the issue's plain-XLA probe: the same Core, the cache as [r, L, B, S, H, K]
+                  arrays in the scan carry written with `.at[i, j, :, pos].set`, not donated
   torch_graph     the same Core in PyTorch, static cache written in place, CUDA-graph replay
   torch_eager     the same, eager
   torch_teaching  the seeds' teaching cache: history re-concatenated with torch.cat (eager)
@@ -80,7 +83,8 @@ def define_flags() -> None:
 
 
 TORCH_IMPLS = ("torch_graph", "torch_eager", "torch_teaching")
-XLA_IMPLS = ("xla", "xla_cudnn")  # xla_cudnn: prefill attention fused by cuDNN (GPU only)
+# xla_cudnn: prefill attention fused by cuDNN (GPU only); xla_probe: the issue's plain probe
+XLA_IMPLS = ("xla", "xla_cudnn", "xla_probe")
 IMPLS = (*XLA_IMPLS, *TORCH_IMPLS)
 NCU_CALLS = 2
 
@@ -141,9 +145,7 @@ def impls_from_flags() -> list[str]:
         expanded = TORCH_IMPLS if name == "torch" else (name,)
         for impl in expanded:
             if impl not in IMPLS:
-                raise UserError(
-                    f"--impls: unknown {impl!r}; known: xla, torch, {', '.join(TORCH_IMPLS)}"
-                )
+                raise UserError(f"--impls: unknown {impl!r}; known: torch, {', '.join(IMPLS)}")
             names.append(impl)
     return list(dict.fromkeys(names))
 
@@ -208,18 +210,59 @@ def _core_jit(graphdef, params, state, embedded, cache, start, *, iterations):
     return run_core(nnx.merge(graphdef, params), state, embedded, start, cache, iterations)
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "iterations"))
+def _core_probe_jit(graphdef, params, state, embedded, cache, start, *, iterations):
+    return run_core(nnx.merge(graphdef, params), state, embedded, start, cache, iterations)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ProbeCache:
+    """The issue's plain-XLA probe: K and V as [r, L, B, S, H, K] arrays in the scan carry,
+    written with `.at[i, j, :, positions].set` (a scatter) and not donated; it has the methods
+    of `KVCache` that `run_core` uses, so the Core code is the same as the `xla` impl's."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @classmethod
+    def from_cache(cls, cache: KVCache, iterations: int) -> ProbeCache:
+        shape = (iterations, -1, *cache.k.shape[1:])
+        return cls(cache.k.reshape(shape), cache.v.reshape(shape))
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def core_slot(self, iteration, layer: int):
+        return iteration, layer
+
+    def write(self, slot, start, k_BxTxHxK, v_BxTxHxK) -> ProbeCache:
+        i, j = slot
+        positions = start + jnp.arange(k_BxTxHxK.shape[1])
+        # scalar, scalar, slice, vector indices: the indexed dims come first, [T, B, H, K]
+        k = self.k.at[i, j, :, positions].set(k_BxTxHxK.swapaxes(0, 1).astype(self.k.dtype))
+        v = self.v.at[i, j, :, positions].set(v_BxTxHxK.swapaxes(0, 1).astype(self.v.dtype))
+        return ProbeCache(k, v)
+
+    def read(self, slot):
+        i, j = slot
+        return self.k[i, j], self.v[i, j]
+
+
 class XlaRunner:
-    """The Core compiled once ahead of time; each call feeds the cache back (donated, so XLA
-    updates it in place)."""
+    """The Core compiled once ahead of time; each call feeds the cache back (`xla`: donated, so
+    XLA updates it in place; `xla_probe`: the issue's probe, `ProbeCache`, not donated)."""
 
     sync = None
 
-    def __init__(self, graphdef, params, state, embedded, cache, case: Case):
+    def __init__(self, graphdef, params, state, embedded, cache, case: Case, probe=False):
         self.args = (params, state, embedded)
         self.start = jnp.int32(case.start)
-        self.cache = cache
-        lowered = _core_jit.lower(
-            graphdef, params, state, embedded, cache, self.start, iterations=case.iterations
+        self.cache = ProbeCache.from_cache(cache, case.iterations) if probe else cache
+        jitted = _core_probe_jit if probe else _core_jit
+        lowered = jitted.lower(
+            graphdef, params, state, embedded, self.cache, self.start, iterations=case.iterations
         )
         self.compiled = lowered.compile()
 
@@ -365,8 +408,8 @@ def format_table(records: list[dict]) -> str:
 
 def make_runner(impl, cfg, graphdef, params, case, dtype_name):
     state, embedded, cache = case_inputs(cfg, case, jax_dtype(dtype_name), FLAGS.seed)
-    if impl == "xla":
-        return XlaRunner(graphdef, params, state, embedded, cache, case)
+    if impl in ("xla", "xla_probe"):
+        return XlaRunner(graphdef, params, state, embedded, cache, case, probe=impl == "xla_probe")
     if impl == "xla_cudnn":
         fused = core_graphdef(
             dataclasses.replace(cfg, attention_impl="cudnn"), jax_dtype(dtype_name)
@@ -596,7 +639,8 @@ def main(argv: list[str]) -> None:
         if "xla_report" in rec:
             rep = rec["xla_report"]
             print(
-                f"xla {rec['mode']} r={rec['iterations']} B={rec['batch']} ctx={rec['context']}: "
+                f"{rec['impl']} {rec['mode']} r={rec['iterations']} B={rec['batch']} "
+                f"ctx={rec['context']}: "
                 f"kernels/iteration {list(rep['kernels_per_iteration'].values())}, "
                 f"cache copies {len(rep['big_buffer_copies'])}, "
                 f"temp {rep.get('temp_bytes', 0) / 2**20:.1f} MiB "

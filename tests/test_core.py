@@ -63,6 +63,30 @@ def test_decode_writes_the_right_slots_and_keeps_the_history():
     assert np.abs(written[CFG.n_core :] - written[: CFG.n_core]).max() > 1e-3  # iteration 1 differs
 
 
+def test_probe_cache_writes_what_the_kv_cache_writes_and_is_copied_once():
+    """xla_probe (the issue's plain probe: scatter into [r, L, ...], no donation) computes the
+    same Core; its HLO copies both cache arrays (no donation), ours copies none."""
+    graphdef, params, case, state, embedded, cache = decode_setup(iterations=2)
+    probe = core_exp.ProbeCache.from_cache(cache, 2)
+    out_p, probe2 = core_exp._core_probe_jit(
+        graphdef, params, state, embedded, probe, jnp.int32(7), iterations=2
+    )
+    out, cache2 = core_exp._core_jit(
+        graphdef, params, state, embedded, cache, jnp.int32(7), iterations=2
+    )
+    np.testing.assert_array_equal(np.asarray(out_p), np.asarray(out))
+    np.testing.assert_array_equal(np.asarray(probe2.k).reshape(cache2.k.shape), cache2.k)
+    *_, fresh = decode_setup(iterations=2)
+    fresh = core_exp.ProbeCache.from_cache(fresh, 2)
+    compiled = core_exp._core_probe_jit.lower(
+        graphdef, params, state, embedded, fresh, jnp.int32(7), iterations=2
+    ).compile()
+    report = hlo.loop_report(
+        compiled.as_text(), compiled.memory_analysis(), big_buffer_dims=fresh.k.shape
+    )
+    assert len(report["big_buffer_copies"]) == 2 and report["alias_bytes"] == 0
+
+
 def test_core_matches_the_model_forward():
     """The Core the experiment times is the model's own: same weights, same state."""
     cfg = HuginnConfig.from_name("micro")

@@ -86,7 +86,7 @@ stage_chain_hbm() {
 stage_core() {
   local d=$1
   timeout 200 python3 -m experiments.core --mode=decode,prefill --iterations=1,8 \
-    --impls=xla,xla_cudnn,torch --trace_dir="$d/trace" --hlo_dir="$d/hlo" \
+    --impls=xla,xla_cudnn,xla_probe,torch --trace_dir="$d/trace" --hlo_dir="$d/hlo" \
     --json_out="$d/core.json" > "$d/core.txt" 2>&1
   stamp "core main done"
   timeout 90 python3 -m experiments.core --mode=decode --iterations=4 --batch=1,8,32 \
