@@ -7,16 +7,15 @@
 #             three pytest processes side by side (compilation is CPU-bound; correctness only)
 #   pallas    issue 4: both kernel variants against XLA at the issue's sizes, one table
 #   pallas_steps  issue 4: split-K time against steps at 8 and 24 MiB (the per-step cost)
-#   chain     issues 3 + 4: xla_loop / torch_graph / $CHAIN_PALLAS (default pallas; add
-#             pallas_splitk once the smoke run shows it correct) at 8/24/48/72/288 MiB with ncu;
-#             a trace at 72 MiB
+#   chain     issues 3 + 4: xla_loop / torch_graph / $CHAIN_PALLAS (default both Pallas
+#             kernels) at 8/24/48/72/288 MiB with ncu; a trace at 72 MiB
 #   chain_hbm the ncu part of `chain` alone
 #   core      issue 5: Core decode/prefill with traces + HLO, batch/context sweep, ncu, adapter
 #   core_xla_gemm  issue 5: the Core with XLA's own GEMM choice (Triton), against the default
 #             --gemm=cublas of the other stages
 #   core_flags  issue 5: decode under XLA flag variants (command buffers, loop unrolling)
 #   generate  issue 6: JAX vs PyTorch per-token latency, breakdown, peak memory at 4096
-#   generate_mem  issue 6: peak memory at 4096 alone, beside the remaining split-K GPU tests
+#   generate_mem  issue 6: peak memory at 4096 alone
 #   train     issue 7: training run and the accuracy curve (TRAIN_SECONDS, default 150)
 #
 # Run from the repository root on the H200 machine (its own python3 with jax 0.11.2 and torch);
@@ -42,11 +41,11 @@ stamp() { echo "[$(($(date +%s) - T0)) s] $*"; }
 
 stage_tests() {
   local d=$1
-  timeout 150 python3 -m pytest -q -m gpu tests/test_looped_matmul.py -k "not splitk" \
+  timeout 200 python3 -m pytest -q -m gpu tests/test_looped_matmul.py -k "not splitk" \
     > "$d/pytest_resident.txt" 2>&1 &
-  timeout 150 python3 -m pytest -q -m gpu tests/test_looped_matmul.py -k splitk \
+  timeout 200 python3 -m pytest -q -m gpu tests/test_looped_matmul.py -k splitk \
     > "$d/pytest_splitk.txt" 2>&1 &
-  timeout 150 python3 -m pytest -q tests/test_model.py tests/test_torch_ref.py \
+  timeout 200 python3 -m pytest -q tests/test_model.py tests/test_torch_ref.py \
     > "$d/pytest_model_torch.txt" 2>&1 &
   wait
   for f in "$d"/pytest_*.txt; do echo "== $(basename "$f")"; tail -4 "$f"; done
@@ -70,7 +69,7 @@ stage_pallas_steps() {
 stage_chain() {
   stage_chain_hbm "$1"
   local d=$1
-  timeout 80 python3 -m experiments.chain --size=72MiB --impls=xla,torch_eager,${CHAIN_PALLAS:-pallas} \
+  timeout 80 python3 -m experiments.chain --size=72MiB --impls=xla,torch_eager,${CHAIN_PALLAS:-pallas,pallas_splitk} \
     --trace_dir="$d/trace" --json_out="$d/chain_trace.json" --plot_out= > "$d/chain_trace.txt" 2>&1
   grep -v "chain:" "$d/chain_trace.txt" | tail -30
 }
@@ -78,7 +77,7 @@ stage_chain() {
 stage_chain_hbm() {
   local d=$1
   timeout 220 python3 -m experiments.chain --size=72MiB,288MiB,48MiB,24MiB,8MiB \
-    --impls=xla_loop,torch_graph,${CHAIN_PALLAS:-pallas} --hbm --ncu_timeout=80 \
+    --impls=xla_loop,torch_graph,${CHAIN_PALLAS:-pallas,pallas_splitk} --hbm --ncu_timeout=80 \
     --json_out="$d/chain_hbm.json" --plot_out="$d/chain_hbm.png" > "$d/chain_hbm.txt" 2>&1
   grep -v "chain:" "$d/chain_hbm.txt" | tail -45
 }
@@ -131,13 +130,10 @@ stage_core_flags() {
 
 stage_generate_mem() {
   local d=$1
-  timeout 60 python3 -m pytest -q -m gpu tests/test_looped_matmul.py \
-    -k "splitk_configs or splitk_repeated" > "$d/pytest_splitk_rest.txt" 2>&1 &
   timeout 60 python3 -m huginn_jax.generate --config=huginn_0125 --random_weights --dtype=bf16 \
     --prompt_len=1024 --max_new_tokens=16 --num_steps=32 --cache_len=4096 --init_scale=0 \
     --noprogress --json_out="$d/generate_mem4096.json" > "$d/generate_mem.txt" 2>&1
-  wait
-  tail -14 "$d/generate_mem.txt"; tail -3 "$d/pytest_splitk_rest.txt"
+  tail -16 "$d/generate_mem.txt"
 }
 
 stage_generate() {
