@@ -488,6 +488,16 @@ def test_splitk_variants_lower_for_cuda(m, d, steps, overrides):
     assert "mosaic_gpu" in f.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
 
 
+@pytest.mark.parametrize("d", [2048, 3520])
+def test_splitk_without_barrier_lowers_for_cuda(d):
+    """The smoke run's barrier ablation (a timing probe, not a correct kernel) lowers."""
+    cfg = pick_splitk_config(1, d)
+    x = jax.ShapeDtypeStruct((1, d), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((d, d), jnp.bfloat16)
+    f = jax.jit(lambda x, w: looped_matmul_splitk(x, w, steps=8, cfg=cfg, grid_barrier=False))
+    assert "mosaic_gpu" in f.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+
+
 # ------------------------------------------------------------------ GPU
 @gpu
 @requires_gpu

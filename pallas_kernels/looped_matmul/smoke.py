@@ -126,11 +126,17 @@ def _steps_cases() -> dict[str, dict[str, Any]]:
     little wgmma; and the leader-poll barrier variant at the same sizes."""
     cases: dict[str, dict[str, Any]] = {}
     for d in (2048, 3520):
-        for steps in (1, 2, 4, 8, 16, 32):
+        for steps in (1, 4, 8, 32):
             cases[f"splitk_d{d}_m1_s{steps}"] = dict(variant="splitk", m=1, d=d, steps=steps)
         cases[f"splitk_d{d}_m1_s32_leaderpoll"] = dict(
             variant="splitk", m=1, d=d, steps=32, cfg=dict(leader_poll=True)
         )
+        # Ablation: the same kernel without its grid barrier. Steps then race (the result is
+        # not expected to match: status ABLATION); the time difference is the barrier's cost.
+        for steps in (8, 32):
+            cases[f"splitk_d{d}_m1_s{steps}_nobarrier"] = dict(
+                variant="splitk", m=1, d=d, steps=steps, grid_barrier=False
+            )
     return cases
 
 
@@ -201,6 +207,7 @@ def run_case(name: str, spec: dict[str, Any], reps: int) -> None:
         looped_matmul_copies_reference,
         looped_matmul_reference,
     )
+    from pallas_kernels.looped_matmul.splitk_kernel import looped_matmul_splitk
 
     m, d, steps = spec["m"], spec["d"], spec["steps"]
     stacked = spec.get("stacked", False)
@@ -216,9 +223,13 @@ def run_case(name: str, spec: dict[str, Any], reps: int) -> None:
     x = jax.random.normal(kx, (m, d), jnp.float32).astype(jnp.bfloat16)
     wshape = (steps, d, d) if stacked else (d, d)
     w = (jax.random.normal(kw, wshape, jnp.float32) / np.sqrt(d)).astype(jnp.bfloat16)
+    ablation = spec.get("grid_barrier") is False
     if stacked:
         kern = lambda: looped_matmul_copies(x, w, config=cfg)  # noqa: E731
         ref = lambda: looped_matmul_copies_reference(x, w)  # noqa: E731
+    elif ablation:
+        kern = lambda: looped_matmul_splitk(x, w, steps=steps, cfg=cfg, grid_barrier=False)  # noqa: E731
+        ref = lambda: looped_matmul_reference(x, w, steps)  # noqa: E731
     else:
         kern = lambda: looped_matmul(x, w, steps, config=cfg)  # noqa: E731
         ref = lambda: looped_matmul_reference(x, w, steps)  # noqa: E731
@@ -237,9 +248,10 @@ def run_case(name: str, spec: dict[str, Any], reps: int) -> None:
     o, r = np.asarray(out, np.float32), np.asarray(want, np.float32)
     rel = float(np.linalg.norm(o - r) / max(np.linalg.norm(r), 1e-30))
     ok = bool(np.isfinite(o).all()) and rel < 2e-2
+    status = "ABLATION" if ablation else ("OK" if ok else "MISMATCH")
     print(
         f"[{name}] first call (compile+run) {first_s:.1f} s; max|out-ref|="
-        f"{np.abs(o - r).max():.3e} rel_fro={rel:.3e} {'OK' if ok else 'MISMATCH'}",
+        f"{np.abs(o - r).max():.3e} rel_fro={rel:.3e} {status}",
         flush=True,
     )
     k_us, k_note = _cupti_us(kern, reps)
@@ -254,7 +266,7 @@ def run_case(name: str, spec: dict[str, Any], reps: int) -> None:
         flush=True,
     )
     _result(
-        name, spec, status="OK" if ok else "MISMATCH", rel=rel, kernel_us=k_us,
+        name, spec, status=status, rel=rel, kernel_us=k_us,
         xla_us=x_us, kernel_wall_us=k_wall, xla_wall_us=x_wall,
     )  # fmt: skip
 
