@@ -63,7 +63,11 @@ def define_flags() -> None:
     flags.DEFINE_integer("batch", 1, "Rows of the state x [batch, d].")
     flags.DEFINE_string("dtype", "bf16", "bf16, fp16 (float16) or fp32 (float32).")
     flags.DEFINE_list("layouts", ["shared", "copies"], "Weight layouts: shared, copies.")
-    flags.DEFINE_list("impls", ["xla", "torch"], "Implementations or families (see module doc).")
+    flags.DEFINE_list(
+        "impls",
+        ["xla", "torch", "pallas", "pallas_splitk"],
+        "Implementations or families (see module doc); the Pallas kernels need a GPU (sm_90).",
+    )
     flags.DEFINE_integer("warmup", 10, "Untimed calls before timing (fewer on CPU unless given).")
     flags.DEFINE_integer("repeats", 50, "Timed calls; the median is reported (fewer on CPU).")
     flags.DEFINE_integer("chains_per_call", 20, "N: chains per call of xla_loop and torch_graph.")
@@ -870,7 +874,7 @@ def select_impls(opts: Options, on_gpu: bool, note: Callable[[str], None]) -> tu
         impls = [i for i in impls if i not in nocb]
     pallas = [i for i in impls if i in PALLAS_IMPLS]
     if pallas and not on_gpu:
-        note(f"the Pallas kernel needs a GPU with Mosaic GPU (sm_90); {', '.join(pallas)} skipped")
+        note(f"the Pallas kernels need a GPU with Mosaic GPU (sm_90); {', '.join(pallas)} skipped")
         impls = [i for i in impls if i not in pallas]
     torch_impls = [i for i in impls if i in torch_chain.IMPLS]
     if torch_impls:
