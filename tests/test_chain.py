@@ -262,4 +262,4 @@ def test_pallas_impl_is_known_and_skipped_without_a_gpu(tmp_path):
     assert chain.expand_impls(["pallas"]) == ("pallas",)
     proc = run_cli("--size=64KiB", "--impls=xla,pallas", "--json_out=", "--plot_out=")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "the Pallas kernel needs a GPU" in proc.stdout + proc.stderr
+    assert "the Pallas kernels need a GPU" in proc.stdout + proc.stderr
