@@ -258,6 +258,9 @@ def window_entry(steps: list[int], metrics: list[dict], tokens_per_s: float | No
     }
 
 
+MAX_STEPS_IN_FLIGHT = 4  # steps the host may dispatch ahead of the device
+
+
 def train_loop(
     step_fn,
     state,
@@ -270,12 +273,14 @@ def train_loop(
     history,
     max_seconds: float = 0.0,
 ):
-    """Runs steps until state.step == steps (or `max_seconds` of wall time have passed, checked at
-    log points); returns (state, history, timing dict).
+    """Runs steps until state.step == steps (or `max_seconds` of wall time have passed, checked
+    after every step); returns (state, history, timing dict).
 
     Metrics stay on the device between log points (no per-step host sync); each log point appends
-    one `window_entry` to `history`, and the bar shows its loss and tokens/s. The first step is
-    timed apart (it includes compilation).
+    one `window_entry` to `history`, and the bar shows its loss and tokens/s. The host runs at
+    most MAX_STEPS_IN_FLIGHT steps ahead of the device, so that the clock (and the bar) follow
+    the device and a time limit stops within a few steps of it. The first step is timed apart
+    (it includes compilation).
     """
     import jax
     from tqdm import tqdm
@@ -325,12 +330,14 @@ def train_loop(
         else:
             window_steps += 1
         pending.append((step, metrics))
+        if len(pending) > MAX_STEPS_IN_FLIGHT:
+            jax.block_until_ready(pending[-1 - MAX_STEPS_IN_FLIGHT][1])
         timing["steps_run"] += 1
         bar.update(1)
         log_point = step % log_every == 0
         if log_point:
-            flush()  # also waits for the device, so the clock below is not ahead of it
-        out_of_time = log_point and 0 < max_seconds < time.perf_counter() - loop_t0
+            flush()  # also waits for the device
+        out_of_time = 0 < max_seconds < time.perf_counter() - loop_t0
         last = step == steps or out_of_time
         save_now = ckpt is not None and (ckpt.should_save(step) or last)
         if last or save_now:
@@ -593,7 +600,8 @@ def plot_results(json_path: str | Path, out_path: str | Path) -> Path:
 def format_table(data: dict) -> str:
     ev = data["eval"]
     diffs = sorted(ev["by_difficulty"], key=int)
-    header = ["iterations", "accuracy", "seq acc", *[f"d={d}" for d in diffs]]
+    labels = data["config"].get("difficulty_labels", {})  # the task's words, e.g. "depth 0"
+    header = ["iterations", "accuracy", "seq acc", *[labels.get(d, f"d={d}") for d in diffs]]
     rows = []
     for i, r in enumerate(ev["iterations"]):
         per = [f"{ev['by_difficulty'][d]['accuracy'][i]:.3f}" for d in diffs]
