@@ -278,3 +278,34 @@ def test_bad_flag_is_one_line_and_exit_2():
         assert proc.returncode == 2, (args, proc.stderr)
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
         assert proc.stderr.startswith("train: error:")
+
+
+def test_time_limit_stops_within_a_few_steps():
+    """The loop checks the clock after every step (not only at log points) and keeps at most
+    MAX_STEPS_IN_FLIGHT steps ahead of the device."""
+    import time
+
+    from experiments import train as train_exp
+
+    State = collections.namedtuple("State", "step")
+
+    def slow_step(state):
+        time.sleep(0.05)
+        one = jnp.float32(1.0)
+        metrics = dict(loss=one, accuracy=one, grad_norm=one, n_nograd=one, n_grad=one, lr=one)
+        return State(state.step + 1), metrics
+
+    state, history, timing = train_exp.train_loop(
+        slow_step,
+        State(jnp.int32(0)),
+        steps=1000,
+        tokens_per_step=1,
+        log_every=500,
+        ckpt=None,
+        meta={},
+        history=[],
+        max_seconds=0.5,
+    )
+    assert 5 <= timing["stopped_by_time_limit_at_step"] <= 15  # ~10 steps of 0.05 s
+    assert int(state.step) == timing["stopped_by_time_limit_at_step"]
+    assert history and history[-1]["step"] == int(state.step)
