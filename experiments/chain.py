@@ -873,7 +873,7 @@ def select_impls(opts: Options, on_gpu: bool, note: Callable[[str], None]) -> tu
         note(f"command buffers exist only on GPU; {', '.join(nocb)} skipped")
         impls = [i for i in impls if i not in nocb]
     pallas = [i for i in impls if i in PALLAS_IMPLS]
-    if pallas and not on_gpu:
+    if pallas and not (on_gpu and pallas_supported()):
         note(f"the Pallas kernels need a GPU with Mosaic GPU (sm_90); {', '.join(pallas)} skipped")
         impls = [i for i in impls if i not in pallas]
     torch_impls = [i for i in impls if i in torch_chain.IMPLS]
@@ -885,6 +885,12 @@ def select_impls(opts: Options, on_gpu: bool, note: Callable[[str], None]) -> tu
             note(f"torch impls need a CUDA GPU; {', '.join(torch_impls)} skipped")
             impls = [i for i in impls if i not in torch_impls]
     return tuple(impls)
+
+
+def pallas_supported() -> bool:
+    from pallas_kernels.looped_matmul import device_supported
+
+    return device_supported()
 
 
 def run(opts: Options, notes: list[str], note: Callable[[str], None]) -> dict[str, Any]:

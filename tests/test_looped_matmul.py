@@ -23,6 +23,7 @@ from pallas_kernels.looped_matmul import (
     DeviceInfo,
     LoopedMatmulConfig,
     SplitKConfig,
+    device_supported,
     looped_matmul,
     looped_matmul_copies,
     looped_matmul_copies_reference,
@@ -181,6 +182,7 @@ def test_wrapper_input_errors():
 
 @pytest.mark.skipif(ON_GPU, reason="checks the CPU-only error")
 def test_wrapper_needs_gpu_without_interpret():
+    assert not device_supported()
     x, w = make_inputs(3, 4, 128)
     with pytest.raises(ValueError, match=r"needs a GPU with Mosaic GPU \(sm_90"):
         looped_matmul(x, w, 2)

@@ -54,6 +54,7 @@ __all__ = [
     "SplitKConfig",
     "describe",
     "describe_config",
+    "device_supported",
     "looped_matmul",
     "looped_matmul_copies",
     "looped_matmul_copies_reference",
@@ -95,12 +96,18 @@ def describe_config(cfg: AnyConfig, m: int, d: int) -> str:
     return "resident: " + describe(cfg, m, d)
 
 
+def device_supported(dev: Any = None) -> bool:
+    """True on a GPU that Mosaic GPU compiles for (sm_90 or newer: wgmma, TMA)."""
+    dev = dev or jax.devices()[0]
+    cc = getattr(dev, "compute_capability", None)
+    return dev.platform == "gpu" and cc is not None and int(str(cc).split(".")[0]) >= 9
+
+
 def _check_device(interpret: Any) -> None:
     if interpret is not None:
         return
     dev = jax.devices()[0]
-    cc = getattr(dev, "compute_capability", None)
-    if dev.platform != "gpu" or cc is None or int(str(cc).split(".")[0]) < 9:
+    if not device_supported(dev):
         raise ValueError(
             "looped_matmul needs a GPU with Mosaic GPU (sm_90 or newer: wgmma, TMA); found "
             f"{dev.platform} {getattr(dev, 'device_kind', '')!r}. Pass "
