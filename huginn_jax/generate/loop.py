@@ -214,16 +214,16 @@ def run_plan(
     prefill, compile_prefill = compiled_step(graphdef, prefill_spec, prefill_args)
     compile_decode = 0.0
     temp_bytes = {"prefill": _temp_bytes(prefill)}
-    prev_state = jnp.zeros((batch, cfg.n_embd), model.dtype) if plan.continuous else None
     if plan.max_new_tokens > 1:
+        prev_state = jnp.zeros((batch, cfg.n_embd), model.dtype) if plan.continuous else None
         token = jnp.zeros((batch,), jnp.int32)
         decode_args = (params, token, prev_state, cache_shape, jnp.int32(0), key, exit_at)
         decode, compile_decode = compiled_step(graphdef, spec, decode_args)
         temp_bytes["decode"] = _temp_bytes(decode)
-    prefill_args = (params, ids, None, new_cache(), jnp.int32(0), key, exit_at)
+    cache = new_cache()
 
     t0 = time.perf_counter()
-    out = prefill(*prefill_args)
+    out = prefill(params, ids, None, cache, jnp.int32(0), key, exit_at)
     out.token.block_until_ready()
     prefill_s = time.perf_counter() - t0
     records = [_record(out, return_logits)]
