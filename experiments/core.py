@@ -47,6 +47,7 @@ from experiments.measure import timing  # noqa: E402
 from experiments.measure import trace as trace_lib  # noqa: E402
 from experiments.torch_ref import chain as torch_chain  # noqa: E402 (imports no torch)
 from huginn_jax import costs  # noqa: E402
+from huginn_jax.checkpoint import CheckpointError, from_pretrained  # noqa: E402
 from huginn_jax.config import HuginnConfig  # noqa: E402
 from huginn_jax.kv_cache import KVCache  # noqa: E402
 from huginn_jax.model import Core, run_core  # noqa: E402
@@ -63,7 +64,18 @@ def define_flags() -> None:
     flags.DEFINE_list("context", ["1024"], "Cached positions (decode) or new positions (prefill).")
     flags.DEFINE_list("batch", ["1"], "Sequences (a list).")
     flags.DEFINE_list("impls", ["xla", "torch"], "xla, torch (= the three torch_* impls) or names.")
-    flags.DEFINE_string("config", "huginn_0125", "Model preset whose Core is measured.")
+    flags.DEFINE_string(
+        "config",
+        "huginn_0125",
+        "Model preset whose Core is measured, or a from_pretrained directory (its config.json).",
+    )
+    flags.DEFINE_enum(
+        "weights",
+        "random",
+        ["random", "trained"],
+        "random: the reference init; trained: the Core weights of the --config directory "
+        "(e.g. an experiments.train export), to compare timing and HBM bytes with random ones.",
+    )
     flags.DEFINE_enum("dtype", "bf16", ["bf16", "fp32"], "Weights, state and cache dtype.")
     flags.DEFINE_enum(
         "gemm", "cublas", list(GEMM_CHOICES), "Dots: cublas (Triton GEMMs off) or xla's choice."
@@ -151,12 +163,18 @@ def impls_from_flags() -> list[str]:
 
 
 def core_config(preset: str):
-    """The preset without prelude and coda layers, so that caches hold Core slots only. RoPE is
-    computed on the fly, so positions may run past the preset's block_size (decode at 4096)."""
-    try:
-        cfg = HuginnConfig.from_name(preset)
-    except ValueError as e:
-        raise UserError(str(e)) from None
+    """The preset's (or checkpoint directory's) config without prelude and coda layers, so that
+    caches hold Core slots only. RoPE is computed on the fly, so positions may run past the
+    preset's block_size (decode at 4096)."""
+    if Path(preset).is_dir():
+        if not (Path(preset) / "config.json").exists():
+            raise UserError(f"--config={preset} is a directory without config.json")
+        cfg = HuginnConfig.from_hf_json(Path(preset) / "config.json")
+    else:
+        try:
+            cfg = HuginnConfig.from_name(preset)
+        except ValueError as e:
+            raise UserError(f"{e} (or pass a from_pretrained directory)") from None
     return dataclasses.replace(
         cfg, n_layers_in_prelude=0, n_layers_in_coda=0, block_size=max(cfg.block_size, 1 << 20)
     )
@@ -177,6 +195,27 @@ def build_core(cfg, dtype, seed: int):
         return nnx.split(Core(cfg, rngs=nnx.Rngs(params=key), dtype=dtype))[1]
 
     return core_graphdef(cfg, dtype), init(jax.random.key(seed))
+
+
+def load_core(cfg, dtype, path: str):
+    """The adapter and Core layers of the from_pretrained directory `path`, as `build_core`'s
+    (graphdef, params)."""
+    try:
+        model = from_pretrained(path, dtype)
+    except CheckpointError as e:
+        raise UserError(str(e)) from None
+    state = nnx.state(model)
+    params = nnx.State({"adapter": state["adapter"], "core_block": state["core_block"]})
+    graphdef = core_graphdef(cfg, dtype)
+    nnx.merge(graphdef, params)  # the structures agree
+    return graphdef, params
+
+
+def core_weights(cfg, dtype):
+    """(graphdef, params) as --weights says."""
+    if FLAGS.weights == "trained":
+        return load_core(cfg, dtype, FLAGS.config)
+    return build_core(cfg, dtype, FLAGS.seed)
 
 
 def core_graphdef(cfg, dtype):
@@ -491,7 +530,7 @@ def ncu_child(spec: str) -> None:
     impl, mode, batch, context, iterations = spec.split(":")
     case = Case(mode, int(batch), int(context), int(iterations))
     cfg = core_config(FLAGS.config)
-    graphdef, params = build_core(cfg, jax_dtype(FLAGS.dtype), FLAGS.seed)
+    graphdef, params = core_weights(cfg, jax_dtype(FLAGS.dtype))
     runner = make_runner(impl, cfg, graphdef, params, case, FLAGS.dtype)
     for _ in range(2):
         out = runner()
@@ -511,6 +550,7 @@ def hbm_pass(impl: str, case: Case, ncu: str) -> dict:
         f"--config={FLAGS.config}",
         f"--dtype={FLAGS.dtype}",
         f"--seed={FLAGS.seed}",
+        f"--weights={FLAGS.weights}",
         f"--gemm={FLAGS.gemm}",
     ]
     with tempfile.TemporaryDirectory(prefix="core-ncu-") as out:
@@ -548,7 +588,7 @@ def run(cases: list[Case], impls: list[str]) -> dict:
             impls = [i for i in impls if i not in TORCH_IMPLS]
     cfg = core_config(FLAGS.config)
     ceilings = device_ceilings(device.device_kind)
-    graphdef, params = build_core(cfg, jax_dtype(FLAGS.dtype), FLAGS.seed)
+    graphdef, params = core_weights(cfg, jax_dtype(FLAGS.dtype))
     records, checks = [], []
     grid = [(c, i) for c in cases for i in impls]
     outputs: dict[tuple, np.ndarray] = {}
@@ -624,6 +664,8 @@ def main(argv: list[str]) -> None:
         return
     cases, impls = cases_from_flags(), impls_from_flags()
     core_config(FLAGS.config)  # a bad preset fails here, before any device work
+    if FLAGS.weights == "trained" and not Path(FLAGS.config).is_dir():
+        raise UserError("--weights=trained needs --config=DIR, a from_pretrained directory")
     if FLAGS.warmup < 0 or FLAGS.repeats < 1:
         raise UserError("--warmup must be >= 0 and --repeats >= 1")
     result = run(cases, impls)
@@ -651,7 +693,9 @@ def main(argv: list[str]) -> None:
             print(f"trace {rec['impl']} {rec['mode']} r={rec['iterations']}:")
             print(
                 trace_lib.side_by_side(
-                    {rec["impl"]: [trace_lib.Row(**row) for row in rec["trace"][:12]]}
+                    {rec["impl"]: [trace_lib.Row(**row) for row in rec["trace"]]},
+                    top=12,
+                    per="iter",
                 )
             )
     for line in scaling_lines(result["records"]):
@@ -662,8 +706,8 @@ def main(argv: list[str]) -> None:
 
 
 _OWN_FLAGS = (
-    "mode iterations context batch impls config dtype gemm warmup repeats seed json_out hbm "
-    "hbm_impls ncu_timeout trace_dir hlo_dir"
+    "mode iterations context batch impls config weights dtype gemm warmup repeats seed json_out "
+    "hbm hbm_impls ncu_timeout trace_dir hlo_dir"
 ).split()
 
 

@@ -56,6 +56,12 @@ _EDGE_TOKENS = flags.DEFINE_bool(
 _VOCAB = flags.DEFINE_integer(
     "vocab_size", None, "Override the preset's vocabulary (e.g. to fit a task's edge tokens)."
 )
+_LAYERS = flags.DEFINE_list(
+    "layers",
+    None,
+    "Override the preset's depth: prelude,core,coda layers (e.g. 1,1,1: a single pass is 3 "
+    "layers, so deep queries must be solved by Core iterations).",
+)
 _MAX_HOPS = flags.DEFINE_integer("max_hops", 8, "khop: hops per query, uniform in 1..max_hops.")
 _QUERIES = flags.DEFINE_integer("queries", 4, "root, khop: queries per sequence.")
 _DIGITS = flags.DEFINE_integer("digits", 8, "add: digits per operand.")
@@ -190,6 +196,23 @@ def setup_from_flags():
         if _VOCAB.value < 1:
             raise UserError(f"--vocab_size must be >= 1, got {_VOCAB.value}")
         config = dataclasses.replace(config, vocab_size=_VOCAB.value)
+    if _LAYERS.value is not None:
+        try:
+            prelude, core, coda = (int(n) for n in _LAYERS.value)
+        except ValueError:
+            raise UserError(
+                f"--layers takes three integers prelude,core,coda; got {','.join(_LAYERS.value)}"
+            ) from None
+        if min(prelude, core, coda) < 1:
+            raise UserError(
+                f"--layers needs at least one layer in each part; got {','.join(_LAYERS.value)}"
+            )
+        config = dataclasses.replace(
+            config,
+            n_layers_in_prelude=prelude,
+            n_layers_in_recurrent_block=core,
+            n_layers_in_coda=coda,
+        )
     config = train.run_config(config, cfg)
     if task.vocab_size > config.vocab_size:
         raise UserError(
@@ -561,6 +584,8 @@ def plot_results(json_path: str | Path, out_path: str | Path) -> Path:
         ax.plot(its, ev["by_difficulty"][d]["accuracy"], "-", lw=1, color=color, alpha=0.8,
                 label=label)  # fmt: skip
     ax.plot(its, ev["accuracy"], "k-o", lw=2.2, label="all answers")
+    if ev.get("sequence_accuracy"):
+        ax.plot(its, ev["sequence_accuracy"], "k--s", lw=1.4, ms=4, label="whole sequence")
     random_acc = data.get("compare_random", {}).get("random", {}).get("accuracy")
     if random_acc:
         ax.plot(its, random_acc, "k:", lw=1.2, label="random weights")
@@ -571,8 +596,12 @@ def plot_results(json_path: str | Path, out_path: str | Path) -> Path:
     ax.set_ylabel("answer-token accuracy")
     cfg = data["config"]
     train_cfg = cfg["train"]
+    model = cfg["model"]
+    layers = "+".join(
+        str(model[f"n_layers_in_{part}"]) for part in ("prelude", "recurrent_block", "coda")
+    )
     ax.set_title(
-        f"{cfg['preset']} on {cfg['task']['name']}, trained at mean r="
+        f"{cfg['preset']} ({layers} layers) on {cfg['task']['name']}, trained at mean r="
         f"{train_cfg['mean_recurrence']:g}, k={train_cfg['backprop_depth']}",
         fontsize=10,
     )

@@ -181,9 +181,10 @@ def run_coda(model: Huginn, state, start, cache: KVCache | None, *, last_only: b
         x, cache = block(x, start, cache, None if cache is None else cache.coda_slot(j))
     x = model.ln_f(x[:, -1] if last_only else x)
     head = model.wte[...].T if model.config.tie_embeddings else model.lm_head[...]
-    logits = jnp.matmul(
-        x, head, precision=dot_precision(head.dtype), preferred_element_type=jnp.float32
-    )
+    # In the weights' dtype, then float32 (as the reference's bf16 lm_head): asking XLA for a
+    # float32 product of bf16 operands made its GPU build convert the whole [V, D] matrix to
+    # float32 at every call (1.38 GB of temp at huginn-0125 size; tools/step_buffers.py).
+    logits = jnp.matmul(x, head, precision=dot_precision(head.dtype)).astype(jnp.float32)
     return logits, latents, cache
 
 

@@ -110,6 +110,28 @@ def test_core_matches_the_model_forward():
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_trained_weights_are_the_exported_models_core(tmp_path):
+    """--weights=trained: the Core of a from_pretrained directory, equal to the model's own."""
+    cfg = HuginnConfig.from_name("micro")
+    model = huginn_jax.random_init(cfg, jax.random.key(6))
+    huginn_jax.save_pretrained(model, tmp_path)
+    ids = jax.random.randint(jax.random.key(7), (2, 5), 0, cfg.vocab_size)
+    state0 = initial_state(cfg, (2, 5), init_scale=1.0, key=jax.random.key(8), dtype=jnp.float32)
+    expected = model(ids, num_steps=2, init_state=state0).state
+    embedded, _ = run_prelude(model, embed(model, ids), jnp.int32(0), None)
+    graphdef, params = core_exp.load_core(
+        core_exp.core_config(str(tmp_path)), jnp.float32, str(tmp_path)
+    )
+    got, _ = core_exp._core_jit(
+        graphdef, params, state0, embedded, None, jnp.int32(0), iterations=2
+    )
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    _, random_params = core_exp.build_core(core_exp.core_config(str(tmp_path)), jnp.float32, 0)
+    assert not np.allclose(
+        random_params["adapter"]["kernel"][...], params["adapter"]["kernel"][...]
+    )
+
+
 def run_cli(*args):
     return subprocess.run(
         [sys.executable, "-m", "experiments.core", *args], cwd=REPO, capture_output=True, text=True
@@ -145,6 +167,7 @@ def test_cli_on_cpu_writes_json(tmp_path):
         ("--iterations=x", "expected integers"),
         ("--impls=jax", "unknown 'jax'"),
         ("--config=huge", "unknown preset"),
+        ("--weights=trained", "needs --config=DIR"),
     ],
 )
 def test_cli_bad_flags_exit_2(tmp_path, flag, message):

@@ -210,6 +210,15 @@ def test_side_by_side_lays_out_blocks():
     assert lines[-1].strip().endswith("5.00")  # torch total: 4 + 1 µs per chain
 
 
+def test_side_by_side_top_rows_keep_the_whole_total():
+    rows = [trace.Row(f"k{i}", 2, 10.0 * (5 - i), 5.0 - i) for i in range(5)]  # 5+4+3+2+1 µs
+    lines = trace.side_by_side({"xla": rows}, top=2, per="iter").splitlines()
+    assert "µs/iter" in lines[1]
+    assert [ln.split()[0] for ln in lines[2:4]] == ["k0", "k1"]
+    assert lines[4].startswith("(3 other kernels)") and lines[4].split()[-1] == "6.00"
+    assert lines[5].split()[1:] == ["10", "15.00"]  # all 5 kernels, 10 launches
+
+
 def test_trace_jax_on_cpu(tmp_path):
     import jax.numpy as jnp
 

@@ -8,7 +8,14 @@ from conftest import TINY_A
 
 import huginn_jax
 from huginn_jax.config import HuginnConfig
-from huginn_jax.model import core_step, embed, initial_state, run_core, run_prelude
+from huginn_jax.model import (
+    core_step,
+    embed,
+    initial_state,
+    run_coda,
+    run_core,
+    run_prelude,
+)
 
 MICRO = HuginnConfig.from_name("micro")
 
@@ -73,6 +80,19 @@ def test_bf16_forward_close_to_float32():
     assert rel < 3e-2, rel
     # Mostly the same top-1 predictions.
     assert (got.argmax(-1) == ref.argmax(-1)).mean() > 0.8
+
+
+def test_bf16_head_is_a_bf16_product_without_a_float32_weight():
+    """The head multiplies in the weights' dtype; asking for a float32 product of bf16 operands
+    made XLA's GPU build convert the whole [V, D] embedding to float32 at every decode step."""
+    bf16 = huginn_jax.from_pretrained(TINY_A, dtype=jnp.bfloat16)
+    cfg = bf16.config
+    state = jax.random.normal(jax.random.key(9), (1, 3, cfg.n_embd), jnp.bfloat16)
+    text = str(jax.make_jaxpr(lambda s: run_coda(bf16, s, 0, None, last_only=True)[0])(state))
+    head = f"{cfg.vocab_size},{cfg.n_embd}"
+    assert f"f32[{head}]" not in text and f"f32[{cfg.n_embd},{cfg.vocab_size}]" not in text
+    products = [line for line in text.splitlines() if f"[1,{cfg.vocab_size}] = dot_general" in line]
+    assert products and all("bf16[1," in line for line in products), products
 
 
 def test_cache_after_prefill_and_decode_equals_one_prefill(model):

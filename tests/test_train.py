@@ -267,8 +267,36 @@ def test_khop_answers_follow_the_edges():
             assert x == y and 1 <= hop_tok - n + 1 <= h
 
 
+def test_layers_flag_sets_the_depth_and_its_init():
+    from absl import flags
+
+    from experiments import train as train_exp
+
+    try:
+        flags.FLAGS(
+            [
+                "train",
+                "--config=micro",
+                "--task=add",
+                "--digits=2",
+                "--layers=1,3,2",
+                "--mean_recurrence=4",
+            ]
+        )
+        config, _, _ = train_exp.setup_from_flags()
+    finally:
+        flags.FLAGS.unparse_flags()
+    assert (config.n_layers_in_prelude, config.n_core, config.n_layers_in_coda) == (1, 3, 2)
+    assert config.effective_expected_depth == 1 + 2 + 3 * 4  # recomputed, not the preset's
+
+
 def test_bad_flag_is_one_line_and_exit_2():
-    for args in (["--config=nope"], ["--eval_iterations=1,x"]):
+    for args in (
+        ["--config=nope"],
+        ["--eval_iterations=1,x"],
+        ["--layers=1,0,1"],
+        ["--layers=2,2"],
+    ):
         proc = subprocess.run(
             [sys.executable, "-m", "experiments.train", *args],
             capture_output=True,

@@ -14,9 +14,11 @@
 #   core_xla_gemm  issue 5: the Core with XLA's own GEMM choice (Triton), against the default
 #             --gemm=cublas of the other stages
 #   core_flags  issue 5: decode under XLA flag variants (command buffers, loop unrolling)
+#   decode_attention  issue 5: one layer's decode attention, XLA layouts vs cuDNN vs PyTorch
 #   generate  issue 6: JAX vs PyTorch per-token latency, breakdown, peak memory at 4096
 #   generate_mem  issue 6: peak memory at 4096 alone
-#   train     issue 7: training run and the accuracy curve (TRAIN_SECONDS, default 150)
+#   train     issue 7: training run and the accuracy curve (TRAIN_SECONDS, default 150), then the
+#             Core with the trained and with random weights (time and ncu HBM bytes)
 #
 # Run from the repository root on the H200 machine (its own python3 with jax 0.11.2 and torch);
 # carry `.wheels` (made here with `pip download --no-deps -d .wheels flax==0.12.12`; installed
@@ -27,7 +29,7 @@ set -u
 [ $# -ge 1 ] || { echo "usage: $0 STAGE [STAGE...] (see the list above)" >&2; exit 2; }
 for stage in "$@"; do
   case "$stage" in
-  tests | pallas | pallas_steps | chain | chain_hbm | core | core_xla_gemm | core_flags | generate | generate_mem | train) ;;
+  tests | pallas | pallas_steps | chain | chain_hbm | core | core_xla_gemm | core_flags | decode_attention | generate | generate_mem | train) ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done
@@ -121,11 +123,18 @@ CORE_FLAG_VARIANTS=(
 stage_core_flags() {
   local d=$1 i=0
   for flags in "${CORE_FLAG_VARIANTS[@]}"; do
-    XLA_FLAGS="$flags" timeout 70 python3 -m experiments.core --mode=decode --iterations=8 \
+    XLA_FLAGS="$flags" timeout 60 python3 -m experiments.core --mode=decode --iterations=8 \
       --impls=xla --repeats=10 --json_out="$d/core_flags_$i.json" > "$d/core_flags_$i.txt" 2>&1
     echo "XLA_FLAGS='$flags': $(grep '^decode' "$d/core_flags_$i.txt")"
     i=$((i + 1))
   done
+}
+
+stage_decode_attention() {
+  local d=$1
+  timeout 150 python3 -m experiments.decode_attention --batch=1,8 --context=1024,4096 \
+    --json_out="$d/decode_attention.json" > "$d/decode_attention.txt" 2>&1
+  tail -20 "$d/decode_attention.txt"
 }
 
 stage_generate_mem() {
@@ -159,6 +168,14 @@ stage_train() {
     --json_out="$d/train.json" --plot_out="$d/train.png" \
     --ckpt_dir=/tmp/huginn_train/ckpt --export_dir=/tmp/huginn_train/export > "$d/train.txt" 2>&1
   tail -30 "$d/train.txt"
+  # Trained vs random weights of the same shape: Core time and HBM bytes (ncu) per iteration.
+  for weights in trained random; do
+    timeout 150 python3 -m experiments.core --config=/tmp/huginn_train/export \
+      --weights="$weights" --mode=decode,prefill --iterations=32 --context=40 --impls=xla \
+      --hbm --hbm_impls=xla --ncu_timeout=60 --json_out="$d/core_$weights.json" \
+      > "$d/core_$weights.txt" 2>&1
+    echo "core, $weights weights:"; tail -4 "$d/core_$weights.txt"
+  done
 }
 
 for stage in "$@"; do

@@ -150,11 +150,18 @@ def trace_torch(
     return sorted(rows, key=lambda r: (-r.total_us, r.name))
 
 
-def _table(rows: Sequence[Row], title: str, name_width: int) -> list[str]:
-    lines = [title, f"{'kernel':<{name_width}} {'launches':>8} {'µs/chain':>9}"]
-    for r in rows:
+def _table(rows: Sequence[Row], title: str, name_width: int, top: int | None, per: str):
+    shown, rest = (rows, []) if top is None else (rows[:top], rows[top:])
+    lines = [title, f"{'kernel':<{name_width}} {'launches':>8} {'µs/' + per:>9}"]
+    for r in shown:
         name = r.name if len(r.name) <= name_width else r.name[: name_width - 1] + "…"
         lines.append(f"{name:<{name_width}} {r.launches:>8d} {r.us_per_chain:>9.2f}")
+    if rest:
+        other = f"({len(rest)} other kernels)"
+        lines.append(
+            f"{other:<{name_width}} {sum(r.launches for r in rest):>8d} "
+            f"{sum(r.us_per_chain for r in rest):>9.2f}"
+        )
     lines.append(
         f"{'total':<{name_width}} {sum(r.launches for r in rows):>8d} "
         f"{sum(r.us_per_chain for r in rows):>9.2f}"
@@ -162,9 +169,16 @@ def _table(rows: Sequence[Row], title: str, name_width: int) -> list[str]:
     return lines
 
 
-def side_by_side(breakdowns: Mapping[str, Sequence[Row]], *, name_width: int = 44) -> str:
-    """The breakdowns as tables placed next to each other, one column block per key."""
-    blocks = [_table(rows, title, name_width) for title, rows in breakdowns.items()]
+def side_by_side(
+    breakdowns: Mapping[str, Sequence[Row]],
+    *,
+    name_width: int = 44,
+    top: int | None = None,
+    per: str = "chain",
+) -> str:
+    """The breakdowns as tables placed next to each other, one column block per key: the `top`
+    longest kernels (all by default), the rest as one row, and the total of all."""
+    blocks = [_table(rows, title, name_width, top, per) for title, rows in breakdowns.items()]
     if not blocks:
         return ""
     width = name_width + 19
