@@ -30,6 +30,7 @@ import jax.numpy as jnp  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from experiments import cli  # noqa: E402
+from experiments.cli import UserError  # noqa: E402
 from experiments.measure import ncu as ncu_lib  # noqa: E402
 from experiments.measure import results as results_lib  # noqa: E402
 from experiments.measure import timing  # noqa: E402
@@ -55,10 +56,6 @@ def define_flags() -> None:
     flags.DEFINE_bool("hbm", False, "HBM bytes per call with L2 flushed (GPU + ncu).")
     flags.DEFINE_integer("seed", 0, "Seed of the weight and inputs.")
     flags.DEFINE_string("ncu_child", None, "Internal: impl:variant:m run under ncu.")
-
-
-class UserError(Exception):
-    """A bad flag value; one line, exit 2."""
 
 
 def estimate(cfg: HuginnConfig, m: int, variant: str) -> costs.OpCost:
@@ -177,12 +174,7 @@ def config() -> HuginnConfig:
 
 
 def parse_ms() -> list[int]:
-    try:
-        ms = [int(v) for v in FLAGS.m]
-    except ValueError:
-        raise UserError(f"--m={','.join(FLAGS.m)}: expected integers") from None
-    if not ms or min(ms) < 1:
-        raise UserError("--m values must be >= 1")
+    ms = cli.positive_ints("m", FLAGS.m)
     for name, allowed in (("variants", ("matmul", "concat")), ("impls", ("xla", "torch"))):
         for value in FLAGS[name].value:
             if value not in allowed:
@@ -276,12 +268,7 @@ def main(argv: list[str]) -> None:
     print(format_table(records))
 
 
-def run_main(argv: list[str]) -> None:
-    try:
-        main(argv)
-    except UserError as e:
-        print(f"adapter: {e}", file=sys.stderr)
-        sys.exit(2)
+run_main = cli.main_runner("adapter", main)
 
 
 if __name__ == "__main__":

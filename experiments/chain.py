@@ -43,6 +43,7 @@ import numpy as np
 from absl import app, flags, logging
 
 from experiments import cli
+from experiments.cli import UserError
 from experiments.measure import ncu as ncu_lib
 from experiments.measure import results as results_lib
 from experiments.measure import timing
@@ -124,10 +125,6 @@ _UNITS = {
 }
 _SIZE_RE = re.compile(r"^\s*([+-]?\d+(?:\.\d*)?|[+-]?\.\d+)\s*([a-zA-Z]*)\s*$")
 REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-class UserError(Exception):
-    """An error the user can fix (bad flag, size too large); reported as one line, exit 2."""
 
 
 # ---------------------------------------------------------------- size string -> d

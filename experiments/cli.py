@@ -9,6 +9,34 @@ from typing import NoReturn
 from absl import flags
 
 
+class UserError(Exception):
+    """An error the user can fix (a bad flag value, a size that cannot fit, a missing directory):
+    reported as one line on stderr, exit code 2, no traceback."""
+
+
+def positive_ints(name: str, values: list[str]) -> list[int]:
+    """The list flag `--name` as integers >= 1; UserError naming the flag otherwise."""
+    try:
+        ints = [int(v) for v in values]
+    except ValueError:
+        raise UserError(f"--{name}={','.join(values)}: expected integers") from None
+    if not ints or min(ints) < 1:
+        raise UserError(f"--{name}={','.join(values)}: values must be >= 1")
+    return ints
+
+
+def main_runner(program: str, main: Callable[[list[str]], None]) -> Callable[[list[str]], None]:
+    """`main` for `app.run`, with a UserError ending in `program: message` and exit code 2."""
+
+    def run(argv: list[str]) -> None:
+        try:
+            main(argv)
+        except UserError as e:
+            fail(program, str(e))
+
+    return run
+
+
 def fail(program: str, message: str, code: int = 2) -> NoReturn:
     """Prints `program: message` on stderr and exits (no traceback, no usage text)."""
     print(f"{program}: {message}", file=sys.stderr)

@@ -40,6 +40,7 @@ from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from experiments import cli  # noqa: E402
+from experiments.cli import UserError  # noqa: E402
 from experiments.measure import hlo as hlo_lib  # noqa: E402
 from experiments.measure import ncu as ncu_lib  # noqa: E402
 from experiments.measure import results as results_lib  # noqa: E402
@@ -101,10 +102,6 @@ IMPLS = (*XLA_IMPLS, *TORCH_IMPLS)
 NCU_CALLS = 2
 
 
-class UserError(Exception):
-    """A bad flag value; reported as one line, exit 2."""
-
-
 @dataclasses.dataclass(frozen=True)
 class Case:
     mode: str
@@ -128,25 +125,15 @@ class Case:
         return f"{self.mode}:{self.batch}:{self.context}:{self.iterations}"
 
 
-def _ints(name: str, values: list[str]) -> list[int]:
-    try:
-        ints = [int(v) for v in values]
-    except ValueError:
-        raise UserError(f"--{name}={','.join(values)}: expected integers") from None
-    if not ints or min(ints) < 1:
-        raise UserError(f"--{name}={','.join(values)}: values must be >= 1")
-    return ints
-
-
 def cases_from_flags() -> list[Case]:
     for mode in FLAGS.mode:
         if mode not in ("decode", "prefill"):
             raise UserError(f"--mode={mode}: expected decode or prefill")
     grid = itertools.product(
         FLAGS.mode,
-        _ints("batch", FLAGS.batch),
-        _ints("context", FLAGS.context),
-        _ints("iterations", FLAGS.iterations),
+        cli.positive_ints("batch", FLAGS.batch),
+        cli.positive_ints("context", FLAGS.context),
+        cli.positive_ints("iterations", FLAGS.iterations),
     )
     return [Case(*values) for values in grid]
 
@@ -244,9 +231,14 @@ def case_inputs(cfg, case: Case, dtype, seed: int):
     return state, embedded, cache
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "iterations"), donate_argnames=("cache",))
-def _core_jit(graphdef, params, state, embedded, cache, start, *, iterations):
-    return run_core(nnx.merge(graphdef, params), state, embedded, start, cache, iterations)
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "iterations", "from_zero"), donate_argnames=("cache",)
+)
+def _core_jit(graphdef, params, state, embedded, cache, start, *, iterations, from_zero=False):
+    """`from_zero`: a prefill into an empty cache; start is then the constant 0, so attention reads
+    the new positions alone with a plain causal mask (as generation's prefill does)."""
+    model = nnx.merge(graphdef, params)
+    return run_core(model, state, embedded, 0 if from_zero else start, cache, iterations)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "iterations"))
@@ -299,10 +291,13 @@ class XlaRunner:
         self.args = (params, state, embedded)
         self.start = jnp.int32(case.start)
         self.cache = ProbeCache.from_cache(cache, case.iterations) if probe else cache
-        jitted = _core_probe_jit if probe else _core_jit
-        lowered = jitted.lower(
-            graphdef, params, state, embedded, self.cache, self.start, iterations=case.iterations
-        )
+        args = (graphdef, params, state, embedded, self.cache, self.start)
+        if probe:  # the issue's probe as it was: start traced, the whole cache slot read
+            lowered = _core_probe_jit.lower(*args, iterations=case.iterations)
+        else:
+            lowered = _core_jit.lower(
+                *args, iterations=case.iterations, from_zero=case.mode == "prefill"
+            )
         self.compiled = lowered.compile()
 
     def compile_report(self):
@@ -711,12 +706,7 @@ _OWN_FLAGS = (
 ).split()
 
 
-def run_main(argv: list[str]) -> None:
-    try:
-        main(argv)
-    except UserError as e:
-        print(f"core: {e}", file=sys.stderr)
-        sys.exit(2)
+run_main = cli.main_runner("core", main)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -29,6 +28,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from experiments import cli  # noqa: E402
+from experiments.cli import UserError  # noqa: E402
 from experiments.measure import results as results_lib  # noqa: E402
 from experiments.measure import timing  # noqa: E402
 from experiments.torch_ref import chain as torch_chain  # noqa: E402 (imports no torch)
@@ -51,20 +51,6 @@ def define_flags() -> None:
     flags.DEFINE_integer("repeats", 20, "Timed calls (median reported).")
     flags.DEFINE_integer("seed", 0, "Seed of queries and caches.")
     flags.DEFINE_string("json_out", "out/decode_attention.json", "Results JSON ('' to skip).")
-
-
-class UserError(Exception):
-    """A bad flag value; one line, exit 2."""
-
-
-def _ints(name: str, values: list[str]) -> list[int]:
-    try:
-        out = [int(v) for v in values]
-    except ValueError:
-        raise UserError(f"--{name} expected integers, got {','.join(values)}") from None
-    if not out or min(out) < 1:
-        raise UserError(f"--{name} values must be >= 1, got {','.join(values)}")
-    return out
 
 
 def inputs(slots: int, batch: int, context: int, heads: int, head_dim: int, seed: int):
@@ -170,16 +156,24 @@ def run(batches: list[int], contexts: list[int], impls: list[str]) -> list[dict]
             ref = reference(q, k, v)
             kv_bytes = 2 * k[0].size * k.dtype.itemsize  # K and V of one slot
             for impl in impls:
-                runner = TorchRunner(q, k, v) if impl == "torch" else XlaRunner(impl, q, k, v)
-                out = to_numpy(runner())
+                try:  # one implementation failing (e.g. cuDNN refusing a shape) is a result too
+                    runner = TorchRunner(q, k, v) if impl == "torch" else XlaRunner(impl, q, k, v)
+                    out = to_numpy(runner())
+                    samples = timing.time_fn(
+                        runner,
+                        warmup=FLAGS.warmup,
+                        repeats=FLAGS.repeats,
+                        sync=runner.sync,
+                        per_call=FLAGS.slots,
+                    )
+                except Exception as e:
+                    message = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+                    print(f"note: {impl} B={batch} S={context} failed: {message}")
+                    records.append(
+                        {"impl": impl, "batch": batch, "context": context, "error": message}
+                    )
+                    continue
                 err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
-                samples = timing.time_fn(
-                    runner,
-                    warmup=FLAGS.warmup,
-                    repeats=FLAGS.repeats,
-                    sync=runner.sync,
-                    per_call=FLAGS.slots,
-                )
                 seconds = samples.median
                 records.append(
                     {
@@ -208,6 +202,9 @@ def format_table(records: list[dict]) -> str:
         "-" * 76,
     ]
     for r in records:
+        if "error" in r:
+            lines.append(f"{r['impl']:<16} {r['batch']:>3} {r['context']:>5} failed (see notes)")
+            continue
         spread = f"{r['us_p10']:.1f}-{r['us_p90']:.1f}"
         lines.append(
             f"{r['impl']:<16} {r['batch']:>3} {r['context']:>5} {r['us']:>8.1f} {spread:>15} "
@@ -219,7 +216,8 @@ def format_table(records: list[dict]) -> str:
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
-    batches, contexts = _ints("batch", FLAGS.batch), _ints("context", FLAGS.context)
+    batches = cli.positive_ints("batch", FLAGS.batch)
+    contexts = cli.positive_ints("context", FLAGS.context)
     unknown = [i for i in FLAGS.impls if i not in IMPLS]
     if unknown:
         raise UserError(f"unknown impl {unknown[0]!r}; known: {', '.join(IMPLS)}")
@@ -239,12 +237,7 @@ def main(argv: list[str]) -> None:
     print(format_table(records))
 
 
-def run_main(argv: list[str]) -> None:
-    try:
-        main(argv)
-    except UserError as e:
-        print(f"decode_attention: {e}", file=sys.stderr)
-        sys.exit(2)
+run_main = cli.main_runner("decode_attention", main)
 
 
 if __name__ == "__main__":

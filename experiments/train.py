@@ -40,6 +40,7 @@ import numpy as np
 from absl import app, flags, logging
 
 from experiments import cli
+from experiments.cli import UserError
 from huginn_jax.config import PRESETS
 from huginn_jax.tasks import TASKS
 
@@ -108,10 +109,6 @@ _COMPARE_R = flags.DEFINE_integer("compare_steps", 32, "Core iterations per deco
 _COMPARE_REPEATS = flags.DEFINE_integer("compare_repeats", 50, "Timed decode steps per model.")
 
 _NAME = "train"
-
-
-class UserError(Exception):
-    """A problem the user can fix (flags, checkpoint directory); printed as one line."""
 
 
 def _fail(message: str, code: int = 2) -> NoReturn:

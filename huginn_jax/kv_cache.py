@@ -74,6 +74,9 @@ class KVCache:
     num_core_layers: int = dataclasses.field(metadata=dict(static=True))
     num_core_slots: int = dataclasses.field(metadata=dict(static=True))
     strategy: str = dataclasses.field(default="full", metadata=dict(static=True))
+    # Positions `read` returns: the first read_len of each slot (0: all max_len). Static, so a
+    # step compiled for a window reads only that prefix of the preallocated cache.
+    read_len: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     @classmethod
     def create(
@@ -165,10 +168,18 @@ class KVCache:
         return dataclasses.replace(self, k=k, v=v)
 
     def read(self, slot) -> tuple[jax.Array, jax.Array]:
-        """K and V of one slot, each [B, S, H, K]."""
+        """K and V of one slot, each [B, S, H, K]: S = read_len positions, or all of them."""
         k = jax.lax.dynamic_index_in_dim(self.k, slot, axis=0, keepdims=False)
         v = jax.lax.dynamic_index_in_dim(self.v, slot, axis=0, keepdims=False)
+        if self.read_len:
+            k, v = (jax.lax.slice_in_dim(x, 0, self.read_len, axis=1) for x in (k, v))
         return k, v
+
+    def with_read_len(self, read_len: int) -> KVCache:
+        """The same arrays, read over positions [0, read_len) (0 or max_len: all of them)."""
+        if not 0 <= read_len <= self.max_len:
+            raise ValueError(f"read_len={read_len} must be in [0, max_len={self.max_len}]")
+        return dataclasses.replace(self, read_len=0 if read_len == self.max_len else read_len)
 
     def core_positions(self, start, length: int) -> tuple[jax.Array, jax.Array]:
         """K and V of positions [start, start + length) in every Core slot, each [C, B, T, H, K]

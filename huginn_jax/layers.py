@@ -90,9 +90,18 @@ def attend(
     return jnp.einsum("bhts,bshk->bthk", probs, v_BxSxHxK, precision=precision)
 
 
-def attend_cudnn(q_BxTxHxK, k_BxSxHxK, v_BxSxHxK, q_pos_T, k_pos_S) -> jax.Array:
+def attend_cudnn(
+    q_BxTxHxK, k_BxSxHxK, v_BxSxHxK, q_pos_T, k_pos_S, *, causal: bool = False
+) -> jax.Array:
     """`attend` through cuDNN's fused attention: the [T, S] visibility mask goes in as a mask,
-    so scores never reach HBM. NVIDIA GPUs, bf16/fp16 only."""
+    so scores never reach HBM. NVIDIA GPUs, bf16/fp16 only.
+
+    `causal`: the keys are the queries' own positions (q_pos == k_pos), so the mask is the lower
+    triangle: cuDNN's causal kernel, which skips the masked half, instead of a mask operand."""
+    if causal:
+        return jax.nn.dot_product_attention(
+            q_BxTxHxK, k_BxSxHxK, v_BxSxHxK, is_causal=True, implementation="cudnn"
+        )
     visible = (k_pos_S[None, :] <= q_pos_T[:, None])[None, None]
     return jax.nn.dot_product_attention(
         q_BxTxHxK, k_BxSxHxK, v_BxSxHxK, mask=visible, implementation="cudnn"
@@ -131,8 +140,12 @@ class Attention(nnx.Module):
             cache = cache.write(slot, start, key, v)
         if cache is None or (isinstance(start, int) and start == 0):
             # Nothing before the new positions (start known to be 0 at trace time): attending
-            # to them alone skips reading, scoring and masking the cache's other positions.
-            out = attention(q, key, v, positions_T, positions_T)
+            # to them alone skips reading, scoring and masking the cache's other positions,
+            # and the mask is plain causal.
+            if fused:
+                out = attend_cudnn(q, key, v, positions_T, positions_T, causal=True)
+            else:
+                out = attend(q, key, v, positions_T, positions_T)
         else:
             k_all, v_all = cache.read(slot)
             k_pos_S = jnp.arange(k_all.shape[1], dtype=jnp.int32)

@@ -1,5 +1,6 @@
 """experiments.core on CPU: the cache-update path and the Core against the model's forward."""
 
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -85,6 +86,20 @@ def test_probe_cache_writes_what_the_kv_cache_writes_and_is_copied_once():
         compiled.as_text(), compiled.memory_analysis(), big_buffer_dims=fresh.k.shape
     )
     assert len(report["big_buffer_copies"]) == 2 and report["alias_bytes"] == 0
+
+
+def test_prefill_from_zero_equals_reading_the_cache():
+    """from_zero (start the constant 0: attend to the new positions alone, plainly causal)
+    computes what the traced-start prefill computes over the whole, still empty, cache."""
+    graphdef, params = core_exp.build_core(CFG, jnp.float32, 0)
+    case = core_exp.Case("prefill", batch=2, context=9, iterations=2)
+    state, embedded, cache = core_exp.case_inputs(CFG, case, jnp.float32, 0)
+    run = functools.partial(core_exp._core_jit, graphdef, params, state, embedded)
+    want, want_cache = run(cache, jnp.int32(0), iterations=2)
+    *_, cache = core_exp.case_inputs(CFG, case, jnp.float32, 0)  # the first was donated
+    got, got_cache = run(cache, jnp.int32(5), iterations=2, from_zero=True)  # start ignored
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got_cache.k, want_cache.k, rtol=1e-5, atol=1e-5)
 
 
 def test_core_matches_the_model_forward():

@@ -221,6 +221,29 @@ def test_prefill_from_zero_attends_to_the_prompt_alone_and_agrees(micro):
     assert scores in read_hlo and scores not in alone_hlo
 
 
+def test_attention_windows_read_only_the_filled_cache_and_agree(micro):
+    """Decode steps read the filled positions rounded up to attention_window, one executable per
+    window; tokens, logits and the final cache equal reading the whole (larger) cache, whose
+    unfilled positions the mask hides anyway."""
+    prompt = micro_prompt(2, 5, seed=9)
+    kwargs = dict(num_steps=3, init_scale=1.0, seed=4, cache_len=28, return_logits=True)
+    whole = generate(micro, prompt, 9, attention_window=0, **kwargs)
+    windowed = generate(micro, prompt, 9, attention_window=4, **kwargs)
+    # decode step i sees 5 + i positions (i = 1..8): 6..13 rounded up to 4 -> 8, 12, 16
+    assert windowed.stats["attention_windows"] == [8, 12, 16]
+    assert whole.stats["attention_windows"] == [28]
+    np.testing.assert_array_equal(windowed.tokens, whole.tokens)
+    np.testing.assert_allclose(windowed.logits, whole.logits, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(windowed.cache.k, whole.cache.k, rtol=1e-5, atol=1e-5)
+    assert windowed.cache.read_len == 0  # the returned cache reads everything again
+    cache = windowed.cache.with_read_len(8)
+    k, v = cache.read(cache.core_slot(0, 0))
+    assert k.shape[1] == v.shape[1] == 8
+    np.testing.assert_array_equal(k, windowed.cache.k[cache.core_slot(0, 0), :, :8])
+    with pytest.raises(ValueError, match="read_len=29"):
+        windowed.cache.with_read_len(29)
+
+
 def test_time_parts_times_each_part_and_keeps_the_cache(micro):
     cache = huginn_jax.KVCache.create(MICRO, batch=1, max_len=8, num_steps=3)
     parts, cache2 = time_parts(micro, cache, position=5, warmup=1, repeats=2)
@@ -310,6 +333,7 @@ def test_continuous_thought_starts_from_the_previous_final_state(micro):
         (dict(temperature=-1.0), "temperature"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_k=65), "top_k"),
+        (dict(attention_window=-1), "attention_window=-1 must be >= 0"),
     ],
 )
 def test_bad_inputs_fail_clearly_before_any_work(kwargs, message):

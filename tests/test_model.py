@@ -1,5 +1,7 @@
 """Properties of the model on fresh random weights and inputs (never zeros)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -168,4 +170,11 @@ def test_cudnn_attention_matches_xla_attention():
     q_pos, k_pos = jnp.arange(64, 192), jnp.arange(256)
     ref = np.asarray(attend(q, k, v, q_pos, k_pos), np.float32)
     got = np.asarray(jax.jit(attend_cudnn)(q, k, v, q_pos, k_pos), np.float32)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2e-2
+    # causal=True (keys are the queries' own positions): cuDNN's causal kernel, no mask operand.
+    pos = jnp.arange(256)
+    ref = np.asarray(attend(k, k, v, pos, pos), np.float32)
+    got = np.asarray(
+        jax.jit(functools.partial(attend_cudnn, causal=True))(k, k, v, pos, pos), np.float32
+    )
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2e-2

@@ -12,7 +12,7 @@ import numpy as np
 
 from huginn_jax import costs
 from huginn_jax.config import HuginnConfig
-from huginn_jax.generate.loop import Generation, make_plan, run_plan
+from huginn_jax.generate.loop import ATTENTION_WINDOW, Generation, make_plan, run_plan
 from huginn_jax.generate.stats import time_parts
 from huginn_jax.model import Huginn
 from huginn_jax.xla_flags import use_gemm
@@ -47,6 +47,12 @@ _FLAGS = (  # (kind, name, default, help); defined only by `cli`, so importing d
     ("string", "strategy", None, "KV cache: full, latest-m4, compress-sN (default: by criterion)."),
     ("bool", "continuous", False, "Start each token's recurrence from the previous final state."),
     ("integer", "cache_len", 0, "Cache positions to allocate; 0: prompt + max_new_tokens."),
+    (
+        "integer",
+        "attention_window",
+        ATTENTION_WINDOW,
+        "Decode reads the cache's filled positions rounded up to this; 0: the whole cache.",
+    ),
     ("bool", "breakdown", False, "Also time the prelude, one Core iteration and the coda alone."),
     ("string", "roofline_device", "h200_measured", "costs.DEVICES entry for % of roofline."),
     ("bool", "progress", True, "Progress bar on stderr."),
@@ -182,6 +188,12 @@ def _print_table(stats: dict) -> None:
             "cache / weights",
             f"{stats['cache_bytes'] / 1e9:.3f} GB / {stats['weight_bytes'] / 1e9:.3f} GB",
         ),
+        (
+            "decode attends over",
+            " / ".join(map(str, stats["attention_windows"])) + " positions"
+            if stats["attention_windows"]
+            else "-",
+        ),
         ("peak device memory", fmt(stats["peak_bytes_in_use"], 1e-9, " GB")),
         ("peak before generation", fmt(stats.get("peak_bytes_before_generation"), 1e-9, " GB")),
         (
@@ -225,6 +237,7 @@ def _main(argv, F, flag_names) -> None:
         continuous=F.continuous,
         strategy=F.strategy,
         cache_len=F.cache_len or None,
+        attention_window=F.attention_window,
     )
     model = _load_model(F, config)
     gen = run_plan(model, plan, progress=F.progress)

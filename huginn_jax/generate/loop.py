@@ -32,6 +32,11 @@ class Generation:
     cache: KVCache  # the final cache
 
 
+# A decode step attends over the filled part of the preallocated cache rounded up to this many
+# positions, not over all of it: one compiled decode step per window the request reaches.
+ATTENTION_WINDOW = 512
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """A checked generation request: everything `generate` needs besides the weights."""
@@ -45,6 +50,25 @@ class Plan:
     seed: int
     threshold: float  # exit threshold (unused without a criterion)
     min_steps: int
+    attention_window: int = ATTENTION_WINDOW  # decode reads the cache in windows of this many
+
+    def decode_windows(self) -> list[int]:
+        """Cache positions each decode step reads, in order: the positions visible to it (all
+        before and including its own) rounded up to `attention_window`, at most cache_len; all
+        of them with attention_window 0."""
+        prompt_len = self.ids.shape[1]
+        return [
+            attention_window(prompt_len + i, self.cache_len, self.attention_window)
+            for i in range(1, self.max_new_tokens)
+        ]
+
+
+def attention_window(visible: int, cache_len: int, granule: int) -> int:
+    """`visible` positions rounded up to a multiple of `granule`, at most cache_len (granule 0:
+    cache_len)."""
+    if granule == 0:
+        return cache_len
+    return min(cache_len, -(-visible // granule) * granule)
 
 
 def make_plan(
@@ -64,6 +88,7 @@ def make_plan(
     continuous: bool = False,
     strategy: str | None = None,
     cache_len: int | None = None,
+    attention_window: int = ATTENTION_WINDOW,
 ) -> Plan:
     """Checks a request against `config` without touching weights (see `generate`).
 
@@ -102,6 +127,8 @@ def make_plan(
         )
     if needed > cache_len:
         raise ValueError(f"{what} exceed the cache's capacity of cache_len={cache_len}")
+    if attention_window < 0:
+        raise ValueError(f"attention_window={attention_window} must be >= 0 (0: the whole cache)")
     if threshold is None:
         threshold = crit.default_threshold if crit is not None else 0.0
     spec = StepSpec(
@@ -122,6 +149,7 @@ def make_plan(
         seed,
         float(threshold),
         min_steps,
+        attention_window,
     )
 
 
@@ -142,6 +170,7 @@ def generate(
     continuous: bool = False,
     strategy: str | None = None,
     cache_len: int | None = None,
+    attention_window: int = ATTENTION_WINDOW,
     return_logits: bool = False,
     progress: bool = False,
 ) -> Generation:
@@ -158,6 +187,9 @@ def generate(
     - `strategy`: KV cache layout, "full", "latest-m4" or "compress-sN" (see kv_cache); default
       "latest-m4" with a criterion (what adaptive exits need), else "full". `cache_len`: positions
       to allocate (default prompt + max_new_tokens, at most the model's block_size).
+    - `attention_window`: a decode step reads the cache's filled positions rounded up to a
+      multiple of this (one compiled decode step per window reached), not all cache_len of them;
+      0 reads the whole cache at every step.
 
     Every argument is checked before any work (`make_plan`); bad ones raise ValueError. `stats`
     holds compile seconds (apart), the prefill time, per-token decode latencies and their median,
@@ -180,6 +212,7 @@ def generate(
         continuous=continuous,
         strategy=strategy,
         cache_len=cache_len,
+        attention_window=attention_window,
     )
     return run_plan(model, plan, return_logits=return_logits, progress=progress)
 
@@ -214,12 +247,19 @@ def run_plan(
     prefill, compile_prefill = compiled_step(graphdef, prefill_spec, prefill_args)
     compile_decode = 0.0
     temp_bytes = {"prefill": _temp_bytes(prefill)}
-    if plan.max_new_tokens > 1:
+    windows = plan.decode_windows()
+    decode_steps = {}  # window -> compiled decode step
+    if windows:
         prev_state = jnp.zeros((batch, cfg.n_embd), model.dtype) if plan.continuous else None
         token = jnp.zeros((batch,), jnp.int32)
-        decode_args = (params, token, prev_state, cache_shape, jnp.int32(0), key, exit_at)
-        decode, compile_decode = compiled_step(graphdef, spec, decode_args)
-        temp_bytes["decode"] = _temp_bytes(decode)
+        for window in sorted(set(windows)):
+            decode_args = (
+                params, token, prev_state, cache_shape.with_read_len(window), jnp.int32(0), key,
+                exit_at,
+            )  # fmt: skip
+            decode_steps[window], seconds = compiled_step(graphdef, spec, decode_args)
+            compile_decode += seconds
+        temp_bytes["decode"] = max(_temp_bytes(d) or 0 for d in decode_steps.values())
     cache = new_cache()
 
     t0 = time.perf_counter()
@@ -230,10 +270,11 @@ def run_plan(
     latencies = []
     bar = _progress_bar(plan.max_new_tokens, progress)
     bar.update(1)
-    for _ in range(1, plan.max_new_tokens):
+    for window in windows:
         t0 = time.perf_counter()
         prev_state = out.state if plan.continuous else None
-        out = decode(params, out.token, prev_state, out.cache, out.next_start, key, exit_at)
+        cache, decode = out.cache.with_read_len(window), decode_steps[window]
+        out = decode(params, out.token, prev_state, cache, out.next_start, key, exit_at)
         out.token.block_until_ready()  # per-token latency; the next step needs it anyway
         latencies.append(time.perf_counter() - t0)
         records.append(_record(out, return_logits))
@@ -255,7 +296,8 @@ def run_plan(
     )
     stats["peak_bytes_before_generation"] = peak_before
     stats["executable_temp_bytes"] = temp_bytes
-    return Generation(tokens, steps, values, logits, stats, out.cache)
+    stats["attention_windows"] = sorted(set(windows))
+    return Generation(tokens, steps, values, logits, stats, out.cache.with_read_len(0))
 
 
 def _temp_bytes(executable) -> int | None:
