@@ -10,7 +10,8 @@
 #   chain     issues 3 + 4: xla_loop / torch_graph / $CHAIN_PALLAS (default both Pallas
 #             kernels) at 8/24/48/72/288 MiB with ncu; a trace at 72 MiB
 #   chain_hbm the ncu part of `chain` alone
-#   core      issue 5: Core decode/prefill with traces + HLO, batch/context sweep, ncu, adapter
+#   core      issue 5: Core decode/prefill with traces + HLO, batch/context sweep
+#   core_hbm  issue 5: the Core's and the adapter's HBM bytes (ncu)
 #   core_xla_gemm  issue 5: the Core with XLA's own GEMM choice (Triton), against the default
 #             --gemm=cublas of the other stages
 #   core_flags  issue 5: decode under XLA flag variants (command buffers, loop unrolling)
@@ -29,7 +30,7 @@ set -u
 [ $# -ge 1 ] || { echo "usage: $0 STAGE [STAGE...] (see the list above)" >&2; exit 2; }
 for stage in "$@"; do
   case "$stage" in
-  tests | pallas | pallas_steps | chain | chain_hbm | core | core_xla_gemm | core_flags | decode_attention | generate | generate_mem | train) ;;
+  tests | pallas | pallas_steps | chain | chain_hbm | core | core_hbm | core_xla_gemm | core_flags | decode_attention | generate | generate_mem | train) ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done
@@ -94,14 +95,20 @@ stage_core() {
     --context=1024,4096 --impls=xla,torch_graph --repeats=10 --json_out="$d/core_sweep.json" \
     > "$d/core_sweep.txt" 2>&1
   stamp "core sweep done"
-  timeout 120 python3 -m experiments.core --mode=decode,prefill --iterations=1,8 \
+  grep -v "it/s\]" "$d/core.txt" | tail -25; tail -12 "$d/core_sweep.txt"
+}
+
+# ncu passes of the Core (8 children) and the adapter; 120 s and 45 s were too short on
+# 2026-11-30 (neither finished).
+stage_core_hbm() {
+  local d=$1
+  timeout 300 python3 -m experiments.core --mode=decode,prefill --iterations=1,8 \
     --impls=xla,torch_graph --repeats=5 --hbm --json_out="$d/core_hbm.json" \
     > "$d/core_hbm.txt" 2>&1
   stamp "core hbm done"
-  timeout 45 python3 -m experiments.adapter --m=1,1024 --hbm --json_out="$d/adapter.json" \
+  timeout 150 python3 -m experiments.adapter --m=1,1024 --hbm --json_out="$d/adapter.json" \
     > "$d/adapter.txt" 2>&1
-  tail -25 "$d/core.txt"; tail -12 "$d/core_sweep.txt"; tail -12 "$d/core_hbm.txt"
-  tail -8 "$d/adapter.txt"
+  grep -v "it/s\]" "$d/core_hbm.txt" | tail -12; tail -8 "$d/adapter.txt"
 }
 
 stage_core_xla_gemm() {
