@@ -10,6 +10,7 @@ not flushed between calls (they do not fit in L2: 32 slots of 21.6 MB at B = 1, 
 
 Implementations, all over the same bf16 data (every output checked against a float32 reference):
   xla             huginn_jax.layers.attend on the model's cache layout [B, S, H, K]
+  xla_split       the same split into blocks of 128 positions (flash-decoding in XLA)
   xla_head_major  the same product on a head-major layout [B, H, S, K] (a candidate layout)
   cudnn           huginn_jax.layers.attend_cudnn (cuDNN fused attention, T = 1) on [B, S, H, K]
   torch           torch's scaled_dot_product_attention on [B, H, S, K] views of [B, S, H, K]
@@ -36,7 +37,7 @@ from huginn_jax import costs  # noqa: E402
 from huginn_jax.layers import attend, attend_cudnn  # noqa: E402
 
 FLAGS = flags.FLAGS
-IMPLS = ("xla", "xla_head_major", "cudnn", "torch")
+IMPLS = ("xla", "xla_split", "xla_head_major", "cudnn", "torch")
 GPU_ONLY = ("cudnn", "torch")
 
 
@@ -77,7 +78,57 @@ def attend_head_major(q_Bx1xHxK, k_BxHxSxK, v_BxHxSxK, q_pos_T, k_pos_S):
     return jnp.einsum("bhs,bhsk->bhk", probs, v_BxHxSxK)[:, None]
 
 
-ATTENTION = {"xla": attend, "xla_head_major": attend_head_major, "cudnn": attend_cudnn}
+def attend_split(q_Bx1xHxK, k_BxSxHxK, v_BxSxHxK, q_pos_T, k_pos_S, *, block: int = 128):
+    """`attend` for one query position, split over the cache (flash-decoding written in XLA): the
+    S positions in blocks of `block` (a shorter one last), a softmax per block, the blocks
+    combined through their maxima and sums. Many short reductions instead of one over all S."""
+    batch, s, heads, head_dim = k_BxSxHxK.shape
+    scale = 1.0 / jnp.sqrt(jnp.float32(head_dim))
+    q_BxHxK = q_Bx1xHxK[:, 0]
+
+    def partial(k_BxCxLxHxK, v_BxCxLxHxK, pos_CxL):
+        scores = jnp.einsum(
+            "bhk,bclhk->bchl", q_BxHxK, k_BxCxLxHxK, preferred_element_type=jnp.float32
+        )
+        visible = (pos_CxL <= q_pos_T[0])[None, :, None, :]
+        scores = jnp.where(visible, scores * scale, -1e30)
+        m_BxCxH = scores.max(axis=-1)
+        p = jnp.exp(scores - m_BxCxH[..., None])
+        acc = jnp.einsum(
+            "bchl,bclhk->bchk",
+            p.astype(v_BxCxLxHxK.dtype),
+            v_BxCxLxHxK,
+            preferred_element_type=jnp.float32,
+        )
+        return m_BxCxH, p.sum(axis=-1), acc
+
+    full = s // block * block
+    parts = []
+    if full:
+        blocks = (batch, full // block, block, heads, head_dim)
+        parts.append(
+            partial(
+                k_BxSxHxK[:, :full].reshape(blocks),
+                v_BxSxHxK[:, :full].reshape(blocks),
+                k_pos_S[:full].reshape(-1, block),
+            )
+        )
+    if full < s:
+        parts.append(
+            partial(k_BxSxHxK[:, None, full:], v_BxSxHxK[:, None, full:], k_pos_S[None, full:])
+        )
+    m, total, acc = (jnp.concatenate(x, axis=1) for x in zip(*parts, strict=True))
+    weight_BxCxH = jnp.exp(m - m.max(axis=1, keepdims=True))
+    out = (acc * weight_BxCxH[..., None]).sum(1) / (total * weight_BxCxH).sum(1)[..., None]
+    return out[:, None].astype(v_BxSxHxK.dtype)
+
+
+ATTENTION = {
+    "xla": attend,
+    "xla_split": attend_split,
+    "xla_head_major": attend_head_major,
+    "cudnn": attend_cudnn,
+}
 
 
 @functools.partial(jax.jit, static_argnames=("impl",))

@@ -35,6 +35,21 @@ def test_head_major_equals_the_models_attention():
     assert not np.allclose(everything, want, atol=1e-3)
 
 
+def test_split_equals_the_models_attention():
+    """Blocks of 8 over 37 positions (a 5-position block last), positions after 20 masked."""
+    kq, kk, kv = jax.random.split(jax.random.key(1), 3)
+    b, s, h, k = 2, 37, 3, 8
+    q = jax.random.normal(kq, (b, 1, h, k), jnp.float32)
+    keys = jax.random.normal(kk, (b, s, h, k), jnp.float32)
+    values = jax.random.normal(kv, (b, s, h, k), jnp.float32)
+    k_pos = jnp.arange(s, dtype=jnp.int32)
+    for q_pos in (jnp.array([20], jnp.int32), jnp.array([s - 1], jnp.int32)):
+        want = attend(q, keys, values, q_pos, k_pos)
+        for block in (8, 64):  # 64 > s: the remainder block alone
+            got = da.attend_split(q, keys, values, q_pos, k_pos, block=block)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def run_cli(*args):
     return subprocess.run(
         [sys.executable, "-m", "experiments.decode_attention", *args],
@@ -51,7 +66,7 @@ def test_cli_on_cpu_writes_json(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "need(s) CUDA; skipped" in proc.stdout
     records = json.loads(out.read_text())["records"]
-    assert [r["impl"] for r in records] == ["xla", "xla_head_major"]
+    assert [r["impl"] for r in records] == ["xla", "xla_split", "xla_head_major"]
     assert all(r["us"] > 0 and r["rel_err_vs_f32"] < 2e-2 for r in records)
 
 

@@ -139,7 +139,7 @@ stage_core_flags() {
 
 stage_decode_attention() {
   local d=$1
-  timeout 150 python3 -m experiments.decode_attention --batch=1,8 --context=1024,4096 \
+  timeout 240 python3 -m experiments.decode_attention --batch=1,8 --context=1024,4096 \
     --json_out="$d/decode_attention.json" > "$d/decode_attention.txt" 2>&1
   tail -20 "$d/decode_attention.txt"
 }
