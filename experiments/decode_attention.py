@@ -34,7 +34,7 @@ from experiments.measure import results as results_lib  # noqa: E402
 from experiments.measure import timing  # noqa: E402
 from experiments.torch_ref import chain as torch_chain  # noqa: E402 (imports no torch)
 from huginn_jax import costs  # noqa: E402
-from huginn_jax.layers import attend, attend_cudnn  # noqa: E402
+from huginn_jax.layers import MASKED_SCORE, attend, attend_cudnn  # noqa: E402
 
 FLAGS = flags.FLAGS
 IMPLS = ("xla", "xla_split", "xla_head_major", "cudnn", "torch")
@@ -73,7 +73,7 @@ def attend_head_major(q_Bx1xHxK, k_BxHxSxK, v_BxHxSxK, q_pos_T, k_pos_S):
         "bhk,bhsk->bhs", q_Bx1xHxK[:, 0], k_BxHxSxK, preferred_element_type=jnp.float32
     )
     visible_S = k_pos_S <= q_pos_T[0]
-    scores_BxHxS = jnp.where(visible_S, scores_BxHxS * scale, -1e30)
+    scores_BxHxS = jnp.where(visible_S, scores_BxHxS * scale, MASKED_SCORE)
     probs = jax.nn.softmax(scores_BxHxS, axis=-1).astype(v_BxHxSxK.dtype)
     return jnp.einsum("bhs,bhsk->bhk", probs, v_BxHxSxK)[:, None]
 
@@ -91,7 +91,7 @@ def attend_split(q_Bx1xHxK, k_BxSxHxK, v_BxSxHxK, q_pos_T, k_pos_S, *, block: in
             "bhk,bclhk->bchl", q_BxHxK, k_BxCxLxHxK, preferred_element_type=jnp.float32
         )
         visible = (pos_CxL <= q_pos_T[0])[None, :, None, :]
-        scores = jnp.where(visible, scores * scale, -1e30)
+        scores = jnp.where(visible, scores * scale, MASKED_SCORE)
         m_BxCxH = scores.max(axis=-1)
         p = jnp.exp(scores - m_BxCxH[..., None])
         acc = jnp.einsum(

@@ -14,7 +14,7 @@ from flax import nnx
 from huginn_jax.config import HuginnConfig
 from huginn_jax.kv_cache import KVCache
 
-_MASKED = -1e30  # finite, so a fully masked row cannot produce NaN
+MASKED_SCORE = -1e30  # finite, so a fully masked row cannot produce NaN
 
 
 def truncated_normal(key: jax.Array, shape: tuple[int, ...], std: float, dtype) -> jax.Array:
@@ -85,7 +85,7 @@ def attend(
         preferred_element_type=jnp.float32,
     )
     visible_TxS = k_pos_S[None, :] <= q_pos_T[:, None]
-    scores_BxHxTxS = jnp.where(visible_TxS, scores_BxHxTxS * scale, _MASKED)
+    scores_BxHxTxS = jnp.where(visible_TxS, scores_BxHxTxS * scale, MASKED_SCORE)
     probs = jax.nn.softmax(scores_BxHxTxS, axis=-1).astype(v_BxSxHxK.dtype)
     return jnp.einsum("bhts,bshk->bthk", probs, v_BxSxHxK, precision=precision)
 

@@ -17,13 +17,19 @@ from huginn_jax.layers import attend
 REPO = Path(__file__).resolve().parent.parent
 
 
+S = 37  # cached positions in the tests below
+
+
+def fresh_qkv(seed: int):
+    """One float32 query [2, 1, 3, 8], keys and values [2, S, 3, 8], and the key positions."""
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(kq, (2, 1, 3, 8), jnp.float32)
+    keys, values = (jax.random.normal(key, (2, S, 3, 8), jnp.float32) for key in (kk, kv))
+    return q, keys, values, jnp.arange(S, dtype=jnp.int32)
+
+
 def test_head_major_equals_the_models_attention():
-    kq, kk, kv = jax.random.split(jax.random.key(0), 3)
-    b, s, h, k = 2, 37, 3, 8
-    q = jax.random.normal(kq, (b, 1, h, k), jnp.float32)
-    keys = jax.random.normal(kk, (b, s, h, k), jnp.float32)
-    values = jax.random.normal(kv, (b, s, h, k), jnp.float32)
-    k_pos = jnp.arange(s, dtype=jnp.int32)
+    q, keys, values, k_pos = fresh_qkv(0)
     q_pos = jnp.array([20], jnp.int32)  # positions after 20 are masked out
     want = attend(q, keys, values, q_pos, k_pos)
     got = da.attend_head_major(
@@ -31,21 +37,16 @@ def test_head_major_equals_the_models_attention():
     )
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     # The mask matters: with every position visible the result differs.
-    everything = attend(q, keys, values, jnp.array([s - 1], jnp.int32), k_pos)
+    everything = attend(q, keys, values, jnp.array([S - 1], jnp.int32), k_pos)
     assert not np.allclose(everything, want, atol=1e-3)
 
 
 def test_split_equals_the_models_attention():
     """Blocks of 8 over 37 positions (a 5-position block last), positions after 20 masked."""
-    kq, kk, kv = jax.random.split(jax.random.key(1), 3)
-    b, s, h, k = 2, 37, 3, 8
-    q = jax.random.normal(kq, (b, 1, h, k), jnp.float32)
-    keys = jax.random.normal(kk, (b, s, h, k), jnp.float32)
-    values = jax.random.normal(kv, (b, s, h, k), jnp.float32)
-    k_pos = jnp.arange(s, dtype=jnp.int32)
-    for q_pos in (jnp.array([20], jnp.int32), jnp.array([s - 1], jnp.int32)):
+    q, keys, values, k_pos = fresh_qkv(1)
+    for q_pos in (jnp.array([20], jnp.int32), jnp.array([S - 1], jnp.int32)):
         want = attend(q, keys, values, q_pos, k_pos)
-        for block in (8, 64):  # 64 > s: the remainder block alone
+        for block in (8, 64):  # 64 > S: the remainder block alone
             got = da.attend_split(q, keys, values, q_pos, k_pos, block=block)
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 

@@ -159,23 +159,13 @@ def generate(
     max_new_tokens: int,
     num_steps: int = 32,
     *,
-    criterion: str | None = None,
-    threshold: float | None = None,
-    min_steps: int = 0,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    init_scale: float = 1.0,
-    continuous: bool = False,
-    strategy: str | None = None,
-    cache_len: int | None = None,
-    attention_window: int = ATTENTION_WINDOW,
     return_logits: bool = False,
     progress: bool = False,
+    **settings,
 ) -> Generation:
     """Generates `max_new_tokens` tokens after `input_ids` ([T] or [B, T] int, no padding).
 
+    `num_steps` and `settings` (`make_plan`'s keyword arguments):
     - `num_steps`: recurrence steps per token; with a `criterion` ("kl", "entropy-diff",
       "latent-diff", "argmax-stability"; None or "none" for a fixed count) the most steps, and a
       sequence exits once the criterion's value drops below `threshold` (argmax-stability: the
@@ -196,24 +186,7 @@ def generate(
     tokens/s, steps per token, achieved GB/s over the bytes a decode step must move
     (`decode_step_bytes`), cache and weight bytes, and the peak device memory where reported.
     """
-    plan = make_plan(
-        model.config,
-        input_ids,
-        max_new_tokens,
-        num_steps,
-        criterion=criterion,
-        threshold=threshold,
-        min_steps=min_steps,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        seed=seed,
-        init_scale=init_scale,
-        continuous=continuous,
-        strategy=strategy,
-        cache_len=cache_len,
-        attention_window=attention_window,
-    )
+    plan = make_plan(model.config, input_ids, max_new_tokens, num_steps, **settings)
     return run_plan(model, plan, return_logits=return_logits, progress=progress)
 
 
@@ -259,7 +232,8 @@ def run_plan(
             )  # fmt: skip
             decode_steps[window], seconds = compiled_step(graphdef, spec, decode_args)
             compile_decode += seconds
-        temp_bytes["decode"] = max(_temp_bytes(d) or 0 for d in decode_steps.values())
+        reported = [t for t in map(_temp_bytes, decode_steps.values()) if t is not None]
+        temp_bytes["decode"] = max(reported) if reported else None
     cache = new_cache()
 
     t0 = time.perf_counter()
