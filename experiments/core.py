@@ -9,7 +9,11 @@ has its own KV slot.
 Modes: decode = one new position per sequence over `context` cached positions (the history is
 random, never zeros); prefill = `context` new positions from position 0. Implementations:
   xla             `lax.scan` over iterations, the cache donated and updated in place
-  xla_cudnn       as xla, prefill attention fused by cuDNN (GPU only)
+  xla_cudnn       as xla, attention fused by cuDNN in prefill and decode (GPU only)
+  xla_split       as xla, decode attention split into blocks of 128 positions (flash-decoding
+                  in XLA; the model's decode_attention_impl="xla_split")
+  xla_pallas      as xla, decode attention by the Pallas split-KV kernel that reads the cache
+                  slot in place (pallas_kernels.decode_attention)
   xla_probe       the issue's plain-XLA probe: the same Core, the cache as [r, L, B, S, H, K]
                   arrays in the scan carry written with `.at[i, j, :, pos].set`, not donated
   torch_graph     the same Core in PyTorch, static cache written in place, CUDA-graph replay
@@ -39,6 +43,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 
+import pallas_kernels.decode_attention  # noqa: E402, F401 (registers the "pallas" decode)
 from experiments import cli  # noqa: E402
 from experiments.cli import UserError  # noqa: E402
 from experiments.measure import hlo as hlo_lib  # noqa: E402
@@ -96,8 +101,13 @@ def define_flags() -> None:
 
 
 TORCH_IMPLS = ("torch_graph", "torch_eager", "torch_teaching")
-# xla_cudnn: prefill attention fused by cuDNN (GPU only); xla_probe: the plain probe
-XLA_IMPLS = ("xla", "xla_cudnn", "xla_probe")
+# XLA impls that are `xla` with other attention settings of the model config.
+XLA_ATTENTION_VARIANTS = {
+    "xla_cudnn": {"attention_impl": "cudnn", "decode_attention_impl": "cudnn"},
+    "xla_split": {"decode_attention_impl": "xla_split"},
+    "xla_pallas": {"decode_attention_impl": "pallas"},
+}
+XLA_IMPLS = ("xla", *XLA_ATTENTION_VARIANTS, "xla_probe")
 IMPLS = (*XLA_IMPLS, *TORCH_IMPLS)
 NCU_CALLS = 2
 
@@ -444,11 +454,11 @@ def make_runner(impl, cfg, graphdef, params, case, dtype_name):
     state, embedded, cache = case_inputs(cfg, case, jax_dtype(dtype_name), FLAGS.seed)
     if impl in ("xla", "xla_probe"):
         return XlaRunner(graphdef, params, state, embedded, cache, case, probe=impl == "xla_probe")
-    if impl == "xla_cudnn":
-        fused = core_graphdef(
-            dataclasses.replace(cfg, attention_impl="cudnn"), jax_dtype(dtype_name)
+    if impl in XLA_ATTENTION_VARIANTS:
+        variant = dataclasses.replace(cfg, **XLA_ATTENTION_VARIANTS[impl])
+        return XlaRunner(
+            core_graphdef(variant, jax_dtype(dtype_name)), params, state, embedded, cache, case
         )
-        return XlaRunner(fused, params, state, embedded, cache, case)
     return TorchRunner(
         impl, nnx.to_pure_dict(params), cfg, state, embedded, cache, case, dtype_name
     )
@@ -459,7 +469,12 @@ def run_case(impl, cfg, graphdef, params, case, dtype_name, ceilings, hlo_dir) -
     extra = {}
     if impl in XLA_IMPLS:
         text, memory = runner.compile_report()
-        report = hlo_lib.loop_report(text, memory, big_buffer_dims=tuple(runner.cache.k.shape))
+        report = hlo_lib.loop_report(
+            text,
+            memory,
+            big_buffer_dims=tuple(runner.cache.k.shape),
+            slice_dims=tuple(runner.cache.k.shape[-4:]),  # one slot, [B, S, H, K]
+        )
         live = runner.cache.nbytes + sum(x.nbytes for x in jax.tree.leaves(params))
         report["temp_pct_of_weights_and_cache"] = 100 * report.get("temp_bytes", 0) / live
         extra["xla_report"] = report
@@ -680,6 +695,7 @@ def main(argv: list[str]) -> None:
                 f"ctx={rec['context']}: "
                 f"kernels/iteration {list(rep['kernels_per_iteration'].values())}, "
                 f"cache copies {len(rep['big_buffer_copies'])}, "
+                f"slot copies/iteration {len(rep.get('slice_copies_per_iteration', []))}, "
                 f"temp {rep.get('temp_bytes', 0) / 2**20:.1f} MiB "
                 f"({rep['temp_pct_of_weights_and_cache']:.2f} % of weights+cache), "
                 f"alias {rep.get('alias_bytes', 0) / 2**20:.1f} MiB"

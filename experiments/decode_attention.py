@@ -8,11 +8,16 @@ that, as in the Core, no cache is still in L2 from the call before; the time per
 call's time / slots, compared with reading K and V once at the measured 4.25 TB/s. Caches are
 not flushed between calls (they do not fit in L2: 32 slots of 21.6 MB at B = 1, S = 1024).
 
-Implementations, all over the same bf16 data (every output checked against a float32 reference):
+Implementations, all over the same bf16 data (the first slots of every output checked against a
+float64 reference on the host):
   xla             huginn_jax.layers.attend on the model's cache layout [B, S, H, K]
-  xla_split       the same split into blocks of 128 positions (flash-decoding in XLA)
+  xla_split       huginn_jax.layers.attend_decode_split: blocks of 128 positions (flash-decoding
+                  in XLA), the model's decode_attention_impl="xla_split"
   xla_head_major  the same product on a head-major layout [B, H, S, K] (a candidate layout)
-  cudnn           huginn_jax.layers.attend_cudnn (cuDNN fused attention, T = 1) on [B, S, H, K]
+  cudnn           huginn_jax.layers.attend_decode_cudnn (cuDNN fused attention, T = 1, visible
+                  keys as a length), the model's decode_attention_impl="cudnn"
+  pallas          pallas_kernels.decode_attention: split-KV kernel reading the stacked caches
+                  in place, the model's decode_attention_impl="pallas"
   torch           torch's scaled_dot_product_attention on [B, H, S, K] views of [B, S, H, K]
 """
 
@@ -34,10 +39,17 @@ from experiments.measure import results as results_lib  # noqa: E402
 from experiments.measure import timing  # noqa: E402
 from experiments.torch_ref import chain as torch_chain  # noqa: E402 (imports no torch)
 from huginn_jax import costs  # noqa: E402
-from huginn_jax.layers import MASKED_SCORE, attend, attend_cudnn  # noqa: E402
+from huginn_jax.layers import (  # noqa: E402
+    DECODE_BLOCK,
+    MASKED_SCORE,
+    attend,
+    attend_decode_cudnn,
+    attend_decode_split,
+)
+from pallas_kernels.decode_attention import decode_attention, pick_config  # noqa: E402
 
 FLAGS = flags.FLAGS
-IMPLS = ("xla", "xla_split", "xla_head_major", "cudnn", "torch")
+IMPLS = ("xla", "xla_split", "xla_head_major", "cudnn", "pallas", "torch")
 GPU_ONLY = ("cudnn", "torch")
 
 
@@ -45,6 +57,17 @@ def define_flags() -> None:
     flags.DEFINE_list("batch", ["1", "8"], "Sequences (a list).")
     flags.DEFINE_list("context", ["1024", "4096"], "Cached positions S (a list).")
     flags.DEFINE_list("impls", list(IMPLS), f"Any of {', '.join(IMPLS)}.")
+    flags.DEFINE_list(
+        "split_blocks",
+        [str(DECODE_BLOCK)],
+        "Block sizes for xla_split (a list: one row each, named xla_split/BLOCK when several).",
+    )
+    flags.DEFINE_list(
+        "pallas_configs",
+        [],
+        "Tunings for pallas, each PROGRAMS_PER_SM:BLOCK_S:NUM_WARPS:NUM_STAGES (a list: one row "
+        "each, named pallas/...); empty: the kernel's frozen default.",
+    )
     flags.DEFINE_integer("heads", 55, "Heads H (huginn-0125: 55).")
     flags.DEFINE_integer("head_dim", 96, "Head dimension K (huginn-0125: 96).")
     flags.DEFINE_integer("slots", 32, "Caches attended per call (no L2 reuse between them).")
@@ -78,76 +101,84 @@ def attend_head_major(q_Bx1xHxK, k_BxHxSxK, v_BxHxSxK, q_pos_T, k_pos_S):
     return jnp.einsum("bhs,bhsk->bhk", probs, v_BxHxSxK)[:, None]
 
 
-def attend_split(q_Bx1xHxK, k_BxSxHxK, v_BxSxHxK, q_pos_T, k_pos_S, *, block: int = 128):
-    """`attend` for one query position, split over the cache (flash-decoding written in XLA): the
-    S positions in blocks of `block` (a shorter one last), a softmax per block, the blocks
-    combined through their maxima and sums. Many short reductions instead of one over all S."""
-    batch, s, heads, head_dim = k_BxSxHxK.shape
-    scale = 1.0 / jnp.sqrt(jnp.float32(head_dim))
-    q_BxHxK = q_Bx1xHxK[:, 0]
-
-    def partial(k_BxCxLxHxK, v_BxCxLxHxK, pos_CxL):
-        scores = jnp.einsum(
-            "bhk,bclhk->bchl", q_BxHxK, k_BxCxLxHxK, preferred_element_type=jnp.float32
-        )
-        visible = (pos_CxL <= q_pos_T[0])[None, :, None, :]
-        scores = jnp.where(visible, scores * scale, MASKED_SCORE)
-        m_BxCxH = scores.max(axis=-1)
-        p = jnp.exp(scores - m_BxCxH[..., None])
-        acc = jnp.einsum(
-            "bchl,bclhk->bchk",
-            p.astype(v_BxCxLxHxK.dtype),
-            v_BxCxLxHxK,
-            preferred_element_type=jnp.float32,
-        )
-        return m_BxCxH, p.sum(axis=-1), acc
-
-    full = s // block * block
-    parts = []
-    if full:
-        blocks = (batch, full // block, block, heads, head_dim)
-        parts.append(
-            partial(
-                k_BxSxHxK[:, :full].reshape(blocks),
-                v_BxSxHxK[:, :full].reshape(blocks),
-                k_pos_S[:full].reshape(-1, block),
-            )
-        )
-    if full < s:
-        parts.append(
-            partial(k_BxSxHxK[:, None, full:], v_BxSxHxK[:, None, full:], k_pos_S[None, full:])
-        )
-    m, total, acc = (jnp.concatenate(x, axis=1) for x in zip(*parts, strict=True))
-    weight_BxCxH = jnp.exp(m - m.max(axis=1, keepdims=True))
-    out = (acc * weight_BxCxH[..., None]).sum(1) / (total * weight_BxCxH).sum(1)[..., None]
-    return out[:, None].astype(v_BxSxHxK.dtype)
-
-
 ATTENTION = {
     "xla": attend,
-    "xla_split": attend_split,
+    "xla_split": attend_decode_split,
     "xla_head_major": attend_head_major,
-    "cudnn": attend_cudnn,
+    "cudnn": attend_decode_cudnn,
 }
+
+
+def attention_fn(impl: str):
+    """The attention function of an impl name; "xla_split/64" is xla_split with blocks of 64."""
+    name, _, block = impl.partition("/")
+    if block:
+        return functools.partial(ATTENTION[name], block=int(block))
+    return ATTENTION[name]
+
+
+def pallas_config(impl: str, batch: int, heads: int, max_len: int):
+    """None (the frozen default) for "pallas"; "pallas/P:B:W:S" -> that tuning."""
+    _, _, tuning = impl.partition("/")
+    if not tuning:
+        return None
+    programs, block_s, warps, stages = (int(x) for x in tuning.split(":"))
+    return pick_config(
+        batch,
+        heads,
+        max_len,
+        programs_per_sm=programs,
+        block_s=block_s,
+        num_warps=warps,
+        num_stages=stages,
+    )
+
+
+def expand_impls(impls: list[str], split_blocks: list[int], pallas_configs: list[str]):
+    """xla_split once per block size (named with its block when there are several), pallas
+    once per tuning."""
+    names = []
+    for impl in impls:
+        if impl == "xla_split" and split_blocks != [DECODE_BLOCK]:
+            names += [f"xla_split/{block}" for block in split_blocks]
+        elif impl == "pallas" and pallas_configs:
+            names += [f"pallas/{tuning}" for tuning in pallas_configs]
+        else:
+            names.append(impl)
+    return names
 
 
 @functools.partial(jax.jit, static_argnames=("impl",))
 def attend_slots(qs, ks, vs, *, impl: str):
     """One attention per slot, in a scan: [slots, B, 1, H, K] out."""
     context = ks.shape[3] if impl == "xla_head_major" else ks.shape[2]
+    if impl.startswith("pallas"):  # the kernel reads slot i of the stacked caches in place
+        config = pallas_config(impl, ks.shape[1], ks.shape[3], ks.shape[2])
+
+        def read_slot(_, i):
+            return None, decode_attention(qs[i][:, 0], ks, vs, i, context, config=config)[:, None]
+
+        return jax.lax.scan(read_slot, None, jnp.arange(qs.shape[0]))[1]
     k_pos = jnp.arange(context, dtype=jnp.int32)
     q_pos = jnp.full((1,), context - 1, jnp.int32)  # the new position sees the whole cache
 
     def body(_, qkv):
-        return None, ATTENTION[impl](*qkv, q_pos, k_pos)
+        return None, attention_fn(impl)(*qkv, q_pos, k_pos)
 
     return jax.lax.scan(body, None, (qs, ks, vs))[1]
 
 
+CHECKED_SLOTS = 2  # slots checked against the float64 reference (on the host)
+
+
 def reference(q, k, v) -> np.ndarray:
-    """float32 attention of every slot, from the bf16 data."""
-    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-    return np.asarray(attend_slots(*f32, impl="xla"))
+    """float64 attention of the first CHECKED_SLOTS slots on the host, from the bf16 data
+    (XLA's float32 product of all slots asked the autotuner for 20 GiB at B = 1, S = 1024)."""
+    q, k, v = (np.asarray(x[:CHECKED_SLOTS].astype(jnp.float32), np.float64) for x in (q, k, v))
+    scores = np.einsum("nbhk,nbshk->nbhs", q[:, :, 0], k) / np.sqrt(q.shape[-1])
+    probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    return np.einsum("nbhs,nbshk->nbhk", probs, v)[:, :, None]
 
 
 class XlaRunner:
@@ -209,7 +240,7 @@ def run(batches: list[int], contexts: list[int], impls: list[str]) -> list[dict]
             for impl in impls:
                 try:  # one implementation failing (e.g. cuDNN refusing a shape) is a result too
                     runner = TorchRunner(q, k, v) if impl == "torch" else XlaRunner(impl, q, k, v)
-                    out = to_numpy(runner())
+                    out = to_numpy(runner())[:CHECKED_SLOTS]
                     samples = timing.time_fn(
                         runner,
                         warmup=FLAGS.warmup,
@@ -237,7 +268,7 @@ def run(batches: list[int], contexts: list[int], impls: list[str]) -> list[dict]
                         "us_p90": samples.quantile(0.9) * 1e6,
                         "gb_per_s": kv_bytes / seconds / 1e9,
                         "pct_of_h200_bandwidth": 100 * kv_bytes / seconds / floor_bw,
-                        "rel_err_vs_f32": err,
+                        "rel_err_vs_f64": err,
                         "samples_s": samples.seconds,
                     }
                 )
@@ -259,7 +290,7 @@ def format_table(records: list[dict]) -> str:
         spread = f"{r['us_p10']:.1f}-{r['us_p90']:.1f}"
         lines.append(
             f"{r['impl']:<16} {r['batch']:>3} {r['context']:>5} {r['us']:>8.1f} {spread:>15} "
-            f"{r['gb_per_s']:>6.0f} {r['pct_of_h200_bandwidth']:>9.1f} {r['rel_err_vs_f32']:>8.1e}"
+            f"{r['gb_per_s']:>6.0f} {r['pct_of_h200_bandwidth']:>9.1f} {r['rel_err_vs_f64']:>8.1e}"
         )
     return "\n".join(lines)
 
@@ -277,9 +308,20 @@ def main(argv: list[str]) -> None:
             raise UserError(f"--{name} must be >= 1, got {FLAGS[name].value}")
     if FLAGS.head_dim % 2:
         raise UserError(f"--head_dim must be even, got {FLAGS.head_dim}")
-    records = run(batches, contexts, list(dict.fromkeys(FLAGS.impls)))
+    split_blocks = cli.positive_ints("split_blocks", FLAGS.split_blocks)
+    for tuning in FLAGS.pallas_configs:
+        parts = tuning.split(":")
+        if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise UserError(
+                f"--pallas_configs: {tuning!r} is not PROGRAMS_PER_SM:BLOCK_S:NUM_WARPS:NUM_STAGES"
+            )
+    impls = expand_impls(list(dict.fromkeys(FLAGS.impls)), split_blocks, FLAGS.pallas_configs)
+    records = run(batches, contexts, impls)
     if FLAGS.json_out:
-        names = "batch context impls heads head_dim slots warmup repeats seed json_out".split()
+        names = (
+            "batch context impls split_blocks pallas_configs heads head_dim slots warmup repeats "
+            "seed json_out"
+        ).split()
         env = results_lib.environment({name: FLAGS[name].value for name in names})
         path = results_lib.write_json_atomic(
             FLAGS.json_out, {"environment": env, "records": records}

@@ -7,6 +7,9 @@ import json
 import math
 from pathlib import Path
 
+ATTENTION_IMPLS = ("xla", "cudnn")
+DECODE_ATTENTION_IMPLS = ("xla", "xla_split", "cudnn", "pallas")
+
 
 @dataclasses.dataclass(frozen=True)
 class HuginnConfig:
@@ -38,12 +41,26 @@ class HuginnConfig:
     effective_expected_depth: int = 0  # 0: prelude + coda + core * mean_recurrence
     # How multi-position attention (prefill) is computed: "xla" (scores materialized, any
     # backend) or "cudnn" (fused flash attention through jax.nn.dot_product_attention; NVIDIA
-    # GPUs, bf16/fp16). Single-position decode always uses "xla".
+    # GPUs, bf16/fp16).
     attention_impl: str = "xla"
+    # How one new position attends over a cache (decode): "xla" (one product over all S
+    # positions), "xla_split" (the positions in blocks of DECODE_BLOCK, a softmax per block, the
+    # blocks combined: flash-decoding written in XLA), "cudnn" (cuDNN's fused attention, the
+    # visible keys given as key_value_seq_lengths; NVIDIA GPUs, bf16/fp16) or "pallas" (a
+    # split-KV kernel reading the cache slot in place, from pallas_kernels.decode_attention,
+    # which must be imported).
+    decode_attention_impl: str = "xla"
 
     def __post_init__(self):
-        if self.attention_impl not in ("xla", "cudnn"):
-            raise ValueError(f"attention_impl={self.attention_impl!r} must be 'xla' or 'cudnn'")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(
+                f"attention_impl={self.attention_impl!r} must be one of {ATTENTION_IMPLS}"
+            )
+        if self.decode_attention_impl not in DECODE_ATTENTION_IMPLS:
+            raise ValueError(
+                f"decode_attention_impl={self.decode_attention_impl!r} must be one of "
+                f"{DECODE_ATTENTION_IMPLS}"
+            )
         for name in ("n_embd", "n_heads", "intermediate_size", "vocab_size", "block_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")

@@ -108,6 +108,105 @@ def attend_cudnn(
     )
 
 
+# Cache positions per block of attend_decode_split. On the H200 one layer alone ran fastest with
+# 256 (results/2026-11-30-h200/decode_attention.txt), but in the Core's scan 256 cost 2.949 ms
+# per iteration at batch 8 x 1024 against 1.897 with 128, and no less elsewhere
+# (core_sweep_pallas.txt vs core_sweep_attention_impls.txt): XLA fuses the two differently.
+DECODE_BLOCK = 128
+
+
+def attend_decode_split(
+    q_Bx1xHxK, k_BxSxHxK, v_BxSxHxK, q_pos_T, k_pos_S, *, block: int = DECODE_BLOCK
+) -> jax.Array:
+    """`attend` for one query position, split over the cache (flash-decoding written in XLA): the
+    S positions in blocks of `block` (a shorter one last), a float32 softmax per block, the
+    blocks combined through their maxima and sums. Many short reductions instead of one over all
+    S, which XLA runs as a column reduction with H * K outputs (too few to fill the GPU)."""
+    batch, s, heads, head_dim = k_BxSxHxK.shape
+    precision = dot_precision(q_Bx1xHxK.dtype)
+    scale = 1.0 / jnp.sqrt(jnp.float32(head_dim))
+    q_BxHxK = q_Bx1xHxK[:, 0]
+
+    def partial(k_BxCxLxHxK, v_BxCxLxHxK, pos_CxL):
+        scores = jnp.einsum(
+            "bhk,bclhk->bchl",
+            q_BxHxK,
+            k_BxCxLxHxK,
+            precision=precision,
+            preferred_element_type=jnp.float32,
+        )
+        visible = (pos_CxL <= q_pos_T[0])[None, :, None, :]
+        scores = jnp.where(visible, scores * scale, MASKED_SCORE)
+        max_BxCxH = scores.max(axis=-1)
+        p = jnp.exp(scores - max_BxCxH[..., None])
+        acc = jnp.einsum(
+            "bchl,bclhk->bchk",
+            p.astype(v_BxCxLxHxK.dtype),
+            v_BxCxLxHxK,
+            precision=precision,
+            preferred_element_type=jnp.float32,
+        )
+        return max_BxCxH, p.sum(axis=-1), acc
+
+    full = s // block * block
+    parts = []
+    if full:
+        blocks = (batch, full // block, block, heads, head_dim)
+        parts.append(
+            partial(
+                k_BxSxHxK[:, :full].reshape(blocks),
+                v_BxSxHxK[:, :full].reshape(blocks),
+                k_pos_S[:full].reshape(-1, block),
+            )
+        )
+    if full < s:
+        parts.append(
+            partial(k_BxSxHxK[:, None, full:], v_BxSxHxK[:, None, full:], k_pos_S[None, full:])
+        )
+    maxima, sums, acc = (jnp.concatenate(x, axis=1) for x in zip(*parts, strict=True))
+    # A fully masked block has max MASKED_SCORE and weight exp(MASKED_SCORE - max) = 0.
+    weight_BxCxH = jnp.exp(maxima - maxima.max(axis=1, keepdims=True))
+    out = (acc * weight_BxCxH[..., None]).sum(1) / (sums * weight_BxCxH).sum(1)[..., None]
+    return out[:, None].astype(v_BxSxHxK.dtype)
+
+
+def attend_decode_cudnn(q_Bx1xHxK, k_BxSxHxK, v_BxSxHxK, q_pos_T, k_pos_S) -> jax.Array:
+    """`attend` for one query position through cuDNN's fused attention, the visible keys given
+    as a count (key_value_seq_lengths) instead of a mask operand. The visible keys must be a
+    prefix of the cache, as in the model's cache (k_pos_S = 0 .. S-1). NVIDIA GPUs, bf16/fp16."""
+    visible = jnp.sum(k_pos_S <= q_pos_T[0], dtype=jnp.int32)
+    lengths_B = jnp.full((q_Bx1xHxK.shape[0],), visible, jnp.int32)
+    return jax.nn.dot_product_attention(
+        q_Bx1xHxK, k_BxSxHxK, v_BxSxHxK, key_value_seq_lengths=lengths_B, implementation="cudnn"
+    )
+
+
+DECODE_ATTENTION = {
+    "xla": attend,
+    "xla_split": attend_decode_split,
+    "cudnn": attend_decode_cudnn,
+}
+
+# Decode attentions that read the stacked cache in place: fn(q [B, 1, H, K], k_cache, v_cache,
+# slot, visible) -> [B, 1, H, K], over positions [0, visible) of `slot`. Kernels live above this
+# package (pallas_kernels) and register themselves when imported.
+SLOT_DECODE_ATTENTION = {}
+SLOT_DECODE_PROVIDERS = {"pallas": "pallas_kernels.decode_attention"}
+
+
+def register_slot_decode_attention(name: str, fn) -> None:
+    SLOT_DECODE_ATTENTION[name] = fn
+
+
+def slot_decode_attention(name: str):
+    if name not in SLOT_DECODE_ATTENTION:
+        raise ValueError(
+            f"decode_attention_impl={name!r} is provided by {SLOT_DECODE_PROVIDERS[name]}: "
+            "import it before running the model"
+        )
+    return SLOT_DECODE_ATTENTION[name]
+
+
 class Attention(nnx.Module):
     """Multi-head attention with fused Wqkv, a learned qk_bias added before RoPE, and a KV slot."""
 
@@ -135,10 +234,18 @@ class Attention(nnx.Module):
         q = apply_rope(q, positions_T, self.cfg.rope_base)
         key = apply_rope(key, positions_T, self.cfg.rope_base)
         fused = self.cfg.attention_impl == "cudnn" and t > 1
-        attention = attend_cudnn if fused else attend
+        decode_impl = self.cfg.decode_attention_impl
+        if t == 1 and decode_impl not in DECODE_ATTENTION:
+            attention = None  # reads the cache in place, below
+        elif t == 1:
+            attention = DECODE_ATTENTION[decode_impl]
+        else:
+            attention = attend_cudnn if fused else attend
         if cache is not None:
             cache = cache.write(slot, start, key, v)
-        if cache is None or (isinstance(start, int) and start == 0):
+        if cache is not None and attention is None:
+            out = slot_decode_attention(decode_impl)(q, cache.k, cache.v, slot, start + 1)
+        elif cache is None or (isinstance(start, int) and start == 0):
             # Nothing before the new positions (start known to be 0 at trace time): attending
             # to them alone skips reading, scoring and masking the cache's other positions,
             # and the mask is plain causal.

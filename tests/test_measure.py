@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.measure import ncu, plot, results, timing, trace
+from experiments.measure import hlo, ncu, plot, results, timing, trace
 
 DATA = Path(__file__).parent / "data"
 
@@ -283,3 +283,17 @@ def test_plot_from_json(tmp_path, hbm):
     out = plot.plot_chain(src, tmp_path / "plots" / "r.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in out.parent.iterdir()) == ["r.png"]
+
+
+def test_loop_report_finds_cache_slots_materialized_in_the_loop():
+    """A recorded sample (cuDNN decode attention in the Core on the H200): XLA writes each
+    layer's K and V slot out of the cache for the custom call, 4 fusions per iteration; the
+    cache writes themselves stay in place (no copy of the whole cache)."""
+    text = (DATA / "hlo_cudnn_decode_body.txt").read_text()
+    cache, slot = (32, 1, 1025, 55, 96), (1, 1025, 55, 96)
+    report = hlo.loop_report(text, None, big_buffer_dims=cache, slice_dims=slot)
+    copies = report["slice_copies_per_iteration"]
+    assert len(copies) == 4 and all("loop_dynamic_slice_fusion" in line for line in copies)
+    assert report["big_buffer_copies"] == []
+    other = hlo.loop_report(text, None, big_buffer_dims=cache, slice_dims=(1, 1024, 55, 96))
+    assert other["slice_copies_per_iteration"] == []

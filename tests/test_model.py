@@ -1,5 +1,6 @@
 """Properties of the model on fresh random weights and inputs (never zeros)."""
 
+import dataclasses
 import functools
 
 import jax
@@ -157,6 +158,60 @@ def test_bad_inputs_fail_clearly(model):
         model(ids, num_steps=2, init_scale=0.0, cache=cache, start=2)
 
 
+def test_split_decode_attention_equals_attend():
+    """Blocks of 8 over 37 positions (a 5-position block last); positions after 20 masked, so
+    two blocks are partly or wholly masked; then every position visible."""
+    from huginn_jax.layers import attend, attend_decode_split
+
+    kq, kk, kv = jax.random.split(jax.random.key(21), 3)
+    q = jax.random.normal(kq, (2, 1, 3, 8), jnp.float32)
+    k, v = (jax.random.normal(key, (2, 37, 3, 8), jnp.float32) for key in (kk, kv))
+    k_pos = jnp.arange(37)
+    for q_pos in (jnp.array([20]), jnp.array([36])):
+        want = attend(q, k, v, q_pos, k_pos)
+        for block in (8, 64):  # 64 > S: the remainder block alone
+            got = attend_decode_split(q, k, v, q_pos, k_pos, block=block)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(attend(q, k, v, jnp.array([20]), k_pos), want, atol=1e-3)
+
+
+def test_split_decode_attention_in_the_model():
+    """decode_attention_impl="xla_split" decodes like "xla": same weights, a 200-position prompt
+    in a 300-position cache (two full blocks of 128 and a short one, the positions past the
+    prompt's end masked), three decode steps; logits and cache agree."""
+    cfg = dataclasses.replace(MICRO, block_size=512)
+    split_cfg = dataclasses.replace(cfg, decode_attention_impl="xla_split")
+    ids = random_ids(22, 2, 203)
+    state = initial_state(cfg, (2, 203), init_scale=1.0, key=jax.random.key(23), dtype=jnp.float32)
+    outs = []
+    for c in (cfg, split_cfg):
+        model = huginn_jax.random_init(c, jax.random.key(24))
+        cache = huginn_jax.KVCache.create(c, batch=2, max_len=300, num_steps=2)
+        out = model(ids[:, :200], num_steps=2, init_state=state[:, :200], cache=cache)
+        logits = []
+        for position in range(200, 203):
+            out = model(
+                ids[:, position : position + 1],
+                num_steps=2,
+                init_state=state[:, position : position + 1],
+                cache=out.cache,
+                start=position,
+            )
+            logits.append(out.logits)
+        outs.append((np.concatenate(logits, axis=1), out.cache))
+    (want, want_cache), (got, got_cache) = outs
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got_cache.k, want_cache.k, rtol=1e-5, atol=1e-5)
+    assert np.abs(want[:, 0] - want[:, 2]).max() > 1e-3  # the steps differ
+
+
+def test_unknown_attention_impls_fail_clearly():
+    with pytest.raises(ValueError, match="decode_attention_impl='flash' must be one of"):
+        dataclasses.replace(MICRO, decode_attention_impl="flash")
+    with pytest.raises(ValueError, match="attention_impl='flash' must be one of"):
+        dataclasses.replace(MICRO, attention_impl="flash")
+
+
 @pytest.mark.gpu
 def test_cudnn_attention_matches_xla_attention():
     """The fused prefill path (attention_impl="cudnn") against the reference einsum path, bf16,
@@ -178,3 +233,25 @@ def test_cudnn_attention_matches_xla_attention():
         jax.jit(functools.partial(attend_cudnn, causal=True))(k, k, v, pos, pos), np.float32
     )
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["cudnn", "xla_split"])
+def test_decode_attention_impls_match_xla_attention(impl):
+    """One query over a 1000-position bf16 cache of which the first 701 are visible, against
+    `attend` in float32; the visible length is traced, as in a decode step."""
+    from huginn_jax.layers import DECODE_ATTENTION, attend
+
+    keys = jax.random.split(jax.random.key(14), 3)
+    q = jax.random.normal(keys[0], (2, 1, 55, 96), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (2, 1000, 55, 96), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (2, 1000, 55, 96), jnp.bfloat16)
+    k_pos = jnp.arange(1000)
+    for position in (700, 999):
+        q_pos = jnp.array([position])
+        f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+        ref = np.asarray(attend(*f32, q_pos, k_pos))
+        got = np.asarray(jax.jit(DECODE_ATTENTION[impl])(q, k, v, q_pos, k_pos), np.float32)
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2e-2
+    masked = np.asarray(attend(*f32, jnp.array([700]), k_pos))
+    assert np.linalg.norm(masked - ref) / np.linalg.norm(ref) > 0.1  # the length matters

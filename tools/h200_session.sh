@@ -3,19 +3,24 @@
 #
 #   bash tools/h200_session.sh tests pallas chain   # one call: GPU tests, kernels, chain + ncu
 #
-#   tests     GPU-only tests (Pallas kernels, cuDNN attention) and the PyTorch reference tests,
-#             three pytest processes side by side (compilation is CPU-bound; correctness only)
+#   tests     GPU-only tests (Pallas kernels, cuDNN attention) and the model, generation, Core and
+#             PyTorch reference tests on the GPU, pytest processes side by side (compilation is
+#             CPU-bound; correctness only); TEST_GROUPS picks groups (default "kernels
+#             attention model"), TEST_TIMEOUT the limit of each process (default 280 s)
 #   pallas    issue 4: both kernel variants against XLA at the issue's sizes, one table
 #   pallas_steps  issue 4: split-K time against steps at 8 and 24 MiB (the per-step cost)
 #   chain     issues 3 + 4: xla_loop / torch_graph / $CHAIN_PALLAS (default both Pallas
 #             kernels) at 8/24/48/72/288 MiB with ncu; a trace at 72 MiB
 #   chain_hbm the ncu part of `chain` alone
 #   core      issue 5: Core decode/prefill with traces + HLO, batch/context sweep
-#   core_hbm  issue 5: the Core's and the adapter's HBM bytes (ncu)
+#   core_hbm  issue 5: the Core's HBM bytes (ncu)
+#   adapter   issue 5: the adapter against its roofline, HBM bytes with L2 flushed (ncu)
 #   core_xla_gemm  issue 5: the Core with XLA's own GEMM choice (Triton), against the default
 #             --gemm=cublas of the other stages
 #   core_flags  issue 5: decode under XLA flag variants (command buffers, loop unrolling)
 #   decode_attention  issue 5: one layer's decode attention, XLA layouts vs cuDNN vs PyTorch
+#             (DA_BATCH, default 1,8; DA_ARGS: more flags, e.g. --impls=pallas
+#             --pallas_configs=4:32:4:1,8:64:4:2)
 #   generate  issue 6: JAX vs PyTorch per-token latency, breakdown, peak memory at 4096
 #   generate_mem  issue 6: peak memory at 4096 alone
 #   train     issue 7: training run and the accuracy curve (TRAIN_SECONDS, default 150), then the
@@ -30,7 +35,7 @@ set -u
 [ $# -ge 1 ] || { echo "usage: $0 STAGE [STAGE...] (see the list above)" >&2; exit 2; }
 for stage in "$@"; do
   case "$stage" in
-  tests | pallas | pallas_steps | chain | chain_hbm | core | core_hbm | core_xla_gemm | core_flags | decode_attention | generate | generate_mem | train) ;;
+  tests | pallas | pallas_steps | chain | chain_hbm | core | core_hbm | adapter | core_xla_gemm | core_flags | decode_attention | generate | generate_mem | train) ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done
@@ -43,13 +48,22 @@ T0=$(date +%s)
 stamp() { echo "[$(($(date +%s) - T0)) s] $*"; }
 
 stage_tests() {
-  local d=$1
-  timeout 200 python3 -m pytest -q -m gpu tests/test_looped_matmul.py -k "not splitk" \
-    > "$d/pytest_resident.txt" 2>&1 &
-  timeout 200 python3 -m pytest -q -m gpu tests/test_looped_matmul.py -k splitk \
-    > "$d/pytest_splitk.txt" 2>&1 &
-  timeout 200 python3 -m pytest -q tests/test_model.py tests/test_torch_ref.py \
-    > "$d/pytest_model_torch.txt" 2>&1 &
+  local d=$1 groups=" ${TEST_GROUPS:-kernels attention model} " limit=${TEST_TIMEOUT:-280}
+  if [[ $groups == *" kernels "* ]]; then
+    timeout "$limit" python3 -m pytest -q -m gpu tests/test_looped_matmul.py -k "not splitk" \
+      > "$d/pytest_resident.txt" 2>&1 &
+    timeout "$limit" python3 -m pytest -q -m gpu tests/test_looped_matmul.py -k splitk \
+      > "$d/pytest_splitk.txt" 2>&1 &
+  fi
+  if [[ $groups == *" attention "* ]]; then
+    timeout "$limit" python3 -m pytest -q tests/test_decode_attention_kernel.py \
+      tests/test_decode_attention.py tests/test_model.py > "$d/pytest_attention_model.txt" 2>&1 &
+  fi
+  if [[ $groups == *" model "* ]]; then
+    timeout "$limit" python3 -m pytest -q tests/test_torch_ref.py tests/test_generate.py \
+      > "$d/pytest_torch_generate.txt" 2>&1 &
+    timeout "$limit" python3 -m pytest -q tests/test_core.py > "$d/pytest_core.txt" 2>&1 &
+  fi
   wait
   for f in "$d"/pytest_*.txt; do echo "== $(basename "$f")"; tail -4 "$f"; done
 }
@@ -87,28 +101,35 @@ stage_chain_hbm() {
 
 stage_core() {
   local d=$1
-  timeout 200 python3 -m experiments.core --mode=decode,prefill --iterations=1,8 \
-    --impls=xla,xla_cudnn,xla_probe,torch --trace_dir="$d/trace" --hlo_dir="$d/hlo" \
-    --json_out="$d/core.json" > "$d/core.txt" 2>&1
+  # CORE_ARGS / SWEEP_IMPLS: flags that narrow the main run / the sweep's impls
+  # shellcheck disable=SC2086
+  timeout 280 python3 -m experiments.core --mode=decode,prefill --iterations=1,8 \
+    --impls=xla,xla_cudnn,xla_split,xla_pallas,xla_probe,torch_graph ${CORE_ARGS:-} \
+    --trace_dir="$d/trace" --hlo_dir="$d/hlo" --json_out="$d/core.json" > "$d/core.txt" 2>&1
   stamp "core main done"
-  timeout 90 python3 -m experiments.core --mode=decode --iterations=4 --batch=1,8,32 \
-    --context=1024,4096 --impls=xla,torch_graph --repeats=10 --json_out="$d/core_sweep.json" \
-    > "$d/core_sweep.txt" 2>&1
+  timeout 200 python3 -m experiments.core --mode=decode --iterations=4 --batch=1,8,32 \
+    --context=1024,4096 --impls="${SWEEP_IMPLS:-xla,xla_split,xla_pallas,torch_graph}" \
+    --repeats=10 --json_out="$d/core_sweep.json" > "$d/core_sweep.txt" 2>&1
   stamp "core sweep done"
-  grep -v "it/s\]" "$d/core.txt" | tail -25; tail -12 "$d/core_sweep.txt"
+  grep -v "it/s\]" "$d/core.txt" | tail -28; tail -28 "$d/core_sweep.txt"
 }
 
 # ncu passes of the Core (8 children) and the adapter; 120 s and 45 s were too short on
 # 2026-11-30 (neither finished).
 stage_core_hbm() {
   local d=$1
+  # shellcheck disable=SC2086  # CORE_HBM_ARGS: flags that narrow the run
   timeout 300 python3 -m experiments.core --mode=decode,prefill --iterations=1,8 \
-    --impls=xla,torch_graph --repeats=5 --hbm --json_out="$d/core_hbm.json" \
+    --impls=xla,torch_graph --repeats=5 --hbm ${CORE_HBM_ARGS:-} --json_out="$d/core_hbm.json" \
     > "$d/core_hbm.txt" 2>&1
-  stamp "core hbm done"
+  grep -v "it/s\]" "$d/core_hbm.txt" | tail -12
+}
+
+stage_adapter() {
+  local d=$1
   timeout 150 python3 -m experiments.adapter --m=1,1024 --hbm --json_out="$d/adapter.json" \
     > "$d/adapter.txt" 2>&1
-  grep -v "it/s\]" "$d/core_hbm.txt" | tail -12; tail -8 "$d/adapter.txt"
+  tail -8 "$d/adapter.txt"
 }
 
 stage_core_xla_gemm() {
@@ -139,7 +160,9 @@ stage_core_flags() {
 
 stage_decode_attention() {
   local d=$1
-  timeout 240 python3 -m experiments.decode_attention --batch=1,8 --context=1024,4096 \
+  # shellcheck disable=SC2086  # DA_ARGS: more flags, word-split on purpose
+  timeout 240 python3 -m experiments.decode_attention --batch="${DA_BATCH:-1,8}" \
+    --context=1024,4096 ${DA_ARGS:-} \
     --json_out="$d/decode_attention.json" > "$d/decode_attention.txt" 2>&1
   tail -20 "$d/decode_attention.txt"
 }
@@ -191,9 +214,7 @@ for stage in "$@"; do
   stamp "stage $stage"
   "stage_$stage" "$d" 2>&1 | tee "$OUT/$stage.txt"
   stamp "stage $stage done"
-done
-# Pack after all stages (the chain stage reads the pallas stage's log).
-for stage in "$@"; do
+  # Packed at once: a call cut short still returns the stages it finished.
   tar czf "$OUT/$stage.tgz" -C "$OUT" "$stage" && rm -rf "${OUT:?}/$stage"
 done
 ls -la "$OUT"

@@ -110,8 +110,48 @@ def copies_of_shape(comps: dict[str, list[Instruction]], dims: tuple[int, ...]) 
     return found
 
 
-def loop_report(hlo_text: str, memory: Any, *, big_buffer_dims: tuple[int, ...]) -> dict:
-    """Kernels per loop iteration, copies of a big buffer, and `memory_analysis()` in bytes."""
+_ARRAY_DIMS_RE = re.compile(r"\w+\[([\d,]*)\]")
+
+
+def result_dims(ins: Instruction) -> list[tuple[int, ...]]:
+    """Dimensions of every array in the instruction's result (one, or a tuple's elements)."""
+    return [
+        tuple(int(d) for d in dims.split(",") if d) for dims in _ARRAY_DIMS_RE.findall(ins.shape)
+    ]
+
+
+def materialized_slices(
+    comps: dict[str, list[Instruction]], bodies: list[str], dims: tuple[int, ...]
+) -> list[str]:
+    """Device work in the loop bodies whose result holds a `dims` array (leading 1s aside), e.g.
+    one slot of the KV cache: a slice of a big buffer written out at every iteration instead of
+    read in place (XLA does this for a custom call's sliced operand)."""
+
+    def squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
+        while shape and shape[0] == 1:
+            shape = shape[1:]
+        return shape
+
+    wanted = squeezed(tuple(dims))
+    found = []
+    for body in bodies:
+        for ins in comps.get(body, []):
+            if ins.opcode in _FREE:
+                continue
+            if any(squeezed(d) == wanted for d in result_dims(ins)):
+                found.append(ins.line[:160])
+    return found
+
+
+def loop_report(
+    hlo_text: str,
+    memory: Any,
+    *,
+    big_buffer_dims: tuple[int, ...],
+    slice_dims: tuple[int, ...] | None = None,
+) -> dict:
+    """Kernels per loop iteration, copies of a big buffer, slices of it materialized in the loop
+    (`slice_dims`: the shape of one slice, e.g. a cache slot), and `memory_analysis()` bytes."""
     comps = computations(hlo_text)
     # One iteration compiles to straight-line code (XLA removes a trip-count-1 loop).
     bodies = while_bodies(comps) or [ENTRY]
@@ -122,6 +162,8 @@ def loop_report(hlo_text: str, memory: Any, *, big_buffer_dims: tuple[int, ...])
         "launches_by_kind": per_body,
         "big_buffer_copies": copies_of_shape(comps, big_buffer_dims),
     }
+    if slice_dims is not None:
+        report["slice_copies_per_iteration"] = materialized_slices(comps, bodies, slice_dims)
     if memory is not None:
         for field in ("argument", "output", "temp", "alias", "generated_code"):
             report[f"{field}_bytes"] = int(getattr(memory, f"{field}_size_in_bytes", 0))
