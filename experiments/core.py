@@ -233,8 +233,17 @@ def case_inputs(cfg, case: Case, dtype, seed: int):
 
         @functools.partial(jax.jit, donate_argnums=0)
         def fill(cache):
-            k = jax.random.normal(keys[2], cache.k.shape, dtype)
-            v = jax.random.normal(keys[3], cache.v.shape, dtype)
+            """One slot at a time, in place: drawing the whole cache at once needs float32
+            temporaries of its size (batch 32 x 4096 ran out of memory on the H200)."""
+
+            def fill_slot(slot, kv):
+                shape = kv[0].shape[1:]
+                return tuple(
+                    x.at[slot].set(jax.random.normal(jax.random.fold_in(key, slot), shape, dtype))
+                    for x, key in zip(kv, keys[2:], strict=True)
+                )
+
+            k, v = jax.lax.fori_loop(0, cache.k.shape[0], fill_slot, (cache.k, cache.v))
             return dataclasses.replace(cache, k=k, v=v)
 
         cache = fill(cache)

@@ -52,6 +52,9 @@ def test_decode_updates_the_cache_in_place_without_a_copy():
 def test_decode_writes_the_right_slots_and_keeps_the_history():
     graphdef, params, case, state, embedded, cache = decode_setup(iterations=2)
     history_k = np.asarray(cache.k)
+    # The history is random, and different in every slot (drawn slot by slot).
+    assert 0.8 < history_k[:, :, :7].std() < 1.2
+    assert np.abs(history_k[0, :, :7] - history_k[1, :, :7]).mean() > 0.5
     _, cache2 = core_exp._core_jit(
         graphdef, params, state, embedded, cache, jnp.int32(7), iterations=2
     )

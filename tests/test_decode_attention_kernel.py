@@ -7,10 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import prefill_then_decode
 
-import huginn_jax
 from huginn_jax.config import HuginnConfig
-from huginn_jax.model import initial_state
 from pallas_kernels.decode_attention import (
     DecodeAttentionConfig,
     decode_attention,
@@ -66,26 +65,19 @@ def test_model_decodes_through_the_kernel():
     """decode_attention_impl="pallas" decodes like "xla": same weights, a 40-position prompt, three
     decode steps (kernel in interpret mode on CPU)."""
     micro = dataclasses.replace(HuginnConfig.from_name("micro"), block_size=64)
-    ids = jax.random.randint(jax.random.key(30), (2, 43), 0, micro.vocab_size)
-    state = initial_state(micro, (2, 43), init_scale=1.0, key=jax.random.key(31), dtype=jnp.float32)
-    logits = []
-    for impl in ("xla", "pallas"):
-        cfg = dataclasses.replace(micro, decode_attention_impl=impl)
-        model = huginn_jax.random_init(cfg, jax.random.key(32))
-        cache = huginn_jax.KVCache.create(cfg, batch=2, max_len=48, num_steps=2)
-        out = model(ids[:, :40], num_steps=2, init_state=state[:, :40], cache=cache)
-        steps = []
-        for position in range(40, 43):
-            out = model(
-                ids[:, position : position + 1],
-                num_steps=2,
-                init_state=state[:, position : position + 1],
-                cache=out.cache,
-                start=position,
-            )
-            steps.append(out.logits)
-        logits.append(np.concatenate(steps, axis=1))
-    np.testing.assert_allclose(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+    runs = [
+        prefill_then_decode(
+            dataclasses.replace(micro, decode_attention_impl=impl),
+            prompt_len=40,
+            steps=3,
+            max_len=48,
+            seed=30,
+        )
+        for impl in ("xla", "pallas")
+    ]
+    (want, want_cache), (got, got_cache) = runs
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got_cache.v, want_cache.v, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY_A
+from conftest import TINY_A, prefill_then_decode
 
 import huginn_jax
 from huginn_jax.config import HuginnConfig
@@ -181,25 +181,8 @@ def test_split_decode_attention_in_the_model():
     prompt's end masked), three decode steps; logits and cache agree."""
     cfg = dataclasses.replace(MICRO, block_size=512)
     split_cfg = dataclasses.replace(cfg, decode_attention_impl="xla_split")
-    ids = random_ids(22, 2, 203)
-    state = initial_state(cfg, (2, 203), init_scale=1.0, key=jax.random.key(23), dtype=jnp.float32)
-    outs = []
-    for c in (cfg, split_cfg):
-        model = huginn_jax.random_init(c, jax.random.key(24))
-        cache = huginn_jax.KVCache.create(c, batch=2, max_len=300, num_steps=2)
-        out = model(ids[:, :200], num_steps=2, init_state=state[:, :200], cache=cache)
-        logits = []
-        for position in range(200, 203):
-            out = model(
-                ids[:, position : position + 1],
-                num_steps=2,
-                init_state=state[:, position : position + 1],
-                cache=out.cache,
-                start=position,
-            )
-            logits.append(out.logits)
-        outs.append((np.concatenate(logits, axis=1), out.cache))
-    (want, want_cache), (got, got_cache) = outs
+    run = functools.partial(prefill_then_decode, prompt_len=200, steps=3, max_len=300, seed=22)
+    (want, want_cache), (got, got_cache) = run(cfg), run(split_cfg)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got_cache.k, want_cache.k, rtol=1e-5, atol=1e-5)
     assert np.abs(want[:, 0] - want[:, 2]).max() > 1e-3  # the steps differ

@@ -12,13 +12,14 @@
 #   chain     issues 3 + 4: xla_loop / torch_graph / $CHAIN_PALLAS (default both Pallas
 #             kernels) at 8/24/48/72/288 MiB with ncu; a trace at 72 MiB
 #   chain_hbm the ncu part of `chain` alone
-#   core      issue 5: Core decode/prefill with traces + HLO, batch/context sweep
-#   core_hbm  issue 5: the Core's HBM bytes (ncu)
+#   core      issue 5: Core decode/prefill with traces + HLO, batch/context sweep (CORE_ARGS:
+#             flags appended to the main run, e.g. --mode=decode; SWEEP_IMPLS: the sweep's impls)
+#   core_hbm  issue 5: the Core's HBM bytes (ncu; CORE_HBM_ARGS: flags appended)
 #   adapter   issue 5: the adapter against its roofline, HBM bytes with L2 flushed (ncu)
 #   core_xla_gemm  issue 5: the Core with XLA's own GEMM choice (Triton), against the default
 #             --gemm=cublas of the other stages
 #   core_flags  issue 5: decode under XLA flag variants (command buffers, loop unrolling)
-#   decode_attention  issue 5: one layer's decode attention, XLA layouts vs cuDNN vs PyTorch
+#   decode_attention  issue 5: one layer's decode attention, XLA, cuDNN, Pallas, PyTorch
 #             (DA_BATCH, default 1,8; DA_ARGS: more flags, e.g. --impls=pallas
 #             --pallas_configs=4:32:4:1,8:64:4:2)
 #   generate  issue 6: JAX vs PyTorch per-token latency, breakdown, peak memory at 4096
@@ -29,13 +30,14 @@
 # Run from the repository root on the H200 machine (its own python3 with jax 0.11.2 and torch);
 # carry `.wheels` (made here with `pip download --no-deps -d .wheels flax==0.12.12`; installed
 # there only if the image's flax, 0.12.10 on 2026-11-30, lacks nnx.List).
-# Each stage writes under $OUT/STAGE, which is packed into $OUT/STAGE.tgz at the end (at most 8
-# files come back); $OUT/STAGE.txt keeps the stage's summary lines.
+# Each stage writes under $OUT/STAGE, packed into $OUT/STAGE.tgz as soon as the stage ends (at
+# most 8 files come back); $OUT/STAGE.txt keeps the stage's summary lines.
 set -u
 [ $# -ge 1 ] || { echo "usage: $0 STAGE [STAGE...] (see the list above)" >&2; exit 2; }
 for stage in "$@"; do
   case "$stage" in
-  tests | pallas | pallas_steps | chain | chain_hbm | core | core_hbm | adapter | core_xla_gemm | core_flags | decode_attention | generate | generate_mem | train) ;;
+  tests | pallas | pallas_steps | chain | chain_hbm | core | core_hbm | adapter) ;;
+  core_xla_gemm | core_flags | decode_attention | generate | generate_mem | train) ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done
