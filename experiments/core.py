@@ -518,11 +518,13 @@ def trace_all(records: list[dict], cfg, graphdef, params) -> None:
         runner = make_runner(rec["impl"], cfg, graphdef, params, case, FLAGS.dtype)
         for _ in range(2):
             timing.wait(runner(), runner.sync)
-        rec["trace"] = trace_case(runner, rec["impl"], case)
+        rec["trace"], rec["trace_us_per_iteration"] = trace_case(runner, rec["impl"], case)
         runner.release()
 
 
-def trace_case(runner, impl: str, case: Case) -> list[dict]:
+def trace_case(runner, impl: str, case: Case) -> tuple[list[dict], dict]:
+    """Per-kernel rows per Core iteration, and the traced span, busy time and gaps per
+    iteration (µs)."""
     calls = 3
     label = f"{impl}-{case.spec().replace(':', '-')}"
 
@@ -534,11 +536,13 @@ def trace_case(runner, impl: str, case: Case) -> list[dict]:
     per = calls * case.iterations  # rows are reported per Core iteration
     if impl in XLA_IMPLS:
         rows = trace_lib.trace_jax(run, Path(FLAGS.trace_dir) / label, chains=per)
+        trace_file = trace_lib.latest_trace_file(Path(FLAGS.trace_dir) / label)
     else:
-        rows = trace_lib.trace_torch(
-            run, chains=per, export_path=Path(FLAGS.trace_dir) / f"{label}.json"
-        )
-    return [dataclasses.asdict(r) for r in rows]
+        trace_file = Path(FLAGS.trace_dir) / f"{label}.json"
+        rows = trace_lib.trace_torch(run, chains=per, export_path=trace_file)
+    spent = trace_lib.timeline(trace_lib.kernel_events(trace_lib.load_trace(trace_file)))
+    per_iteration = {"span": spent.span / per, "busy": spent.busy / per, "gaps": spent.gaps / per}
+    return [dataclasses.asdict(r) for r in rows], per_iteration
 
 
 # ---------------------------------------------------------------- ncu
@@ -717,6 +721,11 @@ def main(argv: list[str]) -> None:
                     top=12,
                     per="iter",
                 )
+            )
+            spent = rec["trace_us_per_iteration"]
+            print(
+                f"traced span {spent['span']:.1f} µs per iteration (3 calls): "
+                f"{spent['busy']:.1f} busy, {spent['gaps']:.1f} between kernels"
             )
     for line in scaling_lines(result["records"]):
         print(line)

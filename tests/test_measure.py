@@ -160,6 +160,21 @@ def test_parse_trace_gpu_samples():
     assert torch_rows[0].name.startswith("nvjet_sm90")
 
 
+def test_timeline_splits_the_span_into_busy_time_and_gaps():
+    """Hand-made: kernels at [10, 13) and [20, 23), and one nested in the first (counted once):
+    span 13, busy 6, gaps 7. The recorded XLA chain trace: busy at most the kernels' sum (a few
+    overlap by their timestamps), and the span is longer."""
+    made = [{"ts": 10.0, "dur": 3.0}, {"ts": 11.0, "dur": 1.0}, {"ts": 20.0, "dur": 3.0}]
+    assert trace.timeline(made) == trace.Timeline(span=13.0, busy=6.0)
+    assert trace.timeline(made).gaps == 7.0
+    assert trace.timeline([]) == trace.Timeline(0.0, 0.0)
+    events = trace.kernel_events(trace.load_trace(DATA / "chain_h200.trace.json.gz"))
+    spent = trace.timeline(events)
+    total = sum(e["dur"] for e in events)
+    assert 0.9 * total < spent.busy <= total
+    assert spent.span > spent.busy
+
+
 def _event(pid, tid, name, dur, **args):
     return {"ph": "X", "pid": pid, "tid": tid, "ts": 0, "dur": dur, "name": name, "args": args}
 
@@ -226,6 +241,9 @@ def test_trace_jax_on_cpu(tmp_path):
     rows = trace.trace_jax(lambda: (x @ x).block_until_ready(), tmp_path, chains=1)
     assert list(tmp_path.rglob("*.xplane.pb"))
     assert isinstance(rows, list)
+    assert trace.latest_trace_file(tmp_path).name.endswith(".trace.json.gz")
+    with pytest.raises(FileNotFoundError, match="no"):
+        trace.latest_trace_file(tmp_path / "empty")
 
 
 # ---------------------------------------------------------------- results and plot

@@ -46,10 +46,18 @@ def trace_jax(fn: Callable[[], Any], log_dir: str | os.PathLike, *, chains: int)
     before = set(log_dir.rglob("*.trace.json.gz"))
     with jax.profiler.trace(str(log_dir), create_perfetto_trace=True):
         fn()
-    new = sorted(set(log_dir.rglob("*.trace.json.gz")) - before, key=os.path.getmtime)
+    new = set(log_dir.rglob("*.trace.json.gz")) - before
     if not new:
         raise FileNotFoundError(f"the JAX profiler wrote no *.trace.json.gz under {log_dir}")
-    return parse_trace(new[-1], chains=chains)
+    return parse_trace(latest_trace_file(log_dir), chains=chains)
+
+
+def latest_trace_file(log_dir: str | os.PathLike) -> Path:
+    """The newest *.trace.json.gz under `log_dir` (where `trace_jax` wrote its trace)."""
+    found = sorted(Path(log_dir).rglob("*.trace.json.gz"), key=os.path.getmtime)
+    if not found:
+        raise FileNotFoundError(f"no *.trace.json.gz under {log_dir}")
+    return found[-1]
 
 
 def load_trace(path: str | os.PathLike) -> dict[str, Any]:
@@ -111,6 +119,35 @@ def breakdown(events: Iterable[Mapping[str, Any]], *, chains: int) -> list[Row]:
         total[e["name"]] += float(e["dur"])
     rows = [Row(n, count[n], total[n], total[n] / chains) for n in count]
     return sorted(rows, key=lambda r: (-r.total_us, r.name))
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeline:
+    """Where the traced time went, in µs: `span` from the first event's start to the last one's
+    end; `busy` the time covered by at least one event (nested or overlapping events, such as
+    XLA's CPU ops inside a while op, count once); `gaps` = span - busy: launch latency, host
+    dispatch and synchronisation between kernels."""
+
+    span: float
+    busy: float
+
+    @property
+    def gaps(self) -> float:
+        return self.span - self.busy
+
+
+def timeline(events: Iterable[Mapping[str, Any]]) -> Timeline:
+    intervals = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events)
+    if not intervals:
+        return Timeline(0.0, 0.0)
+    busy, (start, end) = 0.0, intervals[0]
+    for lo, hi in intervals[1:]:
+        if lo > end:
+            busy, start, end = busy + end - start, lo, hi
+        else:
+            end = max(end, hi)
+    busy += end - start
+    return Timeline(span=max(hi for _, hi in intervals) - intervals[0][0], busy=busy)
 
 
 def parse_trace(path_or_trace: str | os.PathLike | Mapping[str, Any], *, chains: int) -> list[Row]:

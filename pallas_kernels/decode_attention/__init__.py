@@ -24,7 +24,7 @@ __all__ = [
     "pick_config",
 ]
 
-MAX_HEAD_DIM = 256  # a K row is loaded as the next power of two: 256 float32 per thread block row
+MAX_HEAD_DIM = 256  # a block's K and V rows are held in registers, padded to a power of two
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,9 +39,9 @@ class DecodeAttentionConfig:
     num_stages: int = 2
 
 
-# Measured on the H200 (2026-11-30, decode_attention_tuning.txt): programs per SM 4/8/16, block
-# 32/64/128, warps 4/8, stages 1/2/3 were within ~15 % of each other; 4:32:4:2 was within 5 % of
-# the best at each of B = 1, 8 x S = 1024, 4096.
+# Measured on the H200 (2026-11-30, results/2026-11-30-h200/decode_attention_tuning.txt): of 7
+# tunings (programs per SM 4/8/16, block 32/64/128, warps 4/8, stages 1/2/3; up to 32 % apart),
+# 4:32:4:2 was within 6.2 % of the best at each of B = 1, 8 x S = 1024, 4096.
 PROGRAMS_PER_SM = 4
 H200_SMS = 132
 

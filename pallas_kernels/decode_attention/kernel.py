@@ -11,9 +11,13 @@ Split-KV ("flash-decoding"): program (b, h, split) walks positions
 (one row: the head's K contiguous values, loaded as the next power of two with the tail masked),
 keeping a float32 online softmax (running max m, sum l, weighted values acc). The splits are
 combined in XLA: out = sum_j acc_j e^(m_j - M) / sum_j l_j e^(m_j - M), M = max_j m_j.
-Traffic: K and V of the visible positions read once from HBM (2 * visible * K * 2 bytes per
-(b, h)); q, the per-split partials and the output are negligible. Positions past `visible` are
-not read at all.
+Traffic: K and V of the visible positions read once from HBM (2 * visible * K * itemsize bytes
+per (b, h)); q, the per-split partials and the output are negligible. Positions past `visible`
+are not read at all. On chip: a block's K and V tiles, [block_s, next_pow2(K)] float32 each, in
+registers. Measured on the H200 (results/2026-11-30-h200/): 2.6 TB/s at B = 8, S = 4096 alone,
+12.2 us per layer (1.77 TB/s) inside the Core at B = 1, S = 1025; PyTorch's SDPA reaches
+3.4-3.8 TB/s on the same data. Not measured, candidates for a faster version: rows of 96 values
+are loaded as 128 with a mask; the loads are pipelined by Triton only within a split.
 """
 
 from __future__ import annotations
