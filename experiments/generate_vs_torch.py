@@ -17,6 +17,7 @@ Without torch the JAX half runs alone (one note line); without CUDA torch runs e
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import sys
@@ -31,11 +32,12 @@ import numpy as np  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 from flax import nnx  # noqa: E402
 
+import pallas_kernels.decode_attention  # noqa: E402, F401 (registers the "pallas" decode)
 from experiments import cli  # noqa: E402
 from experiments.measure import results as results_lib  # noqa: E402
 from experiments.torch_ref import chain as torch_chain  # noqa: E402 (imports no torch)
 from huginn_jax.checkpoint import from_pretrained  # noqa: E402
-from huginn_jax.config import HuginnConfig  # noqa: E402
+from huginn_jax.config import DECODE_ATTENTION_IMPLS, HuginnConfig  # noqa: E402
 from huginn_jax.generate import Generation, Plan, make_plan, run_plan  # noqa: E402
 from huginn_jax.model import Huginn, random_init  # noqa: E402
 from huginn_jax.xla_flags import GEMM_CHOICES, use_gemm  # noqa: E402
@@ -57,6 +59,13 @@ def define_flags() -> None:
     flags.DEFINE_integer("max_new_tokens", 32, "Tokens to generate (token 0 from the prefill).")
     flags.DEFINE_integer("num_steps", 32, "Core iterations per token (fixed, no exit).")
     flags.DEFINE_integer("seed", 0, "Seed of the weights and the prompt.")
+    flags.DEFINE_enum(
+        "decode_attention",
+        "xla",
+        list(DECODE_ATTENTION_IMPLS),
+        "JAX's decode attention (HuginnConfig.decode_attention_impl); pallas: the kernel in "
+        "pallas_kernels.decode_attention.",
+    )
     flags.DEFINE_integer("graph_warmup", 2, "Eager runs of each token's step before its capture.")
     flags.DEFINE_bool("torch_eager", False, "Also time the eager PyTorch loop (no CUDA graph).")
     flags.DEFINE_bool("progress", False, "JAX's progress bar on stderr.")
@@ -64,8 +73,8 @@ def define_flags() -> None:
 
 
 _OWN_FLAGS = (
-    "config checkpoint dtype prompt_len batch max_new_tokens num_steps seed graph_warmup "
-    "torch_eager progress json_out"
+    "config checkpoint dtype prompt_len batch max_new_tokens num_steps seed decode_attention "
+    "graph_warmup torch_eager progress json_out"
 ).split()
 
 
@@ -76,8 +85,10 @@ def _config() -> HuginnConfig:
         path = Path(FLAGS.checkpoint) / "config.json"
         if not path.exists():
             raise ValueError(f"--checkpoint: {path} does not exist")
-        return HuginnConfig.from_hf_json(path)
-    return HuginnConfig.from_name(FLAGS.config)
+        config = HuginnConfig.from_hf_json(path)
+    else:
+        config = HuginnConfig.from_name(FLAGS.config)
+    return dataclasses.replace(config, decode_attention_impl=FLAGS.decode_attention)
 
 
 def _plan(config: HuginnConfig) -> Plan:

@@ -388,6 +388,25 @@ def test_cli_bad_input_exits_2_with_one_line():
     ]
 
 
+def test_cli_decode_attention(tmp_path):
+    """--decode_attention=xla_split generates the default's tokens; pallas is refused with where
+    to find it."""
+    tokens = []
+    for impl in ("xla", "xla_split"):
+        out = tmp_path / f"{impl}.json"
+        result = _cli(
+            "--config=micro", "--random_weights", "--dtype=f32", "--prompt_len=20",
+            "--max_new_tokens=4", "--num_steps=3", f"--decode_attention={impl}",
+            f"--json_out={out}",
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        tokens.append(json.loads(out.read_text())["tokens"])
+    assert tokens[0] == tokens[1] and len(tokens[0][0]) == 4
+    refused = _cli("--config=micro", "--random_weights", "--decode_attention=pallas")
+    assert refused.returncode == 2
+    assert "experiments.generate_vs_torch --decode_attention=pallas" in refused.stderr
+
+
 def test_cli_runs_and_writes_json(micro, tmp_path):
     tokenizers = pytest.importorskip("tokenizers")
     checkpoint = tmp_path / "ckpt"

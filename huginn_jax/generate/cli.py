@@ -53,6 +53,13 @@ _FLAGS = (  # (kind, name, default, help); defined only by `cli`, so importing d
         ATTENTION_WINDOW,
         "Decode reads the cache's filled positions rounded up to this; 0: the whole cache.",
     ),
+    (
+        "string",
+        "decode_attention",
+        "xla",
+        "Decode attention: xla, xla_split or cudnn (HuginnConfig.decode_attention_impl; the "
+        "Pallas kernel: experiments.generate_vs_torch --decode_attention=pallas).",
+    ),
     ("bool", "breakdown", False, "Also time the prelude, one Core iteration and the coda alone."),
     ("string", "roofline_device", "h200_measured", "costs.DEVICES entry for % of roofline."),
     ("bool", "progress", True, "Progress bar on stderr."),
@@ -65,7 +72,21 @@ class UsageError(ValueError):
 
 
 def _config(F) -> HuginnConfig:
-    """The model's shape from --checkpoint's config.json or --config, without loading weights."""
+    """The model's shape from --checkpoint's config.json or --config, without loading weights,
+    with --decode_attention."""
+    import dataclasses
+
+    if F.decode_attention not in ("xla", "xla_split", "cudnn"):
+        raise UsageError(
+            f"--decode_attention={F.decode_attention} must be xla, xla_split or cudnn (the "
+            "Pallas kernel lives in pallas_kernels, which this package does not import: "
+            "experiments.generate_vs_torch --decode_attention=pallas)"
+        )
+    config = _shape(F)
+    return dataclasses.replace(config, decode_attention_impl=F.decode_attention)
+
+
+def _shape(F) -> HuginnConfig:
     from pathlib import Path
 
     if F.dtype not in _DTYPES:
