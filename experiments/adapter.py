@@ -260,9 +260,8 @@ def main(argv: list[str]) -> None:
     records = run(parse_ms())
     if FLAGS.json_out:
         names = "m variants impls config calls warmup repeats json_out hbm seed".split()
-        env = results_lib.environment({name: FLAGS[name].value for name in names})
-        path = results_lib.write_json_atomic(
-            FLAGS.json_out, {"environment": env, "records": records}
+        path = results_lib.write_results(
+            FLAGS.json_out, cli.flag_values(names), {"records": records}
         )
         print(f"results: {path}")
     print(format_table(records))

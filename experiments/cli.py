@@ -25,6 +25,11 @@ def positive_ints(name: str, values: list[str]) -> list[int]:
     return ints
 
 
+def flag_values(names) -> dict:
+    """{name: value} of the parsed absl flags `names` (for a results JSON's environment)."""
+    return {name: flags.FLAGS[name].value for name in names}
+
+
 def main_runner(program: str, main: Callable[[list[str]], None]) -> Callable[[list[str]], None]:
     """`main` for `app.run`, with a UserError ending in `program: message` and exit code 2."""
 

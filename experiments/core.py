@@ -535,12 +535,15 @@ def trace_case(runner, impl: str, case: Case) -> tuple[list[dict], dict]:
 
     per = calls * case.iterations  # rows are reported per Core iteration
     if impl in XLA_IMPLS:
-        rows = trace_lib.trace_jax(run, Path(FLAGS.trace_dir) / label, chains=per)
-        trace_file = trace_lib.latest_trace_file(Path(FLAGS.trace_dir) / label)
+        events = trace_lib.kernel_events(
+            trace_lib.load_trace(trace_lib.profile_jax(run, Path(FLAGS.trace_dir) / label))
+        )
+        rows = trace_lib.breakdown(events, chains=per)
     else:
         trace_file = Path(FLAGS.trace_dir) / f"{label}.json"
         rows = trace_lib.trace_torch(run, chains=per, export_path=trace_file)
-    spent = trace_lib.timeline(trace_lib.kernel_events(trace_lib.load_trace(trace_file)))
+        events = trace_lib.kernel_events(trace_lib.load_trace(trace_file))
+    spent = trace_lib.timeline(events)
     per_iteration = {"span": spent.span / per, "busy": spent.busy / per, "gaps": spent.gaps / per}
     return [dataclasses.asdict(r) for r in rows], per_iteration
 
@@ -692,9 +695,8 @@ def main(argv: list[str]) -> None:
     if FLAGS.warmup < 0 or FLAGS.repeats < 1:
         raise UserError("--warmup must be >= 0 and --repeats >= 1")
     result = run(cases, impls)
-    env = results_lib.environment({name: FLAGS[name].value for name in _OWN_FLAGS})
     if FLAGS.json_out:
-        path = results_lib.write_json_atomic(FLAGS.json_out, {"environment": env, **result})
+        path = results_lib.write_results(FLAGS.json_out, cli.flag_values(_OWN_FLAGS), result)
     for check in result["checks"]:
         print(
             f"check {check['impl']} vs xla, {check['mode']} B={check['batch']} "

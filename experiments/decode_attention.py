@@ -322,9 +322,8 @@ def main(argv: list[str]) -> None:
             "batch context impls split_blocks pallas_configs heads head_dim slots warmup repeats "
             "seed json_out"
         ).split()
-        env = results_lib.environment({name: FLAGS[name].value for name in names})
-        path = results_lib.write_json_atomic(
-            FLAGS.json_out, {"environment": env, "records": records}
+        path = results_lib.write_results(
+            FLAGS.json_out, cli.flag_values(names), {"records": records}
         )
         print(f"results: {path}")
     print(format_table(records))

@@ -243,15 +243,13 @@ def main(argv: list[str]) -> None:
         if jax_s and torch_s:
             comparison["latency_ratio_jax_over_torch"] = jax_s / torch_s
     if FLAGS.json_out:
-        env = results_lib.environment({name: FLAGS[name].value for name in _OWN_FLAGS})
         result = {
-            "environment": env,
             "jax": {**jax_gen.stats, "tokens": jax_gen.tokens.tolist()},
             "torch": torch_out,
             "comparison": comparison,
             "notes": notes,
         }
-        path = results_lib.write_json_atomic(FLAGS.json_out, result)
+        path = results_lib.write_results(FLAGS.json_out, cli.flag_values(_OWN_FLAGS), result)
     for line in notes:
         print(f"note: {line}")
     if FLAGS.json_out:

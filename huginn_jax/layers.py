@@ -207,6 +207,22 @@ def slot_decode_attention(name: str):
     return SLOT_DECODE_ATTENTION[name]
 
 
+def decode_attention(name: str):
+    """Decode attention `name` as fn(q [B, 1, H, K], cache, slot, q_pos_T) -> [B, 1, H, K]: the
+    functions in DECODE_ATTENTION get the slot from `cache.read`, the registered kernels read the
+    stacked cache in place."""
+    if name in DECODE_ATTENTION:
+        attention = DECODE_ATTENTION[name]
+
+        def read_slot(q, cache: KVCache, slot, q_pos_T):
+            k_all, v_all = cache.read(slot)
+            return attention(q, k_all, v_all, q_pos_T, jnp.arange(k_all.shape[1], dtype=jnp.int32))
+
+        return read_slot
+    kernel = slot_decode_attention(name)
+    return lambda q, cache, slot, q_pos_T: kernel(q, cache.k, cache.v, slot, q_pos_T[0] + 1)
+
+
 class Attention(nnx.Module):
     """Multi-head attention with fused Wqkv, a learned qk_bias added before RoPE, and a KV slot."""
 
@@ -234,18 +250,9 @@ class Attention(nnx.Module):
         q = apply_rope(q, positions_T, self.cfg.rope_base)
         key = apply_rope(key, positions_T, self.cfg.rope_base)
         fused = self.cfg.attention_impl == "cudnn" and t > 1
-        decode_impl = self.cfg.decode_attention_impl
-        if t == 1 and decode_impl not in DECODE_ATTENTION:
-            attention = None  # reads the cache in place, below
-        elif t == 1:
-            attention = DECODE_ATTENTION[decode_impl]
-        else:
-            attention = attend_cudnn if fused else attend
         if cache is not None:
             cache = cache.write(slot, start, key, v)
-        if cache is not None and attention is None:
-            out = slot_decode_attention(decode_impl)(q, cache.k, cache.v, slot, start + 1)
-        elif cache is None or (isinstance(start, int) and start == 0):
+        if cache is None or (isinstance(start, int) and start == 0):
             # Nothing before the new positions (start known to be 0 at trace time): attending
             # to them alone skips reading, scoring and masking the cache's other positions,
             # and the mask is plain causal.
@@ -253,10 +260,13 @@ class Attention(nnx.Module):
                 out = attend_cudnn(q, key, v, positions_T, positions_T, causal=True)
             else:
                 out = attend(q, key, v, positions_T, positions_T)
+        elif t == 1:
+            attention = decode_attention(self.cfg.decode_attention_impl)
+            out = attention(q, cache, slot, positions_T)
         else:
             k_all, v_all = cache.read(slot)
             k_pos_S = jnp.arange(k_all.shape[1], dtype=jnp.int32)
-            out = attention(q, k_all, v_all, positions_T, k_pos_S)
+            out = (attend_cudnn if fused else attend)(q, k_all, v_all, positions_T, k_pos_S)
         return self.proj(out.reshape(b, t, h * k)), cache
 
 

@@ -140,6 +140,11 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:
     return path
 
 
+def write_results(path: str | os.PathLike, flag_values: dict[str, Any], payload: dict) -> Path:
+    """A program's results JSON: {"environment": environment(flag_values), **payload}."""
+    return write_json_atomic(path, {"environment": environment(flag_values), **payload})
+
+
 def read_json(path: str | os.PathLike) -> Any:
     with open(path, encoding="utf-8") as f:
         return json.load(f)

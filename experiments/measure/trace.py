@@ -39,6 +39,11 @@ def trace_jax(fn: Callable[[], Any], log_dir: str | os.PathLike, *, chains: int)
 
     `chains`: how many chains `fn` runs, to report µs per chain.
     """
+    return parse_trace(profile_jax(fn, log_dir), chains=chains)
+
+
+def profile_jax(fn: Callable[[], Any], log_dir: str | os.PathLike) -> Path:
+    """Runs `fn()` under the JAX profiler; the *.trace.json.gz it wrote under `log_dir`."""
     import jax
 
     log_dir = Path(log_dir)
@@ -49,7 +54,7 @@ def trace_jax(fn: Callable[[], Any], log_dir: str | os.PathLike, *, chains: int)
     new = set(log_dir.rglob("*.trace.json.gz")) - before
     if not new:
         raise FileNotFoundError(f"the JAX profiler wrote no *.trace.json.gz under {log_dir}")
-    return parse_trace(latest_trace_file(log_dir), chains=chains)
+    return latest_trace_file(log_dir)
 
 
 def latest_trace_file(log_dir: str | os.PathLike) -> Path:
