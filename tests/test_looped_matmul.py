@@ -32,6 +32,7 @@ from pallas_kernels.looped_matmul import (
     pick_config,
     pick_splitk_config,
 )
+from pallas_kernels.looped_matmul.barrier import POLLS, build_barrier_probe
 from pallas_kernels.looped_matmul.kernel import looped_matmul_kernel
 from pallas_kernels.looped_matmul.splitk_kernel import build_splitk, looped_matmul_splitk
 
@@ -477,8 +478,8 @@ def test_splitk_lowers_for_cuda(capfd, m, d):
         (1, 6144, 2, dict(x_stages=2, ring=4, smem_units=6)),
         (64, 2048, 2, {}),
         (1, 6144, 1, {}),
-        (1, 2048, 8, dict(leader_poll=True)),
-        (8, 6144, 1, dict(leader_poll=True)),
+        (1, 2048, 8, dict(poll="leader")),
+        (8, 6144, 1, dict(poll="leader")),
     ],
 )
 def test_splitk_variants_lower_for_cuda(m, d, steps, overrides):
@@ -498,6 +499,35 @@ def test_splitk_without_barrier_lowers_for_cuda(d):
     w = jax.ShapeDtypeStruct((d, d), jnp.bfloat16)
     f = jax.jit(lambda x, w: looped_matmul_splitk(x, w, steps=8, cfg=cfg, grid_barrier=False))
     assert "mosaic_gpu" in f.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("poll", POLLS)
+def test_splitk_polls_lower_for_cuda(capfd, poll):
+    """Each way of polling the grid barrier lowers, with the load it promises."""
+    cfg = dataclasses.replace(pick_splitk_config(1, 2048), poll=poll)
+    text = splitk_module_text(capfd, 1, 2048, 8, cfg)
+    assert "red.release.gpu.global.add.u32" in text
+    load = {
+        "all_threads": "ld.acquire.sys.u32",
+        "leader": "ld.acquire.sys.u32",
+        "wait": "ld.relaxed.gpu.global.b32",
+        "one_thread": "ld.acquire.gpu.global.b32",
+    }[poll]
+    assert load in text
+
+
+@pytest.mark.parametrize("poll", POLLS)
+@pytest.mark.parametrize("warpgroups", [1, 2])
+def test_barrier_probe_lowers_for_cuda(poll, warpgroups):
+    f = build_barrier_probe(132, warpgroups, 8, poll)
+    assert "mosaic_gpu" in f.trace().lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_poll_errors():
+    with pytest.raises(ValueError, match="poll='spin' is not one of"):
+        SplitKConfig(poll="spin")
+    with pytest.raises(ValueError, match="is not one of"):
+        build_barrier_probe(2, 1, 1, "spin")
 
 
 # ------------------------------------------------------------------ GPU
@@ -566,3 +596,20 @@ def test_smoke_cases_have_configs_and_table_prints(capsys):
     smoke.print_table(rows)
     out = capsys.readouterr().out
     assert "    70.0" in out and "0.37" in out and "splitk_d6144_m1_lag2" in out
+
+
+def test_smoke_barrier_suite_table(capsys):
+    from pallas_kernels.looped_matmul import smoke
+
+    e = smoke.BARRIER_EPOCHS
+    rows = [
+        dict(case="barrier_one_thread_wg1_e1", kernel_us=3.0),
+        dict(case=f"barrier_one_thread_wg1_e{e}", kernel_us=3.0 + (e - 1) * 1.5),
+        dict(case="splitk_d2048_m1_s8_one_thread", kernel_us=30.0),
+        dict(case="splitk_d2048_m1_s32_one_thread", kernel_us=30.0 + 24 * 2.5),
+    ]
+    smoke.print_barrier_table(rows)
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("one_thread"))
+    assert line.split() == ["one_thread", "1.5", "-", "2.5", "-"]
+    for spec in smoke.SUITES["barrier"].values():
+        assert smoke._poll_of(spec) in POLLS

@@ -9,6 +9,8 @@
 #             attention model"), TEST_TIMEOUT the limit of each process (default 280 s)
 #   pallas    issue 4: both kernel variants against XLA at the issue's sizes, one table
 #   pallas_steps  issue 4: split-K time against steps at 8 and 24 MiB (the per-step cost)
+#   pallas_barrier  issue 4: the grid barrier alone and split-K steps, for each way of polling
+#             (BARRIER_ONLY: a comma list of cases instead of the whole suite)
 #   chain     issues 3 + 4: xla_loop / torch_graph / $CHAIN_PALLAS (default both Pallas
 #             kernels) at 8/24/48/72/288 MiB with ncu; a trace at 72 MiB
 #   chain_hbm the ncu part of `chain` alone
@@ -36,7 +38,7 @@ set -u
 [ $# -ge 1 ] || { echo "usage: $0 STAGE [STAGE...] (see the list above)" >&2; exit 2; }
 for stage in "$@"; do
   case "$stage" in
-  tests | pallas | pallas_steps | chain | chain_hbm | core | core_hbm | adapter) ;;
+  tests | pallas | pallas_steps | pallas_barrier | chain | chain_hbm | core | core_hbm | adapter) ;;
   core_xla_gemm | core_flags | decode_attention | generate | generate_mem | train) ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
@@ -83,6 +85,13 @@ stage_pallas_steps() {
   timeout 170 python3 -m pallas_kernels.looped_matmul.smoke --suite steps --timeout 40 \
     --budget 160 --reps 10 > "$d/smoke_steps.log" 2>&1
   sed -n '/--- other cases ---/,$p' "$d/smoke_steps.log"
+}
+
+stage_pallas_barrier() {
+  local d=$1
+  timeout 570 python3 -m pallas_kernels.looped_matmul.smoke --suite barrier --timeout 40 \
+    --budget 550 --reps 10 --only "${BARRIER_ONLY:-}" > "$d/smoke_barrier.log" 2>&1
+  sed -n '/--- other cases ---/,$p' "$d/smoke_barrier.log"
 }
 
 stage_chain() {

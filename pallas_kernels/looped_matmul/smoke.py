@@ -103,7 +103,7 @@ def _table_cases() -> dict[str, dict[str, Any]]:
         "lag2": dict(wgmma_lag=2),
         "ring4": dict(ring=4, smem_units=7),
         "ksplit8": dict(split=(3, 8)),  # 32 col groups x 8 K ranges, refilled
-        "leaderpoll": dict(leader_poll=True),  # one polling warpgroup per block
+        "leaderpoll": dict(poll="leader"),  # one polling warpgroup per block
     }
     for tag, over in variants.items():
         cases[f"splitk_d6144_m1_{tag}"] = dict(six, cfg=over)
@@ -114,7 +114,7 @@ def _table_cases() -> dict[str, dict[str, Any]]:
         variant="splitk", m=1, d=2048, steps=TABLE_STEPS, cfg=dict(min_n_pad=16)
     )
     cases["splitk_d2048_m1_leaderpoll"] = dict(
-        variant="splitk", m=1, d=2048, steps=TABLE_STEPS, cfg=dict(leader_poll=True)
+        variant="splitk", m=1, d=2048, steps=TABLE_STEPS, cfg=dict(poll="leader")
     )
     cases["splitk_d6144_m8_s32"] = dict(variant="splitk", m=8, d=6144, steps=32)
     return cases
@@ -129,7 +129,7 @@ def _steps_cases() -> dict[str, dict[str, Any]]:
         for steps in (1, 4, 8, 32):
             cases[f"splitk_d{d}_m1_s{steps}"] = dict(variant="splitk", m=1, d=d, steps=steps)
         cases[f"splitk_d{d}_m1_s32_leaderpoll"] = dict(
-            variant="splitk", m=1, d=d, steps=32, cfg=dict(leader_poll=True)
+            variant="splitk", m=1, d=d, steps=32, cfg=dict(poll="leader")
         )
         # Ablation: the same kernel without its grid barrier. Steps then race (the result is
         # not expected to match: status ABLATION); the time difference is the barrier's cost.
@@ -140,8 +140,37 @@ def _steps_cases() -> dict[str, dict[str, Any]]:
     return cases
 
 
+def _barrier_cases() -> dict[str, dict[str, Any]]:
+    """The grid barrier alone (probe kernel: 132 blocks, 1 or 2 warpgroups, 1 and 65 epochs;
+    per barrier = (t65 - t1) / 64), then split-K steps at 8 and 24 MiB with each way of polling.
+    A poll that hangs in the probe is skipped in the split-K cases."""
+    from pallas_kernels.looped_matmul.barrier import POLLS
+
+    cases: dict[str, dict[str, Any]] = {}
+    for poll in POLLS:
+        for wgs in (1, 2) if poll != "leader" else (2,):  # leader needs two warpgroups
+            for epochs in (1, BARRIER_EPOCHS):
+                cases[f"barrier_{poll}_wg{wgs}_e{epochs}"] = dict(
+                    variant="barrier", m=0, d=0, steps=epochs, poll=poll, warpgroups=wgs
+                )
+    for d in (2048, 3520):
+        for poll in POLLS:
+            for steps in (8, 32):
+                cases[f"splitk_d{d}_m1_s{steps}_{poll}"] = dict(
+                    variant="splitk", m=1, d=d, steps=steps, cfg=dict(poll=poll)
+                )
+    return cases
+
+
+BARRIER_EPOCHS = 65
+BARRIER_BLOCKS = 132
 TABLE_CASES = _table_cases()
-SUITES = {"table": TABLE_CASES, "legacy": LEGACY_CASES, "steps": _steps_cases()}
+SUITES = {
+    "table": TABLE_CASES,
+    "legacy": LEGACY_CASES,
+    "steps": _steps_cases(),
+    "barrier": _barrier_cases(),
+}
 
 
 def _config_for(spec: dict[str, Any]):
@@ -194,8 +223,34 @@ def _wall_us(fn, reps: int) -> float:
     return (time.perf_counter() - t) / reps * 1e6
 
 
+def run_barrier_case(name: str, spec: dict[str, Any], reps: int) -> None:
+    """The barrier probe: checks the counter every worker read, times the kernel."""
+    import numpy as np
+
+    from pallas_kernels.looped_matmul.barrier import build_barrier_probe
+
+    epochs, wgs, poll = spec["steps"], spec["warpgroups"], spec["poll"]
+    f = build_barrier_probe(BARRIER_BLOCKS, wgs, epochs, poll)
+    t0 = time.perf_counter()
+    seen = np.asarray(f())
+    first_s = time.perf_counter() - t0
+    want = BARRIER_BLOCKS * wgs * epochs
+    ok = bool((seen >= want).all())
+    k_us, k_note = _cupti_us(f, reps)
+    print(
+        f"[{name}] {BARRIER_BLOCKS} blocks x {wgs} wg, {epochs} barriers, poll={poll}: first "
+        f"call {first_s:.1f} s; counter seen min {seen.min()} (want >= {want}) "
+        f"{'OK' if ok else 'MISMATCH'}; CUPTI {k_us} us ({k_note})",
+        flush=True,
+    )
+    _result(name, spec, status="OK" if ok else "MISMATCH", kernel_us=k_us)
+
+
 def run_case(name: str, spec: dict[str, Any], reps: int) -> None:
     """Runs one case in this process: prints the config, errors, times and a RESULT line."""
+    if spec.get("variant") == "barrier":
+        run_barrier_case(name, spec, reps)
+        return
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -315,6 +370,38 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             )
 
 
+def _poll_of(spec: dict[str, Any]) -> str | None:
+    """The grid barrier's poll of a split-K or barrier case (None for the others)."""
+    if spec.get("variant") == "barrier":
+        return spec["poll"]
+    if spec.get("variant") == "splitk":
+        return spec.get("cfg", {}).get("poll", "all_threads")
+    return None
+
+
+def print_barrier_table(rows: list[dict[str, Any]]) -> None:
+    """Per-barrier cost from the probe, per-step cost of the split-K kernel, by poll."""
+    from pallas_kernels.looped_matmul.barrier import POLLS
+
+    by = {r["case"]: r for r in rows}
+    print(f"\n=== grid barrier: us per barrier (probe, {BARRIER_BLOCKS} blocks) and per split-K "
+          "step (8 -> 32 steps) ===")  # fmt: skip
+    print(f"{'poll':<12} {'wg1':>7} {'wg2':>7} {'d2048/step':>11} {'d3520/step':>11}")
+    for poll in POLLS:
+        cells = []
+        for wgs in (1, 2):
+            lo = by.get(f"barrier_{poll}_wg{wgs}_e1", {}).get("kernel_us")
+            hi = by.get(f"barrier_{poll}_wg{wgs}_e{BARRIER_EPOCHS}", {}).get("kernel_us")
+            cells.append((hi - lo) / (BARRIER_EPOCHS - 1) if lo and hi else None)
+        for d in (2048, 3520):
+            s8 = by.get(f"splitk_d{d}_m1_s8_{poll}", {}).get("kernel_us")
+            s32 = by.get(f"splitk_d{d}_m1_s32_{poll}", {}).get("kernel_us")
+            cells.append((s32 - s8) / 24 if s8 and s32 else None)
+        widths = (7, 7, 11, 11)
+        row = " ".join(f"{_fmt(c):>{w}}" for c, w in zip(cells, widths, strict=True))
+        print(f"{poll:<12} {row}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--suite", choices=sorted(SUITES), default="table")
@@ -349,11 +436,11 @@ def main() -> None:
     )
     names = [n for n in args.only.split(",") if n] or list(SUITES[args.suite])
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    start, rows, splitk_hung = time.perf_counter(), [], False
+    start, rows, hung_polls = time.perf_counter(), [], set()
     for name in names:
         spec = all_cases[name]
-        if splitk_hung and spec.get("variant") == "splitk":
-            print(f"[{name}] SKIPPED: an earlier split-K case timed out")
+        if _poll_of(spec) in hung_polls:
+            print(f"[{name}] SKIPPED: an earlier case with poll={_poll_of(spec)} timed out")
             rows.append(dict(case=name, steps=spec["steps"], status="SKIP"))
             continue
         if time.perf_counter() - start + args.timeout > args.budget:
@@ -374,7 +461,8 @@ def main() -> None:
             so = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
             out = so + f"\n[{name}] TIMEOUT after {args.timeout:.0f} s (hang? grid barrier?)"
             rows.append(dict(case=name, steps=spec["steps"], status="TIMEOUT"))
-            splitk_hung |= spec.get("variant") == "splitk"
+            if _poll_of(spec):
+                hung_polls.add(_poll_of(spec))
         lines = out.rstrip().splitlines()
         for line in lines:
             if line.startswith("RESULT "):
@@ -382,6 +470,8 @@ def main() -> None:
         print("\n".join(ln for ln in lines if not ln.startswith("RESULT ")))
         print(f"[{name}] wall {time.perf_counter() - t:.1f} s", flush=True)
     print_table(rows)
+    if args.suite == "barrier":
+        print_barrier_table(rows)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from pallas_kernels.looped_matmul.barrier import check_poll
 from pallas_kernels.looped_matmul.config import (
     MAX_M,
     SMEM_RESERVE_BYTES,
@@ -68,9 +69,8 @@ class SplitKConfig:
     x_stages: int = 64  # f32 state chunks [64, n_pad] in flight (capped at k_len / 64)
     wgmma_lag: int = 1
     min_n_pad: int = 8
-    # Grid barrier: every thread polls the counter (False, the form proven on the H200), or
-    # only warpgroup 0 polls and releases warpgroup 1 through an mbarrier (True).
-    leader_poll: bool = False
+    # Grid barrier: who polls the epoch counter and how (`barrier.POLLS`).
+    poll: str = "all_threads"
 
     def __post_init__(self) -> None:
         if not 1 <= self.tiles <= 16:
@@ -86,6 +86,7 @@ class SplitKConfig:
             raise ValueError(f"x_stages={self.x_stages} must be >= 1")
         if self.wgmma_lag < 1:
             raise ValueError(f"wgmma_lag={self.wgmma_lag} must be >= 1")
+        check_poll(self.poll)
         if self.min_n_pad not in (8, 16, 32, 64):
             raise ValueError(f"min_n_pad={self.min_n_pad} must be 8, 16, 32 or 64")
 

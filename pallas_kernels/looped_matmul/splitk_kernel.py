@@ -89,6 +89,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.looped_matmul.barrier import GridBarrier, needs_poll_barrier
 from pallas_kernels.looped_matmul.splitk_config import UNIT, SplitKConfig
 
 NUM_STATE_BUFFERS = 3
@@ -155,7 +156,6 @@ def build_splitk(
             "between the warpgroups of a block: use warpgroups=1 with k_split > 1"
         )
     barrier_epoch0 = 1 if reduce else 0  # the prologue's arrival (S[0] zeroed)
-    leader_poll = cfg.leader_poll and wgs > 1 and use_barrier
     bf16 = jnp.bfloat16
 
     scratch: dict[str, Any] = dict(
@@ -171,7 +171,7 @@ def build_splitk(
     if n_ring:
         scratch["ring"] = plgpu.SMEM((wgs, n_ring, UNIT, UNIT), bf16, transforms=SWIZZLE_128)
         scratch["wbar"] = plgpu.Barrier(num_barriers=wgs * n_ring)
-    if leader_poll:
+    if use_barrier and needs_poll_barrier(cfg.poll, wgs):
         scratch["pollbar"] = plgpu.Barrier()
     if emulate and n_reg:  # interpret mode: wgmma cannot take A from registers
         scratch["a_tmp"] = plgpu.SMEM((wgs, UNIT, UNIT), bf16, transforms=SWIZZLE_128)
@@ -193,7 +193,9 @@ def build_splitk(
         xbar = _WorkerBarriers(sc["xbar"], wg, n_x_slots)
         rbar = _WorkerBarriers(sc["rbar"], wg, n_res) if n_res else None
         wbar = _WorkerBarriers(sc["wbar"], wg, n_ring) if n_ring else None
-        sem = pl.get_global(plgpu.SemaphoreType.REGULAR) if use_barrier else None
+        barrier = (
+            GridBarrier(workers, cfg.poll, wg, wgs, sc.get("pollbar")) if use_barrier else None
+        )
 
         def cols(t):
             return pl.ds(col0 + t * UNIT, UNIT)
@@ -201,35 +203,6 @@ def build_splitk(
         def w_unit(u):
             kc, t = unit_coords(u)
             return w_ref.at[pl.ds(row0 + kc * UNIT, UNIT), cols(t)]
-
-        # ------------------------------------------------------------ grid barrier
-        def arrive():
-            plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
-
-        def spin(epoch):
-            target = workers * epoch
-            lax.while_loop(
-                lambda v: v < target, lambda v: pl.semaphore_read(sem), pl.semaphore_read(sem)
-            )
-
-        def wait_epoch(epoch):
-            """Waits until every worker has arrived `epoch` times.
-
-            Every thread polls the counter with ld.acquire (the form that worked inside pl.loop
-            on the H200). With `leader_poll`, only warpgroup 0 polls and then releases
-            warpgroup 1 through a shared-memory barrier: half the polling load on the L2 slice
-            that holds the counter, one mbarrier hop more.
-            """
-            if not leader_poll:
-                spin(epoch)
-                return
-
-            @pl.when(wg == 0)
-            def _leader():
-                spin(epoch)
-                plgpu.barrier_arrive(sc["pollbar"])
-
-            pl.when(wg != 0)(lambda: plgpu.barrier_wait(sc["pollbar"]))
 
         # ------------------------------------------------------------ state (f32 -> bf16)
         def issue_x(s, kc):
@@ -296,7 +269,7 @@ def build_splitk(
 
             plgpu.wait_smem_to_gmem(0)
             if use_barrier:
-                arrive()  # split phase: waited for just before step 0's first reduce-add
+                barrier.arrive()  # split phase: waited for just before step 0's first reduce-add
 
         # Register units: staged through every shared-memory weight slot, loaded once
         # (ldmatrix.trans, reads n_reg * 8 KiB of W from HBM), kept for all steps.
@@ -391,7 +364,7 @@ def build_splitk(
             pl.run_scoped(compute, plgpu.ACC((block_cols, n_pad), jnp.float32))
             plgpu.commit_smem()
             if reduce and use_barrier:
-                pl.when(s == 0)(lambda: wait_epoch(barrier_epoch0))  # S[0] is zeroed
+                pl.when(s == 0)(lambda: barrier.wait(barrier_epoch0))  # S[0] is zeroed
             out = lax.rem(s, NUM_STATE_BUFFERS)
             for t in range(tiles):  # writes (adds) block_cols * n_pad * 4 B into L2
                 dst = s_ref.at[out, cols(t), :]
@@ -418,8 +391,8 @@ def build_splitk(
                 @pl.when(s < steps - 1)
                 def _next():
                     if use_barrier:
-                        arrive()
-                        wait_epoch(barrier_epoch0 + s + 1)
+                        barrier.arrive()
+                        barrier.wait(barrier_epoch0 + s + 1)
                     for kc in range(n_xs):
                         issue_x(s + 1, kc)
 
