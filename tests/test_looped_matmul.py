@@ -468,7 +468,7 @@ def test_splitk_lowers_for_cuda(capfd, m, d):
     assert f"m64n{cfg.n_pad(m)}k16.f32.bf16.bf16" in text
     if cfg.k_split > 1:
         assert len(re.findall(r"cp\.reduce\.async\.bulk\.tensor[^\"]*\.add", text)) == cfg.tiles
-    assert "red.release.gpu.global.add.u32" in text and "ld.acquire.sys.u32" in text
+    assert "red.release.gpu.global.add.u32" in text and "ld.relaxed.gpu.global.b32" in text
 
 
 @pytest.mark.parametrize(

@@ -107,6 +107,13 @@ def _table_cases() -> dict[str, dict[str, Any]]:
     }
     for tag, over in variants.items():
         cases[f"splitk_d6144_m1_{tag}"] = dict(six, cfg=over)
+    for tag, over in {  # HBM-bound: bytes in flight instead of on-chip units
+        "ring9": dict(reg_units=0, smem_units=0, ring=9, x_stages=4),
+        "regs8_ring8": dict(reg_units=8, smem_units=0, ring=8, x_stages=4),
+    }.items():
+        cases[f"splitk_d12288_m1_{tag}"] = dict(
+            variant="splitk", m=1, d=12288, steps=TABLE_STEPS, cfg=over
+        )
     cases["splitk_d12288_m1_ring3"] = dict(
         variant="splitk", m=1, d=12288, steps=TABLE_STEPS, cfg=dict(ring=3, smem_units=6)
     )

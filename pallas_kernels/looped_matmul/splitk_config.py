@@ -70,7 +70,7 @@ class SplitKConfig:
     wgmma_lag: int = 1
     min_n_pad: int = 8
     # Grid barrier: who polls the epoch counter and how (`barrier.POLLS`).
-    poll: str = "all_threads"
+    poll: str = "wait"
 
     def __post_init__(self) -> None:
         if not 1 <= self.tiles <= 16:
