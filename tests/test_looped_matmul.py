@@ -432,6 +432,9 @@ SPLITK_INTERPRET_CASES = [
     (64, 256, 1, SplitKConfig(tiles=1, k_split=1, warpgroups=2, ring=2, x_stages=2)),  # streamed
     (8, 128, 3, SplitKConfig(tiles=2, k_split=1, warpgroups=1, reg_units=4, ring=0)),  # all regs
     (4, 256, 2, SplitKConfig(tiles=4, k_split=1, warpgroups=1, reg_units=2, smem_units=5)),
+    # zigzag: 3 fully streamed chunks reversed on odd steps, then a mixed chunk; all streamed
+    (3, 256, 3, SplitKConfig(4, 1, 1, reg_units=1, smem_units=2, ring=3, zigzag=True)),
+    (1, 192, 4, SplitKConfig(tiles=3, k_split=1, warpgroups=1, ring=4, zigzag=True)),
 ]
 
 
@@ -443,6 +446,12 @@ def test_splitk_interpret_matches_reference(m, d, steps, cfg):
     assert got.shape == (m, d) and got.dtype == jnp.bfloat16
     assert float(jnp.abs(want.astype(jnp.float32)).max()) > 0
     assert rel_fro(got, want) <= 2e-3
+
+
+def test_splitk_zigzag_needs_the_whole_state_staged():
+    cfg = SplitKConfig(tiles=3, k_split=1, warpgroups=1, ring=4, zigzag=True, x_stages=2)
+    with pytest.raises(ValueError, match="zigzag needs the whole state staged"):
+        cfg.validate(1, 192, 4)
 
 
 def test_splitk_interpret_refuses_barrier_and_racy_emulation():

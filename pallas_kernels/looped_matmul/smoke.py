@@ -97,23 +97,31 @@ def _table_cases() -> dict[str, dict[str, Any]]:
                 )
     six = dict(variant="splitk", m=1, d=6144, steps=TABLE_STEPS)
     variants = {
-        "regs0": dict(reg_units=0),  # shared memory + L2 only: what registers buy
-        "regs6": dict(reg_units=6),
+        "regs9": dict(reg_units=9, smem_units=8, ring=3),  # the pick of session 3
+        "smem8": dict(reg_units=0, smem_units=8, ring=3),
         "regs11": dict(reg_units=11),  # spill probe: slower than the pick => ptxas spilled
         "lag2": dict(wgmma_lag=2),
-        "ring4": dict(ring=4, smem_units=7),
         "ksplit8": dict(split=(3, 8)),  # 32 col groups x 8 K ranges, refilled
         "leaderpoll": dict(poll="leader"),  # one polling warpgroup per block
+        # zigzag: odd steps read the streamed chunks backwards (L2 reuse across steps)
+        "zz": dict(zigzag=True),
+        "zz_smem8": dict(reg_units=0, smem_units=8, ring=3, zigzag=True),
+        "zz_regs9": dict(reg_units=9, smem_units=8, ring=3, zigzag=True),
     }
     for tag, over in variants.items():
         cases[f"splitk_d6144_m1_{tag}"] = dict(six, cfg=over)
-    for tag, over in {  # HBM-bound: bytes in flight instead of on-chip units
-        "ring9": dict(reg_units=0, smem_units=0, ring=9, x_stages=4),
-        "regs8_ring8": dict(reg_units=8, smem_units=0, ring=8, x_stages=4),
-    }.items():
-        cases[f"splitk_d12288_m1_{tag}"] = dict(
-            variant="splitk", m=1, d=12288, steps=TABLE_STEPS, cfg=over
+    for d, over in ((4992, dict(x_stages=64, ring=6, smem_units=0)), (12288, {})):
+        cases[f"splitk_d{d}_m1_zz"] = dict(
+            variant="splitk", m=1, d=d, steps=TABLE_STEPS, cfg=dict(zigzag=True, **over)
         )
+    cases["splitk_d4992_m1"] = dict(variant="splitk", m=1, d=4992, steps=TABLE_STEPS)
+    cases["splitk_d12288_m1_regs8_ring6"] = dict(  # the pick of session 3 (HBM-bound)
+        variant="splitk",
+        m=1,
+        d=12288,
+        steps=TABLE_STEPS,
+        cfg=dict(reg_units=8, smem_units=3, ring=6),
+    )
     cases["splitk_d12288_m1_ring3"] = dict(
         variant="splitk", m=1, d=12288, steps=TABLE_STEPS, cfg=dict(ring=3, smem_units=6)
     )
@@ -253,8 +261,11 @@ def run_barrier_case(name: str, spec: dict[str, Any], reps: int) -> None:
     _result(name, spec, status="OK" if ok else "MISMATCH", kernel_us=k_us)
 
 
-def run_case(name: str, spec: dict[str, Any], reps: int) -> None:
-    """Runs one case in this process: prints the config, errors, times and a RESULT line."""
+def run_case(name: str, spec: dict[str, Any], reps: int, *, calls: int = 0) -> None:
+    """Runs one case in this process: prints the config, errors, times and a RESULT line.
+
+    `calls` > 0: checks the result, then only calls the kernel that many times (for ncu, which
+    cannot attach next to the CUPTI timing)."""
     if spec.get("variant") == "barrier":
         run_barrier_case(name, spec, reps)
         return
@@ -316,6 +327,9 @@ def run_case(name: str, spec: dict[str, Any], reps: int) -> None:
         f"{np.abs(o - r).max():.3e} rel_fro={rel:.3e} {status}",
         flush=True,
     )
+    if calls:
+        jax.block_until_ready([kern() for _ in range(calls)])
+        return
     k_us, k_note = _cupti_us(kern, reps)
     x_us, x_note = _cupti_us(lambda: unrolled(x, w), reps)
     k_wall, x_wall = _wall_us(kern, reps), _wall_us(lambda: unrolled(x, w), reps)
@@ -418,6 +432,10 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=75.0, help="seconds per case")
     p.add_argument("--budget", type=float, default=560.0, help="stop launching after this (s)")
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument(
+        "--calls", type=int, default=0,
+        help="with --case: only call the kernel this many times, no timing (for ncu)",
+    )  # fmt: skip
     args = p.parse_args()
     all_cases = {name: spec for suite in SUITES.values() for name, spec in suite.items()}
     if args.list:
@@ -425,7 +443,7 @@ def main() -> None:
         return
     if args.case:
         try:
-            run_case(args.case, all_cases[args.case], args.reps)
+            run_case(args.case, all_cases[args.case], args.reps, calls=args.calls)
         except Exception:
             print(f"[{args.case}] EXCEPTION:")
             traceback.print_exc(file=sys.stdout)

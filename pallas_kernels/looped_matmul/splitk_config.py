@@ -38,7 +38,9 @@ REG_RESERVE = 64
 REG_RESERVE_MIN = 40
 # The picker keeps its estimate below this (margin under the 255 limit against spills).
 PICK_MAX_REGS = 240
-DEEP_RING = 6  # ring slots per worker when most of the slice is streamed
+# Ring slots per worker when most of the slice is streamed (H200, 8 steps: d=12288 with 9 slots
+# and no register units ran 583.6 us, with 6 slots and 8 register units 630.4 us).
+DEEP_RING = 9
 MAX_BARRIERS_PER_ARRAY = 32
 SMEM_ALIGN = 1024  # every scratch buffer is rounded up to this (swizzled TMA tiles need it)
 
@@ -71,6 +73,8 @@ class SplitKConfig:
     min_n_pad: int = 8
     # Grid barrier: who polls the epoch counter and how (`barrier.POLLS`).
     poll: str = "wait"
+    # Fully streamed k chunks in reverse order on odd steps (L2 reuse across steps).
+    zigzag: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.tiles <= 16:
@@ -210,6 +214,11 @@ class SplitKConfig:
                     f"{name}: {self.warpgroups} x {n} barriers > {MAX_BARRIERS_PER_ARRAY} "
                     "(Mosaic GPU tracks the phases of a barrier array in one 32-bit word)"
                 )
+        if self.zigzag and self.x_stages < self.k_chunks(d):
+            raise ValueError(
+                f"zigzag needs the whole state staged: x_stages={self.x_stages} < "
+                f"{self.k_chunks(d)} k chunks"
+            )
         regs = self.regs_per_thread(m) - REG_RESERVE + REG_RESERVE_MIN
         if regs > MAX_REGS_PER_THREAD:
             raise ValueError(
@@ -232,23 +241,33 @@ def fill_on_chip(
 ) -> SplitKConfig | None:
     """Fills base's split: registers first (up to PICK_MAX_REGS), then shared memory.
 
-    The ring keeps `base.ring` slots, or DEEP_RING when more than 3/4 of the slice is streamed
-    anyway (HBM-bound shapes want bytes in flight more than a few resident units). Returns
-    None when not even the state buffers fit.
+    When the slice does not fit on chip, no register units: the streamed bytes set the step's
+    time and the register-operand units measured slower on the H200 (8 steps, d=6144: 164.1 us
+    with 0 register units vs 176.7 with 9; d=12288: see DEEP_RING). The ring keeps `base.ring`
+    slots, or DEEP_RING when more than 3/4 of the slice is streamed anyway (HBM-bound shapes
+    want bytes in flight more than a few resident units). Returns None when not even the state
+    buffers fit.
     """
     device = device or DeviceInfo()
     cfg = _fill(base, m, d, device)
-    if cfg is not None and base.ring < DEEP_RING and 4 * cfg.streamed_units(d) > 3 * cfg.units(d):
-        return _fill(dataclasses.replace(base, ring=DEEP_RING), m, d, device) or cfg
+    if cfg is None or cfg.streamed_units(d) == 0:
+        return cfg
+    cfg = _fill(base, m, d, device, registers=False) or cfg
+    if base.ring < DEEP_RING and 4 * cfg.streamed_units(d) > 3 * cfg.units(d):
+        return (
+            _fill(dataclasses.replace(base, ring=DEEP_RING), m, d, device, registers=False) or cfg
+        )
     return cfg
 
 
-def _fill(base: SplitKConfig, m: int, d: int, device: DeviceInfo) -> SplitKConfig | None:
+def _fill(
+    base: SplitKConfig, m: int, d: int, device: DeviceInfo, *, registers: bool = True
+) -> SplitKConfig | None:
     """The f32 state is staged whole (one TMA round trip per step) when that leaves room for
     the ring, else in fewer slots."""
     units = base.units(d)
     acc = base.tiles * base.n_pad(m) // 2
-    reg_units = min(units, max(0, (PICK_MAX_REGS - REG_RESERVE - acc) // 16))
+    reg_units = min(units, max(0, (PICK_MAX_REGS - REG_RESERVE - acc) // 16)) if registers else 0
     free = device.smem_bytes - SMEM_RESERVE_BYTES
     chunks = base.k_chunks(d)
     for x_stages in sorted({chunks, min(chunks, 8), min(chunks, 4), min(chunks, 2)}, reverse=True):
@@ -264,7 +283,8 @@ def _fill(base: SplitKConfig, m: int, d: int, device: DeviceInfo) -> SplitKConfi
 
 
 def pick_splitk_config(m: int, d: int, *, device: DeviceInfo | None = None) -> SplitKConfig:
-    """The frozen split-K tuning for (M, d): most SMs busy, then least state traffic.
+    """The frozen split-K tuning for (M, d): most SMs busy, then most of the weight on chip
+    (unless it is mostly streamed anyway), then least state traffic.
 
     Candidates: warpgroups in (2, 1), tiles in 1..12, k_split dividing d/64, with every block
     resident (<= SM count) and the state buffers fitting next to a 3-unit ring. Raises
@@ -295,7 +315,10 @@ def pick_splitk_config(m: int, d: int, *, device: DeviceInfo | None = None) -> S
                 except ValueError:
                     continue
                 blocks = cfg.num_blocks(d)
-                on_chip = (cfg.reg_units + cfg.smem_units) * workers
+                # Mostly streamed (the deep-ring regime): a few on-chip units do not matter,
+                # the state traffic does.
+                mostly_streamed = 4 * cfg.streamed_units(d) > 3 * cfg.units(d)
+                on_chip = 0 if mostly_streamed else (cfg.reg_units + cfg.smem_units) * workers
                 # state bytes per step: f32 reads (column groups x d) + reduce-adds (k_split x d)
                 state = (cfg.col_groups(d) + (k_split if k_split > 1 else 0)) * d * n_pad
                 key = (min(blocks, device.num_sms) * wgs, on_chip, -state, -k_split)

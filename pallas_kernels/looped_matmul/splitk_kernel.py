@@ -140,6 +140,8 @@ def build_splitk(
     # start; the on-chip units are computed while the ring prefetches the next step), then
     # resident, then register units. Chunks [0, dyn_chunks) are all streamed: a dynamic loop.
     dyn_chunks = n_str // tiles
+    # Zigzag needs every state chunk staged at once (converted in any order) and >= 2 chunks.
+    zigzag = cfg.zigzag and dyn_chunks >= 2
     first_res, first_reg = n_str, n_str + n_res  # unit index of the first resident/register
     emulate = interpret is not None
     # Interpret mode runs blocks in order (worker order, the zeroing worker of a column group
@@ -240,11 +242,24 @@ def build_splitk(
                     pl.when(kc + n_xs < k_chunks)(lambda: issue_x(s, kc + n_xs))
 
         # ------------------------------------------------------------ streamed ring
+        def streamed_chunk(s, kc):
+            """The k chunk computed at position kc of step s's fully streamed chunks: reversed
+            on odd steps with `zigzag`, so that a step starts on the weight the previous one
+            read last (still in L2 under LRU-like replacement)."""
+            if not zigzag:
+                return kc
+            return jnp.where(s % 2 == 1, dyn_chunks - 1 - kc, kc)
+
         def issue_stream(g):
             """TMA of streamed unit number g (global over steps) into ring slot g % n_ring."""
             slot = g % n_ring
+            i = g % n_str  # position in the step's stream
+            if zigzag:
+                kc, t = i // tiles, i % tiles
+                in_dyn = kc < dyn_chunks
+                i = jnp.where(in_dyn, streamed_chunk(g // n_str, kc) * tiles + t, i)
             # reads 8 KiB of W from L2 (from HBM on the first step)
-            plgpu.copy_gmem_to_smem(w_unit(g % n_str), ring.at[slot], wbar.at(slot))
+            plgpu.copy_gmem_to_smem(w_unit(i), ring.at[slot], wbar.at(slot))
 
         def release(s, i):
             """Streamed unit i of step s is done (its wgmma group completed): refill its slot."""
@@ -329,10 +344,11 @@ def build_splitk(
                 if dyn_chunks:
 
                     @pl.loop(0, dyn_chunks)
-                    def _chunk(kc):
+                    def _chunk(pos):
+                        kc = streamed_chunk(s, pos)
                         convert_x(s, kc, static=False)
                         for t in range(tiles):
-                            streamed_unit(acc_ref, kc, t, kc * tiles + t)
+                            streamed_unit(acc_ref, kc, t, pos * tiles + t)
 
                 if n_str and n_str == dyn_chunks * tiles:
                     finish_stream()
