@@ -34,6 +34,7 @@ from pallas_kernels.looped_matmul import (
 )
 from pallas_kernels.looped_matmul.barrier import POLLS, build_barrier_probe
 from pallas_kernels.looped_matmul.kernel import looped_matmul_kernel
+from pallas_kernels.looped_matmul.splitk_config import DEEP_RING
 from pallas_kernels.looped_matmul.splitk_kernel import build_splitk, looped_matmul_splitk
 
 ON_GPU = jax.devices()[0].platform == "gpu"
@@ -392,14 +393,14 @@ def test_pick_splitk_config_is_valid(m, d):
 
 def test_pick_splitk_config_puts_weight_on_chip():
     cfg = pick_splitk_config(1, 6144)
-    # 72 MiB: every SM busy, about half the weight on chip (registers + shared memory)
+    # 72 MiB: every SM busy; streamed, so no register units
     assert cfg.num_blocks(6144) == 128 and cfg.warpgroups == 2
-    on_chip = cfg.reg_units + cfg.smem_units
-    assert on_chip >= 16 and cfg.reg_units >= 8
-    small = pick_splitk_config(1, 3520)  # 24 MiB: all of it on chip, nothing streamed
-    assert small.streamed_units(3520) == 0
-    big = pick_splitk_config(1, 12288)  # 288 MiB: HBM-bound, a deeper ring instead
-    assert big.ring == 6 and 4 * big.streamed_units(12288) > 3 * big.units(12288)
+    assert cfg.reg_units == 0 and cfg.streamed_units(6144) > 0
+    small = pick_splitk_config(1, 3520)  # 24 MiB: all of it on chip, registers included
+    assert small.streamed_units(3520) == 0 and small.reg_units >= 8
+    big = pick_splitk_config(1, 12288)  # 288 MiB: HBM-bound, a deep ring instead
+    assert big.ring == DEEP_RING and big.reg_units == 0
+    assert 4 * big.streamed_units(12288) > 3 * big.units(12288)
 
 
 def test_pick_any_config_variants():
