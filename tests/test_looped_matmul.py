@@ -395,7 +395,7 @@ def test_pick_splitk_config_puts_weight_on_chip():
     cfg = pick_splitk_config(1, 6144)
     # 72 MiB: every SM busy; streamed, so no register units
     assert cfg.num_blocks(6144) == 128 and cfg.warpgroups == 2
-    assert cfg.reg_units == 0 and cfg.streamed_units(6144) > 0
+    assert cfg.reg_units == 0 and cfg.streamed_units(6144) > 0 and cfg.zigzag
     small = pick_splitk_config(1, 3520)  # 24 MiB: all of it on chip, registers included
     assert small.streamed_units(3520) == 0 and small.reg_units >= 8
     big = pick_splitk_config(1, 12288)  # 288 MiB: HBM-bound, a deep ring instead
@@ -485,7 +485,7 @@ def test_splitk_lowers_for_cuda(capfd, m, d):
     "m,d,steps,overrides",
     [
         (1, 6144, 8, dict(reg_units=6, wgmma_lag=2)),
-        (1, 6144, 2, dict(x_stages=2, ring=4, smem_units=6)),
+        (1, 6144, 2, dict(x_stages=2, ring=4, smem_units=6, zigzag=False)),
         (64, 2048, 2, {}),
         (1, 6144, 1, {}),
         (1, 2048, 8, dict(poll="leader")),
@@ -561,7 +561,7 @@ def test_splitk_matches_reference_gpu(d, m, steps):
     [
         dict(reg_units=0),  # no register residency
         dict(reg_units=4, wgmma_lag=2),
-        dict(x_stages=2),  # state refilled while converting
+        dict(x_stages=2, zigzag=False),  # state refilled while converting
         dict(k_split=8, tiles=3),  # other 2-D split (re-filled below)
     ],
 )
@@ -570,7 +570,35 @@ def test_splitk_configs_gpu(overrides):
     x, w = make_inputs(23, m, d)
     cfg = dataclasses.replace(pick_splitk_config(m, d), **overrides)
     if "k_split" in overrides:
-        cfg = dataclasses.replace(cfg, reg_units=8, smem_units=2, x_stages=4)
+        cfg = dataclasses.replace(cfg, reg_units=8, smem_units=2, x_stages=4, zigzag=False)
+    got = looped_matmul(x, w, steps, config=cfg)
+    assert rel_fro(got, looped_matmul_reference(x, w, steps)) <= 2e-2
+
+
+@gpu
+@requires_gpu
+@pytest.mark.parametrize("poll", POLLS)
+def test_splitk_polls_gpu(poll):
+    x, w = make_inputs(47, 1, 2048)
+    cfg = dataclasses.replace(pick_splitk_config(1, 2048), poll=poll)
+    assert rel_fro(looped_matmul(x, w, 32, config=cfg), looped_matmul_reference(x, w, 32)) <= 2e-2
+
+
+@gpu
+@requires_gpu
+@pytest.mark.parametrize("poll", POLLS)
+def test_barrier_probe_gpu(poll):
+    seen = np.asarray(build_barrier_probe(132, 2, 65, poll)())
+    assert seen.shape == (264,) and (seen >= 264 * 65).all()
+
+
+@gpu
+@requires_gpu
+@pytest.mark.parametrize("zigzag", [False, True])
+@pytest.mark.parametrize("steps", [1, 2, 3, 8])
+def test_splitk_zigzag_gpu(zigzag, steps):
+    x, w = make_inputs(53 + steps, 8, 6144)
+    cfg = dataclasses.replace(pick_splitk_config(8, 6144), zigzag=zigzag)
     got = looped_matmul(x, w, steps, config=cfg)
     assert rel_fro(got, looped_matmul_reference(x, w, steps)) <= 2e-2
 
