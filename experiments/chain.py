@@ -9,7 +9,7 @@ float32 numpy reference within the dtype's rounding.
 
 Implementations (`--impls` takes these names or the families "xla" and "torch"):
   xla            the chain jitted once; one dispatch per chain (default XLA flags)
-  xla_loop       N = --chains_per_call chains in one executable (unrolled, output fed back)
+  xla_loop       N = --chains_per_call chains in one executable (fori_loop, output fed back)
   xla_nocb       as xla, command buffers (CUDA graphs) off; run in a child process (GPU only)
   xla_loop_nocb  as xla_loop, command buffers off (GPU only)
   torch_eager    PyTorch, one chain per call (CUDA only)
@@ -255,12 +255,10 @@ def chain_fn(x: Any, *ws: Any) -> Any:
 
 def _loop_fn(x: Any, *ws: Any, n: int) -> Any:
     """n chains in one executable; each chain's output is the next one's input, so no chain
-    can be hoisted out of the loop. Unrolled: a rolled loop is an XLA while loop, whose
-    per-iteration predicate check cost ~15-20 us per chain on the H200 (the split-K kernel's
-    8 MiB chain: 47.4 us per chain in a rolled loop vs 26.2 us of kernel time)."""
+    can be hoisted out of the loop."""
     import jax
 
-    return jax.lax.fori_loop(0, n, lambda _, x: chain_fn(x, *ws), x, unroll=True)
+    return jax.lax.fori_loop(0, n, lambda _, x: chain_fn(x, *ws), x)
 
 
 @dataclasses.dataclass
@@ -727,10 +725,7 @@ def pallas_runner(x: Any, ws: list[Any], layout: str, variant: str, *, n: int) -
         def one_chain(y: Any, w: Any) -> Any:
             return looped_matmul_copies(y, w)
 
-    # unrolled, as _loop_fn
-    loop = jax.jit(
-        lambda x, w: jax.lax.fori_loop(0, n, lambda _, y: one_chain(y, w), x, unroll=True)
-    )
+    loop = jax.jit(lambda x, w: jax.lax.fori_loop(0, n, lambda _, y: one_chain(y, w), x))
 
     def call() -> Any:
         return loop(x, w)
