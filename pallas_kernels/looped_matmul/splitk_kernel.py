@@ -30,7 +30,13 @@ just before step 0's first reduce-add (split-phase, hidden behind the weight pro
 Consumers round the f32 sums to bf16 themselves (f32 [64, n_pad] chunk -> WGMMA-layout
 registers -> bf16 -> stmatrix.trans into the swizzled B tile): one f32 sum, one bf16 rounding
 per step, as the unfused chain. Grid barrier: one global epoch counter, every worker adds 1
-(red.release.gpu) and spins on ld.acquire (the form that worked inside pl.loop on the H200).
+(red.release.gpu) and waits for workers x epoch; who polls and how is `cfg.poll` (barrier.py).
+
+Zigzag (`cfg.zigzag`). The fully streamed k chunks are read in reverse order on odd steps, so a
+step starts on the weight the previous step read last. Read cyclically, a slice larger than what
+the L2 keeps misses on every line (LRU-like replacement); read back and forth, the most recently
+read part hits. It needs the whole state staged (x_stages >= k chunks): chunks are converted in
+the order they are computed.
 
 Traffic per step, whole grid (W = 2 d^2 bytes, workers = G_c * k_split, n = n_pad):
 - registers: reg_units * 8 KiB per worker, read by the tensor cores, no memory traffic.
@@ -38,29 +44,30 @@ Traffic per step, whole grid (W = 2 d^2 bytes, workers = G_c * k_split, n = n_pa
   state k_len * n * 2 per worker and unit-tile (wgmma B, n=8: 1 KiB per unit).
 - L2 -> SM: streamed units * 8 KiB * workers (the weight not on chip), f32 state
   G_c * d * n * 4, reduce-adds k_split * d * n * 4, zeroing d * n * 4.
-- HBM: the first step reads W once (registers, shared memory, and the streamed part, which
-  then stays in L2: at d=6144 it is ~38 MiB of the 60 MiB L2). Target: ~1.0 x W per chain.
+- HBM: the first step reads W once; later steps re-read whatever part of the streamed
+  weight the L2 did not keep (see Measured).
 
-Design numbers. H200: 132 SMs, 227 KiB smem + 256 KiB registers per SM, 60 MiB L2, HBM
-~4.25 TB/s. Assumed (not measured): L2 -> SM ~7 TB/s aggregate (5.5-9), smem 128 B/clk/SM at
-1.98 GHz (253 GB/s per SM), exchange per step ~2.5 us = TMA reduce-add + wait ~0.6, grid
-barrier ~1.0, f32 state TMA ~0.7, bf16 conversion ~0.2. Picked configs, M <= 8 (n_pad = 8):
-- on-chip ceiling: registers 2 wg x 128 x (255 - ~60 other) x 4 B ~ 195 KiB/SM, smem 227 KiB
-  minus state buffers (~36 KiB) and rings (~48 KiB) ~ 140 KiB/SM: ~45 MiB over 132 SMs, so
-  72 MiB can be ~55-60 % on chip (not 80 %): the rest is streamed from L2 every step.
-- d=2048 (8 MiB): 256 workers [128 x 128] = 4 units, all in registers. Per step ~0.1 us of
-  wgmma + exchange: ~2.5 us/step; chain ~4 + 8 x 2.5 ~ 24 us (resident 49 us, PyTorch 42.5).
+On-chip capacity assumed (H200): 132 SMs with 227 KiB of shared memory and 256 KiB of
+registers each; for weights ~195 KiB/SM of registers (2 wg x 128 threads x (255 - ~60 other)
+x 4 B) and ~140 KiB/SM of shared memory after the state buffers and a ring, ~45 MiB in all; an
+L2 of 60 MiB nominal that keeps 24 MiB but not 48 MiB of a weight read cyclically (chain
+experiment: 0.00 vs 4.5 x W re-read from HBM per 8 steps).
+
+Measured (H200, M = 1, 8 steps, CUPTI kernel time, results/2026-11-30-h200/, session 5). The
+first design's estimates (L2 -> SM ~7 TB/s, exchange ~2.5 us, 72 MiB chain ~75 us) were wrong
+where the L2 does not keep the streamed part. Picks and times:
+- d=2048 (8 MiB): 256 workers [128 x 128] = 4 units, all in registers: 26.2 us (PyTorch's
+  graph-replayed chain 41.8 us). A step costs 2.9 us, of which ~1.0 us is the grid barrier and
+  1.2 us the rest without it (`pallas_steps_session5.log`).
 - d=3520 (24 MiB): 121 workers (1 wg per block) [320 x 320] = 25 units: 9 regs + 16 smem,
-  nothing streamed. Per step ~0.7 us on chip + exchange ~ 3.2 us; first step ~8 us (24 MiB
-  from HBM); chain ~30 us (target <= 29 us: borderline).
-- d=6144 (72 MiB): 256 workers [384 x 384] = 36 units: 9 regs + 8 smem + 19 streamed (ring 3).
-  On chip 34 MiB (registers 18, smem 16), streamed 38 MiB/step = 5.7 us at 7 TB/s (4.4-7.2),
-  on chip ~0.6 us, exchange 2.5 us minus ~1 us hidden by the ring prefetch: ~7.8 us/step
-  (6.5-9.3); first step ~20 us (W from HBM); chain ~75 us (66-85). The 61 us target needs
-  L2 >= ~9 TB/s or a cheaper exchange. HBM reads ~1.0-1.1 W if the 38 MiB stay in L2.
-- d=12288 (288 MiB): 256 workers [768 x 768] = 144 units: 8 regs + 3 smem + 133 streamed
-  (ring 6). HBM-bound: 266 MiB/step / 4.2 TB/s ~ 66 us/step; chain ~72 + 7 x 68 ~ 550 us
-  (XLA ~606 us).
+  nothing streamed: 44.4 us. A step costs 4.8 us; 3.6 us without the barrier: the on-chip
+  work of 100 m64n8k16 wgmmas per worker, the state conversion and the reduce-add exchange.
+- d=6144 (72 MiB): 256 workers [384 x 384] = 36 units: 0 regs + 2 smem + 34 streamed (ring 9,
+  zigzag): 132.5 us. With 9 register units + 8 smem (34 MiB on chip, 38 MiB streamed) the L2
+  kept too little of the streamed part: HBM reads 3.56 x W per chain, 177.8 us; zigzag cut
+  that to 1.65 x W (66.5 % L2 hits) at 148.3 us; register units were slower in every variant.
+- d=12288 (288 MiB): 256 workers [768 x 768] = 144 units, all streamed (ring 9, zigzag):
+  539.1 us, HBM-bound (XLA's chain 577.8 us in the same run).
 State traffic per step at d=6144 (n=8): f32 reads G_c * d * 32 B = 3.1 MB, reduce-adds 3.1 MB
 (vs 18.9 MB of bf16 state reads in the resident kernel, where each of 96 blocks read all of it).
 
@@ -72,10 +79,11 @@ proxy: loop-invariant register A fragments feeding wgmma m64n8k16 inside a step 
 "wgmma serialized due to insufficient register resources". Mosaic's own code needs more
 registers than the proxy; the smoke run's regs6 / regs11 variants bracket the pick.
 
-Verified on CPU: lowering for sm_90 of every picked config (the module holds 4 register-A
-wgmmas and 4 ldmatrix.trans per register unit, the TMA reduce-adds, the barrier ops); GPU
-interpret mode vs reference.py for barrier-free configs (one worker and several steps; several
-workers and one step, with the reduce-add emulated). Not verified: anything on a GPU.
+Tests: on CPU, lowering for sm_90 of every picked config (the module holds 4 register-A wgmmas
+and 4 ldmatrix.trans per register unit, the TMA reduce-adds, the barrier ops) and GPU interpret
+mode vs reference.py for barrier-free configs (one worker and several steps, zigzag included;
+several workers and one step, with the reduce-add emulated); on the H200, the picks and variants
+against the reference (tests/test_looped_matmul.py, `-m gpu`).
 """
 
 from __future__ import annotations
