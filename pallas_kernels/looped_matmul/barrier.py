@@ -84,7 +84,8 @@ class GridBarrier:
     """Arrive / wait on one global epoch counter shared by `workers` warpgroups.
 
     `wg` is the warpgroup index inside the block (0 with one warpgroup) and `poll_barrier` the
-    shared-memory barrier of the `leader` variant (None otherwise).
+    shared-memory barrier of the `leader` variant (None otherwise); with one warpgroup per
+    block `leader` polls as `all_threads`.
     """
 
     def __init__(self, workers: int, poll: str, wg: Any, warpgroups: int, poll_barrier=None):
@@ -127,8 +128,8 @@ def build_barrier_probe(blocks: int, warpgroups: int, epochs: int, poll: str):
     """A kernel that only crosses the grid barrier `epochs` times (inside `pl.loop`).
 
     Returns f() -> int32[blocks * warpgroups]: the counter each worker read after its last
-    barrier, which must be >= workers * epochs (and == it for the last arriver's view at the
-    end); a hang or a smaller value is a broken barrier.
+    barrier, which must be workers * epochs (every worker has arrived `epochs` times and none
+    more); a hang or another value is a broken barrier.
     """
     check_poll(poll)
     workers = blocks * warpgroups
