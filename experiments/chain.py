@@ -19,6 +19,7 @@ Implementations (`--impls` takes these names or the families "xla" and "torch"):
                  step weights stacked [steps, d, d] (GPU, sm_90)
   pallas_splitk  the split-K persistent kernel (weight in registers + shared memory + L2; the
                  package's default); copies: the stacked resident kernel, as `pallas`
+  pallas_splitk_nocb  as pallas_splitk, command buffers off (GPU only)
 
 Data path, one function per arrow: size string -> d (`parse_size`, `dim_for_size`) -> weights
 (`host_values`, `make_weights`) -> one jitted chain per implementation (`xla_runner`,
@@ -86,13 +87,17 @@ def define_flags() -> None:
 
 
 XLA_IMPLS = ("xla", "xla_loop", "xla_nocb", "xla_loop_nocb")
-PALLAS_IMPLS = ("pallas", "pallas_splitk")
+PALLAS_IMPLS = ("pallas", "pallas_splitk", "pallas_splitk_nocb")
 FAMILIES = {"xla": XLA_IMPLS, "torch": torch_chain.IMPLS}
 KNOWN_IMPLS = XLA_IMPLS + torch_chain.IMPLS + PALLAS_IMPLS
 # Impls whose two layouts run different kernels: no bit-identity check between them.
+_SPLITK_NOT_COMPARABLE = (
+    "copies run the resident kernel; split-K also adds its partial sums in a run-dependent "
+    "order (TMA reduce-add)"
+)
 LAYOUTS_NOT_COMPARABLE = {
-    "pallas_splitk": "copies run the resident kernel; split-K also adds its partial sums in a "
-    "run-dependent order (TMA reduce-add)",
+    "pallas_splitk": _SPLITK_NOT_COMPARABLE,
+    "pallas_splitk_nocb": _SPLITK_NOT_COMPARABLE,
 }
 # --trace_dir traces these in this process, and torch_eager in a child.
 TRACED_JAX_IMPLS = ("xla", *PALLAS_IMPLS)
@@ -685,7 +690,7 @@ def build_runner(
 
     ws = make_weights(w_host, cfg.steps, layout)
     if impl in PALLAS_IMPLS:
-        variant = "splitk" if impl == "pallas_splitk" else "resident"
+        variant = "splitk" if impl.startswith("pallas_splitk") else "resident"
         runner = pallas_runner(jax.device_put(x_host), ws, layout, variant, n=opts.chains_per_call)
         return runner, ws.clear
     runner = xla_runner(impl, jax.device_put(x_host), ws, n=opts.chains_per_call)

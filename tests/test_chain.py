@@ -263,3 +263,17 @@ def test_pallas_impl_is_known_and_skipped_without_a_gpu(tmp_path):
     proc = run_cli("--size=64KiB", "--impls=xla,pallas", "--json_out=", "--plot_out=")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "the Pallas kernels need a GPU" in proc.stdout + proc.stderr
+
+
+def test_pallas_splitk_nocb_runs_in_the_command_buffer_free_child():
+    assert chain.expand_impls(["pallas_splitk_nocb"]) == ("pallas_splitk_nocb",)
+    assert "pallas_splitk_nocb" in chain.LAYOUTS_NOT_COMPARABLE
+    assert chain.NOCB_FLAG in chain.child_env(["pallas_splitk_nocb"])["XLA_FLAGS"]
+    notes: list[str] = []
+    opts = chain.Options(
+        configs=(), layouts=("shared",), impls=("xla", "pallas_splitk_nocb"), warmup=1,
+        repeats=1, chains_per_call=1, ncu_chains=1, json_out="", plot_out="", hbm=False,
+        trace_dir=None,
+    )  # fmt: skip
+    assert chain.select_impls(opts, on_gpu=False, note=notes.append) == ("xla",)
+    assert "pallas_splitk_nocb skipped" in notes[0]
