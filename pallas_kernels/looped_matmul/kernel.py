@@ -19,9 +19,10 @@ chunk's ring slots are refilled once its group is done), then acc -> bf16 -> sha
 TMA store of state^T[cols, :] into one of two global buffers (step s writes buffer s % 2 and
 reads buffer (s-1) % 2, so a write never races a read of the previous step), wait for the
 store, then a grid barrier: a global semaphore used as an epoch counter (every block adds 1,
-then spins until it reads num_blocks * (steps done)). The spin is a `lax.while_loop` over
-`pl.semaphore_read` (ld.acquire.sys); the `semaphore_wait(..., decrement=False)` form hung
-inside `pl.loop` on the H200 (see /work/shared/DEVICE.md).
+then waits until it reads num_blocks * (steps done); `barrier.GridBarrier`). This kernel polls
+with every thread (`all_threads`, the form its GPU tests ran with); the split-K kernel's default
+`wait` measured 0.8 vs 1.1 us per barrier with one warpgroup per block (barrier.py) but has not
+run in this kernel.
 
 Traffic per step, whole grid (W = d*d*2 bytes, R = resident fraction of each slice):
 - shared memory: reads W bytes of weight (every chunk once, resident or ring) plus
@@ -55,6 +56,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.looped_matmul.barrier import GridBarrier
 from pallas_kernels.looped_matmul.config import LoopedMatmulConfig
 
 
@@ -115,7 +117,7 @@ def build_looped_matmul(
         wring, wbar = sc.get("wring"), sc.get("wbar")
         b = lax.axis_index("b")
         cols = pl.ds(b * bc, bc)
-        sem = pl.get_global(plgpu.SemaphoreType.REGULAR) if use_barrier else None
+        barrier = GridBarrier(nb, "all_threads", 0, 1) if use_barrier else None
 
         def w_chunk(step, kc):
             rows = pl.ds(kc * bk, bk)
@@ -222,13 +224,8 @@ def build_looped_matmul(
 
                 @pl.when(s < steps - 1)
                 def _barrier():
-                    plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
-                    target = nb * (s + 1)  # blocks x barriers passed, this one included
-                    lax.while_loop(
-                        lambda v: v < target,
-                        lambda v: pl.semaphore_read(sem),
-                        pl.semaphore_read(sem),
-                    )
+                    barrier.arrive()
+                    barrier.wait(s + 1)  # barriers passed, this one included
 
     out_type = jax.ShapeDtypeStruct((2, d, n_pad), dtype)
     return plgpu.kernel(
