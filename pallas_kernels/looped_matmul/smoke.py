@@ -146,6 +146,14 @@ def _steps_cases() -> dict[str, dict[str, Any]]:
         cases[f"splitk_d{d}_m1_s32_leaderpoll"] = dict(
             variant="splitk", m=1, d=d, steps=32, cfg=dict(poll="leader")
         )
+        # Everything streamed from L2 (no weight on chip; it stays in L2 at these sizes): the
+        # per-step time minus the on-chip variant's is what reading W from L2 costs, the
+        # bound on the 72 MiB step.
+        for steps in (8, 32):
+            cases[f"splitk_d{d}_m1_s{steps}_streamed"] = dict(
+                variant="splitk", m=1, d=d, steps=steps,
+                cfg=dict(reg_units=0, smem_units=0, ring=9, zigzag=True),
+            )  # fmt: skip
         # Ablation: the same kernel without its grid barrier. Steps then race (the result is
         # not expected to match: status ABLATION); the time difference is the barrier's cost.
         for steps in (8, 32):
