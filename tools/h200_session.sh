@@ -11,6 +11,10 @@
 #   pallas_steps  issue 4: split-K time against steps at 8 and 24 MiB (the per-step cost)
 #   pallas_barrier  issue 4: the grid barrier alone and split-K steps, for each way of polling
 #             (BARRIER_ONLY: a comma list of cases instead of the whole suite)
+#   pallas_l2 issue 4: split-K steps with the whole weight streamed from L2 vs on chip, 8 and
+#             24 MiB (the L2 read cost per step)
+#   chain_nocb  issue 4: the split-K chain with and without XLA command buffers at 24 and 8 MiB
+#             (where the ~13 us per chain between kernel time and chain time goes)
 #   chain     issues 3 + 4: xla_loop / torch_graph / $CHAIN_PALLAS (default both Pallas
 #             kernels) at 8/24/48/72/288 MiB with ncu; a trace at 72 MiB
 #   chain_hbm the ncu part of `chain` alone
@@ -38,7 +42,7 @@ set -u
 [ $# -ge 1 ] || { echo "usage: $0 STAGE [STAGE...] (see the list above)" >&2; exit 2; }
 for stage in "$@"; do
   case "$stage" in
-  tests | pallas | pallas_steps | pallas_barrier | chain | chain_hbm | core | core_hbm | adapter) ;;
+  tests | pallas | pallas_steps | pallas_barrier | pallas_l2 | chain_nocb | chain | chain_hbm | core | core_hbm | adapter) ;;
   core_xla_gemm | core_flags | decode_attention | generate | generate_mem | train) ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
@@ -92,6 +96,26 @@ stage_pallas_barrier() {
   timeout 570 python3 -m pallas_kernels.looped_matmul.smoke --suite barrier --timeout 40 \
     --budget 550 --reps 10 --only "${BARRIER_ONLY:-}" > "$d/smoke_barrier.log" 2>&1
   sed -n '/--- other cases ---/,$p' "$d/smoke_barrier.log"
+}
+
+stage_pallas_l2() {
+  local d=$1 cases=""
+  for dim in 2048 3520; do
+    for steps in 8 32; do
+      cases="$cases,splitk_d${dim}_m1_s${steps},splitk_d${dim}_m1_s${steps}_streamed"
+    done
+  done
+  timeout 200 python3 -m pallas_kernels.looped_matmul.smoke --suite steps --timeout 40 \
+    --budget 190 --reps 10 --only "${cases#,}" > "$d/smoke_l2.log" 2>&1
+  sed -n '/--- other cases ---/,$p' "$d/smoke_l2.log"
+}
+
+stage_chain_nocb() {
+  local d=$1
+  timeout 200 python3 -m experiments.chain --size=24MiB,8MiB --layouts=shared \
+    --impls=torch_graph,pallas_splitk,pallas_splitk_nocb --json_out="$d/chain_nocb.json" \
+    --plot_out="$d/chain_nocb.png" > "$d/chain_nocb.txt" 2>&1
+  grep -v "chain:" "$d/chain_nocb.txt" | tail -12
 }
 
 stage_chain() {
