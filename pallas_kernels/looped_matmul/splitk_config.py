@@ -15,6 +15,7 @@ Vocabulary (sizes in elements unless a name ends in `_bytes`):
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from pallas_kernels.looped_matmul.barrier import check_poll
 from pallas_kernels.looped_matmul.config import (
@@ -293,7 +294,13 @@ def pick_splitk_config(m: int, d: int, *, device: DeviceInfo | None = None) -> S
     resident (<= SM count) and the state buffers fitting next to a 3-unit ring. Raises
     ValueError when none fits.
     """
-    device = device or DeviceInfo()
+    return _pick_splitk(m, d, device or DeviceInfo())
+
+
+@functools.cache
+def _pick_splitk(m: int, d: int, device: DeviceInfo) -> SplitKConfig:
+    """pick_splitk_config's search (~0.5-2 s of Python at huginn sizes), once per (M, d, device):
+    every jit trace of the public wrapper and every test or smoke case asks again."""
     n_pad = n_pad_splitk(m)
     if d <= 0 or d % UNIT:
         raise ValueError(f"d={d} must be a positive multiple of 64")
