@@ -21,6 +21,11 @@ Implementations (`--impls` takes these names or the families "xla" and "torch"):
                  package's default); copies: the stacked resident kernel, as `pallas`
   pallas_splitk_nocb  as pallas_splitk, command buffers off (GPU only)
 
+N chains per call (--chains_per_call, default 100) spread a call's fixed cost over N chains:
+a JAX call dispatches, copies its inputs and is waited for once (on the H200 about 210-290 us,
+which at N = 20 added 8-11 us per chain to the split-K kernel's chains; PyTorch's graph replay
+costs less; results/2026-11-30-h200/chain_n{20,100}_session6.txt).
+
 Data path, one function per arrow: size string -> d (`parse_size`, `dim_for_size`) -> weights
 (`host_values`, `make_weights`) -> one jitted chain per implementation (`xla_runner`,
 `torch_ref.chain.runner`) -> timing helper (`measure.timing.time_fn`) -> optional ncu / trace
@@ -72,7 +77,12 @@ def define_flags() -> None:
     )
     flags.DEFINE_integer("warmup", 10, "Untimed calls before timing (fewer on CPU unless given).")
     flags.DEFINE_integer("repeats", 50, "Timed calls; the median is reported (fewer on CPU).")
-    flags.DEFINE_integer("chains_per_call", 20, "N: chains per call of xla_loop and torch_graph.")
+    flags.DEFINE_integer(
+        "chains_per_call",
+        100,
+        "N: chains per call of xla_loop, torch_graph and the Pallas impls; spreads a call's fixed "
+        "cost (dispatch, input copies, the wait) over N chains.",
+    )
     flags.DEFINE_integer("ncu_chains", 100, "Chains inside each range that --hbm profiles.")
     flags.DEFINE_integer("ncu_timeout", 300, "Seconds an --hbm child may run under ncu.")
     flags.DEFINE_string("json_out", "out/chain.json", "Results JSON ('' to skip).")
@@ -575,8 +585,9 @@ def child_env(impls: Sequence[str]) -> dict[str, str]:
 
 def run_timing_child(
     cfg: ChainConfig, opts: Options, impls: Sequence[str]
-) -> dict[tuple[str, str], tuple[timing.Samples, np.ndarray]]:
-    """Times the _nocb impls in a child process whose XLA_FLAGS turn command buffers off."""
+) -> dict[tuple[str, str], tuple[timing.Samples, np.ndarray, int]]:
+    """Times the _nocb impls in a child process whose XLA_FLAGS turn command buffers off;
+    per (layout, impl): samples, output, and the chains that output went through."""
     with tempfile.TemporaryDirectory(prefix="chain-child-") as out:
         argv = child_argv(cfg, opts, "timing", opts.layouts, impls, out)
         proc = subprocess.run(
@@ -590,6 +601,7 @@ def run_timing_child(
             (r["layout"], r["impl"]): (
                 timing.Samples.from_dict(r["samples"]),
                 np.load(Path(out) / r["output_file"]),
+                int(r["chains_in_output"]),
             )
             for r in data["runs"]
         }
@@ -649,6 +661,7 @@ def child_main(opts: Options) -> None:
                         "impl": impl,
                         "samples": samples.to_dict(),
                         "output_file": name,
+                        "chains_in_output": runner.chains_in_output,
                     }
                 )
             else:
@@ -957,9 +970,9 @@ def run(opts: Options, notes: list[str], note: Callable[[str], None]) -> dict[st
             except RuntimeError as e:
                 note(f"{', '.join(nocb)} at W={cfg.weight_bytes} B: {e}")
                 child = {}
-            for (layout, impl), (samples, y) in sorted(child.items()):
+            for (layout, impl), (samples, y, chains) in sorted(child.items()):
                 data["runs"].append(run_record(cfg, layout, impl, samples, bw))
-                outputs[(layout, impl)] = (y, opts.chains_per_call if "loop" in impl else 1)
+                outputs[(layout, impl)] = (y, chains)
             bar.update(len(opts.layouts) * len(nocb))
         add_checks(data, cfg, x_host, w_host, outputs)
         if ncu is not None:
@@ -985,7 +998,7 @@ def run(opts: Options, notes: list[str], note: Callable[[str], None]) -> dict[st
             for layout in opts.layouts:
                 tqdm.write(
                     f"\nkernels per chain, W = {size_label(cfg.weight_bytes)}, {layout} "
-                    f"({opts.chains_per_call} chains traced; profiler on, so no command buffers):"
+                    f"({opts.chains_per_call} chains traced, the profiler on):"
                 )
                 tqdm.write(trace_lib.side_by_side(traced[layout]))
                 data["traces"].extend(

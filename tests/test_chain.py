@@ -277,3 +277,23 @@ def test_pallas_splitk_nocb_runs_in_the_command_buffer_free_child():
     )  # fmt: skip
     assert chain.select_impls(opts, on_gpu=False, note=notes.append) == ("xla",)
     assert "pallas_splitk_nocb skipped" in notes[0]
+
+
+def test_timing_child_reports_the_chains_its_output_went_through():
+    # The parent checks a child's output against the reference after that many chains; it
+    # used to guess 1 for every impl without "loop" in its name (pallas_splitk_nocb runs N).
+    cfg, n = small_config(d=64, steps=3), 3
+    opts = chain.Options(
+        configs=(cfg,), layouts=("shared",), impls=("xla", "xla_loop"), warmup=0, repeats=1,
+        chains_per_call=n, ncu_chains=1, json_out="", plot_out="", hbm=False, trace_dir=None,
+    )  # fmt: skip
+    child = chain.run_timing_child(cfg, opts, ["xla", "xla_loop"])
+    x_host, w_host = chain.host_values(cfg)
+    for impl, chains in (("xla", 1), ("xla_loop", n)):
+        _, y, reported = child[("shared", impl)]
+        assert reported == chains
+        ref = chain.reference_chain(x_host, w_host, cfg.steps * chains)
+        other = chain.reference_chain(x_host, w_host, cfg.steps * (n + 1 - chains))
+        tol = chain.tolerance(cfg.dtype, cfg.steps * chains)
+        assert np.max(np.abs(y - ref)) / np.max(np.abs(ref)) <= tol
+        assert np.max(np.abs(y - other)) / np.max(np.abs(other)) > tol
