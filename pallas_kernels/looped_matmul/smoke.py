@@ -269,11 +269,14 @@ def run_barrier_case(name: str, spec: dict[str, Any], reps: int) -> None:
     _result(name, spec, status="OK" if ok else "MISMATCH", kernel_us=k_us)
 
 
-def run_case(name: str, spec: dict[str, Any], reps: int, *, calls: int = 0) -> None:
+def run_case(
+    name: str, spec: dict[str, Any], reps: int, *, calls: int = 0, profile_dir: str = ""
+) -> None:
     """Runs one case in this process: prints the config, errors, times and a RESULT line.
 
     `calls` > 0: checks the result, then only calls the kernel that many times (for ncu, which
-    cannot attach next to the CUPTI timing)."""
+    cannot attach next to the CUPTI timing). `profile_dir`: split-K cases also print their
+    phases per step (`phases.py`), profiled in a separate compile after the timing."""
     if spec.get("variant") == "barrier":
         run_barrier_case(name, spec, reps)
         return
@@ -353,6 +356,52 @@ def run_case(name: str, spec: dict[str, Any], reps: int, *, calls: int = 0) -> N
         name, spec, status=status, rel=rel, kernel_us=k_us,
         xla_us=x_us, kernel_wall_us=k_wall, xla_wall_us=x_wall,
     )  # fmt: skip
+    if profile_dir and spec.get("variant") == "splitk" and not stacked:
+        print_phases(
+            name, x, w, steps, cfg, os.path.join(profile_dir, name), grid_barrier=not ablation
+        )
+
+
+def sm_clock_ghz() -> float | None:
+    """The GPU's maximum SM clock (nvidia-smi), the rate the phase table converts cycles at."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=clocks.max.sm", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, check=True, timeout=30,
+        ).stdout  # fmt: skip
+        return float(out.split()[0]) / 1e3
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def print_phases(name, x, w, steps, cfg, out_dir, *, grid_barrier: bool) -> None:
+    """Runs the split-K kernel with its phases profiled (a separate compile) and prints where
+    a step goes; the trace file stays in `out_dir`. Where the profile buffer does not fit in
+    shared memory next to the kernel's, fewer steps are profiled (4, then 2)."""
+    import jax
+
+    from pallas_kernels.looped_matmul.phases import phase_table
+    from pallas_kernels.looped_matmul.splitk_kernel import looped_matmul_splitk
+
+    os.makedirs(out_dir, exist_ok=True)
+    for n in sorted({steps, min(steps, 4), min(steps, 2)}, reverse=True):
+        run = lambda n=n: looped_matmul_splitk(  # noqa: E731
+            x, w, steps=n, cfg=cfg, grid_barrier=grid_barrier, profile_dir=out_dir
+        )
+        try:
+            for _ in range(3):  # the last call's trace is read: caches warm as when timed
+                jax.block_until_ready(run())
+            break
+        except ValueError as e:  # Mosaic's shared-memory check, at compile time
+            print(f"[{name}] profiling {n} steps: {e}")
+    else:
+        return
+    jax.effects_barrier()  # the trace is written by a host callback
+    clock = sm_clock_ghz()
+    print(f"[{name}] phases per step, {n} steps profiled (on-device profiler, {out_dir}):")
+    print(phase_table(out_dir, clock_ghz=clock or 1.0))
+    if clock is None:
+        print("(no nvidia-smi clock: us/step are cycles / 1000)")
 
 
 def _fmt(v: float | None) -> str:
@@ -444,6 +493,10 @@ def main() -> None:
         "--calls", type=int, default=0,
         help="with --case: only call the kernel this many times, no timing (for ncu)",
     )  # fmt: skip
+    p.add_argument(
+        "--profile_dir", default="",
+        help="split-K cases: also profile the phases of each step, traces written here",
+    )  # fmt: skip
     args = p.parse_args()
     all_cases = {name: spec for suite in SUITES.values() for name, spec in suite.items()}
     if args.list:
@@ -451,7 +504,10 @@ def main() -> None:
         return
     if args.case:
         try:
-            run_case(args.case, all_cases[args.case], args.reps, calls=args.calls)
+            run_case(
+                args.case, all_cases[args.case], args.reps, calls=args.calls,
+                profile_dir=args.profile_dir,
+            )  # fmt: skip
         except Exception:
             print(f"[{args.case}] EXCEPTION:")
             traceback.print_exc(file=sys.stdout)
@@ -481,6 +537,8 @@ def main() -> None:
             rows.append(dict(case=name, steps=spec["steps"], status="BUDGET"))
             continue
         cmd = [sys.executable, "-m", "pallas_kernels.looped_matmul.smoke", "--case", name]
+        if args.profile_dir:
+            cmd += ["--profile_dir", args.profile_dir]
         t = time.perf_counter()
         try:
             proc = subprocess.run(

@@ -98,6 +98,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.looped_matmul.barrier import GridBarrier, needs_poll_barrier
+from pallas_kernels.looped_matmul.phases import profile_ranges
 from pallas_kernels.looped_matmul.splitk_config import UNIT, SplitKConfig
 
 NUM_STATE_BUFFERS = 3
@@ -123,13 +124,17 @@ def build_splitk(
     interpret: Any = None,
     grid_barrier: bool = True,
     debug: bool = False,
+    profile_dir: str = "",
 ):
     """Returns f(x0 [d, n_pad] f32, w [d, d] bf16) -> S [3, d, n_pad] f32, result S[(steps-1) % 3].
 
     `grid_barrier=False` drops the barrier (only correct for one worker, or one step with
-    k_split == 1). Interpret mode runs blocks one after another and has neither global
-    semaphores nor TMA reductions: there the reduce-add is emulated by a read-modify-write,
-    which is correct only with one warpgroup per block and one step (or one worker).
+    k_split == 1). `profile_dir`: record the phases of every step (phases.PHASES, SM clock
+    cycles) with Mosaic GPU's on-device profiler, one trace file per call written there
+    (`phases.phase_table` reads them); costs shared memory and a few cycles per phase.
+    Interpret mode runs blocks one after another and has neither global semaphores nor TMA
+    reductions: there the reduce-add is emulated by a read-modify-write, which is correct
+    only with one warpgroup per block and one step (or one worker).
     """
     n_pad = cfg.n_pad(m)
     tiles, block_cols = cfg.tiles, cfg.block_cols
@@ -237,11 +242,13 @@ def build_splitk(
         def convert_x(s, kc, static: bool):
             """Waits for f32 chunk kc, rounds it to bf16 into the wgmma B tile xb[kc]."""
             slot = kc % n_xs
-            plgpu.barrier_wait(xbar.at(slot))
-            chunk = plgpu.load(xf.at[slot], layout=plgpu.Layout.WGMMA)  # [64, n_pad] f32
-            # stmatrix.trans into the K-major, 128-B swizzled [n_pad, 64] tile
-            xb.at[kc].T[...] = chunk.astype(bf16)
-            plgpu.commit_smem()  # visible to wgmma; every thread is done with the f32 slot
+            with jax.named_scope("x_wait"):
+                plgpu.barrier_wait(xbar.at(slot))
+            with jax.named_scope("x_convert"):
+                chunk = plgpu.load(xf.at[slot], layout=plgpu.Layout.WGMMA)  # [64, n_pad] f32
+                # stmatrix.trans into the K-major, 128-B swizzled [n_pad, 64] tile
+                xb.at[kc].T[...] = chunk.astype(bf16)
+                plgpu.commit_smem()  # visible to wgmma; every thread is done with the f32 slot
             if n_xs < k_chunks:
                 if static:
                     if kc + n_xs < k_chunks:
@@ -314,8 +321,7 @@ def build_splitk(
             issue_stream(g)
 
         # ------------------------------------------------------------ steps
-        @pl.loop(0, steps)
-        def _step(s):
+        def step(s):
             def mma(acc_ref, t, a, kc):
                 acc_t = acc_ref.at[pl.ds(t * UNIT, UNIT)] if tiles > 1 else acc_ref
                 plgpu.wgmma(acc_t, a, xb.at[kc].T)
@@ -331,7 +337,8 @@ def build_splitk(
             def streamed_unit(acc_ref, kc, t, i):
                 g = s * n_str + i
                 slot = g % n_ring
-                plgpu.barrier_wait(wbar.at(slot))
+                with jax.named_scope("w_wait"):
+                    plgpu.barrier_wait(wbar.at(slot))
                 # reads 8 KiB of W (L2 -> smem by TMA) and the bf16 state tile from smem
                 mma(acc_ref, t, ring.at[slot].T, kc)
                 plgpu.wgmma_wait(lag)  # streamed unit i - lag is done: refill its slot
@@ -380,45 +387,55 @@ def build_splitk(
                         else:  # A from registers: no memory traffic
                             mma(acc_ref, t, reg_operand(u - first_reg), kc)
 
-                acc = acc_ref[...]  # waits for every wgmma of the step
-                # f32 partial sums, one [64, n_pad] tile per 64 columns, in the free x slots
-                for t in range(tiles):
-                    xf.at[t][...] = acc[t * UNIT : (t + 1) * UNIT]
+                with jax.named_scope("acc"):
+                    acc = acc_ref[...]  # waits for every wgmma of the step
+                    # f32 partial sums, one [64, n_pad] tile per 64 columns, in the free x slots
+                    for t in range(tiles):
+                        xf.at[t][...] = acc[t * UNIT : (t + 1) * UNIT]
 
             pl.run_scoped(compute, plgpu.ACC((block_cols, n_pad), jnp.float32))
             plgpu.commit_smem()
             if reduce and use_barrier:
                 pl.when(s == 0)(lambda: barrier.wait(barrier_epoch0))  # S[0] is zeroed
-            out = lax.rem(s, NUM_STATE_BUFFERS)
-            for t in range(tiles):  # writes (adds) block_cols * n_pad * 4 B into L2
-                dst = s_ref.at[out, cols(t), :]
-                if not reduce:
-                    plgpu.copy_smem_to_gmem(xf.at[t], dst)
-                elif not emulate:
-                    plgpu.copy_smem_to_gmem(xf.at[t], dst, reduction_op="add")
-                else:
-                    emulate_reduce_add(xf.at[t], dst, xbar.at(t % n_x_slots))
-            if reduce and steps > 1:
+            with jax.named_scope("partial_out"):
+                out = lax.rem(s, NUM_STATE_BUFFERS)
+                for t in range(tiles):  # writes (adds) block_cols * n_pad * 4 B into L2
+                    dst = s_ref.at[out, cols(t), :]
+                    if not reduce:
+                        plgpu.copy_smem_to_gmem(xf.at[t], dst)
+                    elif not emulate:
+                        plgpu.copy_smem_to_gmem(xf.at[t], dst, reduction_op="add")
+                    else:
+                        emulate_reduce_add(xf.at[t], dst, xbar.at(t % n_x_slots))
+                if reduce and steps > 1:
 
-                @pl.when(jnp.logical_and(is_zeroer, s < steps - 1))
-                def _():
-                    nxt = lax.rem(s + 1, NUM_STATE_BUFFERS)
-                    for t in range(tiles):  # writes block_cols * n_pad * 4 B
-                        plgpu.copy_smem_to_gmem(zero, s_ref.at[nxt, cols(t), :])
+                    @pl.when(jnp.logical_and(is_zeroer, s < steps - 1))
+                    def _():
+                        nxt = lax.rem(s + 1, NUM_STATE_BUFFERS)
+                        for t in range(tiles):  # writes block_cols * n_pad * 4 B
+                            plgpu.copy_smem_to_gmem(zero, s_ref.at[nxt, cols(t), :])
 
-            # Complete (not only read out of smem) before the barrier signal; the x slots are
-            # refilled next.
-            plgpu.wait_smem_to_gmem(0)
+            with jax.named_scope("partial_wait"):
+                # Complete (not only read out of smem) before the barrier signal; the x slots
+                # are refilled next.
+                plgpu.wait_smem_to_gmem(0)
 
             if steps > 1:
 
                 @pl.when(s < steps - 1)
                 def _next():
                     if use_barrier:
-                        barrier.arrive()
-                        barrier.wait(barrier_epoch0 + s + 1)
-                    for kc in range(n_xs):
-                        issue_x(s + 1, kc)
+                        with jax.named_scope("barrier"):
+                            barrier.arrive()
+                            barrier.wait(barrier_epoch0 + s + 1)
+                    with jax.named_scope("x_issue"):
+                        for kc in range(n_xs):
+                            issue_x(s + 1, kc)
+
+        @pl.loop(0, steps)
+        def _steps(s):
+            with jax.named_scope("step"):
+                step(s)
 
     def emulate_reduce_add(part, dst, bar):
         """Interpret mode only: dst += part through shared memory (blocks run in order)."""
@@ -433,18 +450,27 @@ def build_splitk(
     kwargs: dict[str, Any] = dict(grid=(cfg.num_blocks(d),), grid_names=("b",))
     if wgs > 1:
         kwargs.update(num_threads=wgs, thread_name="wg")
+    params = plgpu.CompilerParams()
+    if profile_dir:
+        params = plgpu.CompilerParams(
+            profile_space=profile_ranges(cfg, d, steps),
+            profile_dir=profile_dir,
+            profile_bounds_check=True,
+        )
     return plgpu.kernel(
         body,
         out_type=out_type,
         scratch_types=scratch,
-        compiler_params=plgpu.CompilerParams(),
+        compiler_params=params,
         interpret=interpret,
         debug=debug,
         **kwargs,
     )
 
 
-@functools.partial(jax.jit, static_argnames=("steps", "cfg", "interpret", "grid_barrier"))
+@functools.partial(
+    jax.jit, static_argnames=("steps", "cfg", "interpret", "grid_barrier", "profile_dir")
+)
 def looped_matmul_splitk(
     x: jax.Array,
     w: jax.Array,
@@ -453,11 +479,14 @@ def looped_matmul_splitk(
     cfg: SplitKConfig,
     interpret: Any = None,
     grid_barrier: bool = True,
+    profile_dir: str = "",
 ) -> jax.Array:
     """Unchecked kernel call: x [M, d] bf16, w [d, d] bf16 -> [M, d] bf16."""
     m, d = x.shape
     n_pad = cfg.n_pad(m)
-    f = build_splitk(m, d, steps, cfg, interpret=interpret, grid_barrier=grid_barrier)
+    f = build_splitk(
+        m, d, steps, cfg, interpret=interpret, grid_barrier=grid_barrier, profile_dir=profile_dir
+    )
     x0 = jnp.pad(x.T.astype(jnp.float32), ((0, 0), (0, n_pad - m)))
     state = f(x0, w)
     return state[(steps - 1) % NUM_STATE_BUFFERS, :, :m].T.astype(x.dtype)
