@@ -121,14 +121,14 @@ stage_chain_nocb() {
 stage_chain() {
   stage_chain_hbm "$1"
   local d=$1
-  timeout 80 python3 -m experiments.chain --size=72MiB --impls=xla,torch_eager,${CHAIN_PALLAS:-pallas,pallas_splitk} \
+  timeout 120 python3 -m experiments.chain --size=72MiB --impls=xla,torch_eager,${CHAIN_PALLAS:-pallas,pallas_splitk} \
     --trace_dir="$d/trace" --json_out="$d/chain_trace.json" --plot_out= > "$d/chain_trace.txt" 2>&1
   grep -v "chain:" "$d/chain_trace.txt" | tail -30
 }
 
 stage_chain_hbm() {
   local d=$1
-  timeout 220 python3 -m experiments.chain --size=72MiB,288MiB,48MiB,24MiB,8MiB \
+  timeout 420 python3 -m experiments.chain --size=72MiB,288MiB,48MiB,24MiB,8MiB \
     --impls=xla_loop,torch_graph,${CHAIN_PALLAS:-pallas,pallas_splitk} --hbm --ncu_timeout=80 \
     --json_out="$d/chain_hbm.json" --plot_out="$d/chain_hbm.png" > "$d/chain_hbm.txt" 2>&1
   grep -v "chain:" "$d/chain_hbm.txt" | tail -45
