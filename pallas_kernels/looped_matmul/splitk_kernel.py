@@ -71,6 +71,15 @@ where the L2 does not keep the streamed part. Picks and times:
 State traffic per step at d=6144 (n=8): f32 reads G_c * d * 32 B = 3.1 MB, reduce-adds 3.1 MB
 (vs 18.9 MB of bf16 state reads in the resident kernel, where each of 96 blocks read all of it).
 
+Where a step goes (SM cycles per step, median over workers; `smoke --profile_dir`, phases.py,
+`pallas_phases_session6.log`): 24 MiB 8239 = wgmma issue 3485 (100 m64n8k16 per warpgroup at
+~35 cycles each; at 8 MiB, 2 warpgroups per SM, ~37 each per warpgroup, so ~18 per SM), grid
+barrier 2334, state TMA wait + bf16 conversion 1000, reduce-add issue + completion 808, the
+rest ~600. 72 MiB (pick, 4 steps profiled) 30890 = wgmma issue and waits 15008, ring waits
+7856, barrier 3799, the rest ~4300; its chain re-reads (4.57 - 1) x W from HBM, ~38 MB per step
+(9 us at 4.25 TB/s). Streaming the whole 24 MiB from L2 instead of keeping it on chip adds
+3.2 us per step (`pallas_l2_session6.log`).
+
 Registers. 2 warpgroups x 128 threads x <= 255 = the whole 64K file. A unit costs 16 registers
 per thread (4 ldmatrix.x4.trans at load time), the accumulator tiles * n_pad / 2. The picker
 keeps 16 * reg_units + accumulator + 64 <= 240. Evidence (CPU, ptxas 13.0 for sm_90a, a CUDA
