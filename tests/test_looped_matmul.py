@@ -358,8 +358,8 @@ def test_splitk_config_validate_errors():
     cfg.validate(1, 512, 8, device=h200)
     with pytest.raises(ValueError, match="multiple of block_cols=128"):
         cfg.validate(1, 576, 2, device=h200)
-    with pytest.raises(ValueError, match="not a multiple of k_split=4"):
-        cfg.validate(1, 384, 2, device=h200)
+    with pytest.raises(ValueError, match="k_split=8 > 6 chunks of 64 rows"):
+        dataclasses.replace(cfg, tiles=1, k_split=8).validate(1, 384, 2, device=h200)
     with pytest.raises(ValueError, match="do not fill blocks of warpgroups=2"):
         SplitKConfig(tiles=1, k_split=1, warpgroups=2).validate(1, 192, 1, device=h200)
     with pytest.raises(ValueError, match="blocks > 132 SMs"):
@@ -398,6 +398,8 @@ def test_pick_splitk_config_puts_weight_on_chip():
     assert cfg.reg_units == 0 and cfg.streamed_units(6144) > 0 and cfg.zigzag
     small = pick_splitk_config(1, 3520)  # 24 MiB: all of it on chip, registers included
     assert small.streamed_units(3520) == 0 and small.reg_units >= 8
+    # d = 55 x 64 has no even split over 2 warpgroups per SM; ragged ones are not picked
+    assert small.warpgroups == 1 and not small.ragged(3520)
     big = pick_splitk_config(1, 12288)  # 288 MiB: HBM-bound, a deep ring instead
     assert big.ring == DEEP_RING and big.reg_units == 0
     assert 4 * big.streamed_units(12288) > 3 * big.units(12288)
@@ -436,6 +438,9 @@ SPLITK_INTERPRET_CASES = [
     # zigzag: 3 fully streamed chunks reversed on odd steps, then a mixed chunk; all streamed
     (3, 256, 3, SplitKConfig(4, 1, 1, reg_units=1, smem_units=2, ring=3, zigzag=True)),
     (1, 192, 4, SplitKConfig(tiles=3, k_split=1, warpgroups=1, ring=4, zigzag=True)),
+    # ragged K ranges: 5 chunks over 2 ranges (2 + 3), 7 over 3 (2 + 2 + 3), all streamed
+    (3, 320, 1, SplitKConfig(tiles=5, k_split=2, warpgroups=1, reg_units=2, smem_units=3)),
+    (1, 448, 1, SplitKConfig(tiles=7, k_split=3, warpgroups=1, ring=2)),
 ]
 
 
@@ -447,6 +452,20 @@ def test_splitk_interpret_matches_reference(m, d, steps, cfg):
     assert got.shape == (m, d) and got.dtype == jnp.bfloat16
     assert float(jnp.abs(want.astype(jnp.float32)).max()) > 0
     assert rel_fro(got, want) <= 2e-3
+
+
+@pytest.mark.parametrize("d,k_split", [(3520, 20), (3520, 22), (448, 3), (2048, 16), (320, 2)])
+def test_splitk_ragged_ranges_cover_k_once(d, k_split):
+    cfg = SplitKConfig(tiles=1, k_split=k_split)
+    chunks, per = d // 64, cfg.k_chunks(d)
+    starts = [cfg.chunk_start(d, j) for j in range(k_split)]
+    ends = starts[1:] + [chunks]
+    owned = [e - s for s, e in zip(starts, ends, strict=True)]
+    assert starts[0] == 0 and sorted(owned) == owned  # short ranges first
+    assert owned.count(per - 1) == cfg.short_ranges(d) and set(owned) <= {per - 1, per}
+    assert cfg.ragged(d) == (cfg.short_ranges(d) > 0)
+    # every worker runs `per` chunks: a short range's extra chunk stays inside w
+    assert all(s + per <= chunks for s in starts)
 
 
 def test_splitk_zigzag_needs_the_whole_state_staged():
@@ -490,6 +509,7 @@ def test_splitk_lowers_for_cuda(capfd, m, d):
         (1, 6144, 1, {}),
         (1, 2048, 8, dict(poll="leader")),
         (8, 6144, 1, dict(poll="leader")),
+        (1, 3520, 8, dict(k_split=22, warpgroups=2, reg_units=0, smem_units=4, ring=3, x_stages=3)),
     ],
 )
 def test_splitk_variants_lower_for_cuda(m, d, steps, overrides):
@@ -571,6 +591,29 @@ def test_splitk_configs_gpu(overrides):
     cfg = dataclasses.replace(pick_splitk_config(m, d), **overrides)
     if "k_split" in overrides:
         cfg = dataclasses.replace(cfg, reg_units=8, smem_units=2, x_stages=4, zigzag=False)
+    got = looped_matmul(x, w, steps, config=cfg)
+    assert rel_fro(got, looped_matmul_reference(x, w, steps)) <= 2e-2
+
+
+# d = 3520 = 55 x 64 in ragged K ranges over 2 warpgroups per SM: all on chip (the config
+# the smoke run times against the pick) and with streamed units and zigzag.
+SPLITS_3520 = [
+    SplitKConfig(tiles=5, k_split=20, warpgroups=2, reg_units=9, smem_units=6, ring=0),
+    SplitKConfig(5, 22, 2, reg_units=0, smem_units=4, ring=3, x_stages=3, zigzag=True),
+]
+
+
+@pytest.mark.parametrize("cfg", SPLITS_3520)
+def test_splitk_3520_splits_are_valid(cfg):
+    cfg.validate(1, 3520, 8)
+
+
+@gpu
+@requires_gpu
+@pytest.mark.parametrize("cfg", SPLITS_3520)
+@pytest.mark.parametrize("steps", [1, 8])
+def test_splitk_3520_splits_gpu(cfg, steps):
+    x, w = make_inputs(61 + steps, 1, 3520)
     got = looped_matmul(x, w, steps, config=cfg)
     assert rel_fro(got, looped_matmul_reference(x, w, steps)) <= 2e-2
 

@@ -146,6 +146,12 @@ def _steps_cases() -> dict[str, dict[str, Any]]:
         cases[f"splitk_d{d}_m1_s32_leaderpoll"] = dict(
             variant="splitk", m=1, d=d, steps=32, cfg=dict(poll="leader")
         )
+        if d == 3520:  # 55 x 64: ragged K ranges over 2 warpgroups per SM vs the pick's 1
+            for steps in (8, 32):
+                cases[f"splitk_d3520_m1_s{steps}_ragged2wg"] = dict(
+                    variant="splitk", m=1, d=d, steps=steps,
+                    cfg=dict(tiles=5, k_split=20, warpgroups=2, reg_units=9, smem_units=6, ring=0),
+                )  # fmt: skip
         # Everything streamed from L2 (no weight on chip; it stays in L2 at these sizes): the
         # per-step time minus the on-chip variant's is what reading W from L2 costs, the
         # bound on the 72 MiB step.

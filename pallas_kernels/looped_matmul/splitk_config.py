@@ -3,7 +3,11 @@
 Vocabulary (sizes in elements unless a name ends in `_bytes`):
 - worker: one warpgroup (128 threads). A block holds `warpgroups` workers that share nothing
   but the SM. Worker w owns column group `w // k_split` (`tiles` 64-column tiles, block_cols =
-  64 * tiles output columns) and K range `w % k_split` (k_len = d / k_split rows of w).
+  64 * tiles output columns) and K range j = `w % k_split` of the d / 64 chunks of 64 rows.
+  When k_split divides the chunks every range has k_chunks = chunks / k_split of them; else
+  ("ragged") the last `chunks % k_split` ranges have one chunk more, and every worker runs
+  k_chunks = ceil(chunks / k_split) chunks, the shorter ones with their last chunk's state
+  zeroed (it lies in the next range: same cost, no contribution).
 - unit: a [64 rows, 64 cols] bf16 piece of the worker's weight slice (8 KiB). Units are ordered
   k-chunk major, tile minor: unit u = (k chunk u // tiles, tile u % tiles). The first
   `reg_units` live in registers (wgmma A fragments, 16 registers per thread each), the next
@@ -108,10 +112,32 @@ class SplitKConfig:
         return d // self.block_cols
 
     def k_len(self, d: int) -> int:
-        return d // self.k_split
+        """Rows of w a worker multiplies (its K range, the short ranges' extra chunk included)."""
+        return self.k_chunks(d) * UNIT
 
     def k_chunks(self, d: int) -> int:
-        return self.k_len(d) // UNIT
+        return -(-(d // UNIT) // self.k_split)
+
+    def ragged(self, d: int) -> bool:
+        """K ranges of unequal length (k_split does not divide the d / 64 chunks)."""
+        return (d // UNIT) % self.k_split != 0
+
+    def short_ranges(self, d: int) -> int:
+        """How many K ranges (the first ones) have k_chunks - 1 chunks; 0 unless ragged."""
+        chunks = d // UNIT
+        return (self.k_split - chunks % self.k_split) % self.k_split
+
+    def chunk_start(self, d: int, j):
+        """First chunk of K range j (an int, or a traced index in the kernel)."""
+        short = self.short_ranges(d)
+        if not short:
+            return self.k_chunks(d) * j
+        base = self.k_chunks(d) - 1  # the short ranges' chunks; the later ranges own base + 1
+        if isinstance(j, int):
+            return base * j + max(0, j - short)
+        import jax.numpy as jnp
+
+        return base * j + jnp.maximum(0, j - short)
 
     def units(self, d: int) -> int:
         """Weight units per worker."""
@@ -178,10 +204,8 @@ class SplitKConfig:
             raise ValueError(
                 f"d={d} must be a multiple of block_cols={self.block_cols} (tiles={self.tiles})"
             )
-        if (d // UNIT) % self.k_split:
-            raise ValueError(
-                f"d={d} has {d // UNIT} chunks of 64 rows, not a multiple of k_split={self.k_split}"
-            )
+        if self.k_split > d // UNIT:
+            raise ValueError(f"k_split={self.k_split} > {d // UNIT} chunks of 64 rows in d={d}")
         workers = self.num_workers(d)
         if workers % self.warpgroups:
             raise ValueError(
@@ -292,7 +316,11 @@ def pick_splitk_config(m: int, d: int, *, device: DeviceInfo | None = None) -> S
 
     Candidates: warpgroups in (2, 1), tiles in 1..12, k_split dividing d/64, with every block
     resident (<= SM count) and the state buffers fitting next to a 3-unit ring. Raises
-    ValueError when none fits.
+    ValueError when none fits. Ragged K ranges are not picked: at d=3520 (no even split over
+    2 warpgroups per SM) 2 x 110 workers of 15 units ran 43.1 us against 42.0 for the
+    1 x 121 workers of 25 units picked here (8 steps; the wgmma issue time per step fell
+    from 3609 to 2004 cycles, the barrier and the exchange grew by more;
+    results/2026-11-30-h200/pallas_ragged_session6.log).
     """
     return _pick_splitk(m, d, device or DeviceInfo())
 
@@ -350,7 +378,8 @@ def describe_splitk(cfg: SplitKConfig, m: int, d: int) -> str:
     on_chip_mib = workers * (cfg.reg_units + cfg.smem_units) * UNIT_BYTES / 2**20
     return (
         f"splitk: {cfg.num_blocks(d)} blocks x {cfg.warpgroups} wg = {workers} workers "
-        f"({cfg.col_groups(d)} col groups x k_split {cfg.k_split}), slice "
+        f"({cfg.col_groups(d)} col groups x k_split {cfg.k_split}"
+        f"{', ragged' if cfg.ragged(d) else ''}), slice "
         f"[{cfg.k_len(d)}, {cfg.block_cols}] = {units} units of {kib:.0f} KiB: "
         f"{cfg.reg_units} regs + {cfg.smem_units} smem + {streamed} streamed "
         f"(ring {cfg.ring}); on chip {on_chip_mib:.1f} MiB, streamed "

@@ -17,7 +17,9 @@ by every step. B is x[n_pad, 64 k] (K-major, 128-byte swizzle), built every step
 
 Partition. Worker = warpgroup; `warpgroups` (1 or 2) per block, blocks <= 132 (grid barrier).
 Worker w: column group c = w // k_split (block_cols = 64 * tiles columns), K range
-j = w % k_split (k_len = d / k_split rows). Units are numbered k chunk major, tile minor; the
+j = w % k_split (k_chunks chunks of 64 rows from `cfg.chunk_start(d, j)`; with a ragged split
+the first `cfg.short_ranges(d)` ranges own one chunk less and zero the state of their last
+chunk, which belongs to the next range). Units are numbered k chunk major, tile minor; the
 first ones are streamed, then come the resident ones, then the register ones, so that each step
 starts on the ring (prefetched during the previous exchange) and L2 stays busy.
 
@@ -147,7 +149,8 @@ def build_splitk(
     """
     n_pad = cfg.n_pad(m)
     tiles, block_cols = cfg.tiles, cfg.block_cols
-    k_split, k_len, k_chunks = cfg.k_split, cfg.k_len(d), cfg.k_chunks(d)
+    k_split, k_chunks = cfg.k_split, cfg.k_chunks(d)
+    short_ranges = cfg.short_ranges(d)  # ragged split: ranges 0..short_ranges-1 are short
     n_reg, n_res = cfg.reg_units, cfg.smem_units
     n_str = cfg.streamed_units(d)
     n_ring = cfg.ring_slots(d)
@@ -208,8 +211,9 @@ def build_splitk(
         wg = lax.axis_index("wg") if wgs > 1 else 0
         worker = lax.axis_index("b") * wgs + wg
         col0 = (worker // k_split) * block_cols
-        row0 = (worker % k_split) * k_len
-        is_zeroer = worker % k_split == 0
+        k_range = worker % k_split
+        row0 = cfg.chunk_start(d, k_range) * UNIT
+        is_zeroer = k_range == 0
         xf, xb = sc["xf"].at[wg], sc["xb"].at[wg]
         res = sc["res"].at[wg] if n_res else None
         ring = sc["ring"].at[wg] if n_ring else None
@@ -255,6 +259,10 @@ def build_splitk(
                 plgpu.barrier_wait(xbar.at(slot))
             with jax.named_scope("x_convert"):
                 chunk = plgpu.load(xf.at[slot], layout=plgpu.Layout.WGMMA)  # [64, n_pad] f32
+                if short_ranges and not (isinstance(kc, int) and kc < k_chunks - 1):
+                    # A short range's last chunk is the next range's first: state zeroed.
+                    owned = jnp.logical_or(kc < k_chunks - 1, k_range >= short_ranges)
+                    chunk = chunk * owned.astype(jnp.float32)
                 # stmatrix.trans into the K-major, 128-B swizzled [n_pad, 64] tile
                 xb.at[kc].T[...] = chunk.astype(bf16)
                 plgpu.commit_smem()  # visible to wgmma; every thread is done with the f32 slot
