@@ -345,6 +345,7 @@ def splitk_module_text(capfd, m, d, steps, cfg) -> str:
         (dict(x_stages=0), "x_stages=0 must be >= 1"),
         (dict(wgmma_lag=0), "wgmma_lag=0 must be >= 1"),
         (dict(min_n_pad=24), "min_n_pad=24 must be 8, 16, 32 or 64"),
+        (dict(sync="epoch"), "sync='epoch' is not one of"),
     ],
 )
 def test_splitk_config_post_init_errors(kwargs, match):
@@ -441,6 +442,9 @@ SPLITK_INTERPRET_CASES = [
     # ragged K ranges: 5 chunks over 2 ranges (2 + 3), 7 over 3 (2 + 2 + 3), all streamed
     (3, 320, 1, SplitKConfig(tiles=5, k_split=2, warpgroups=1, reg_units=2, smem_units=3)),
     (1, 448, 1, SplitKConfig(tiles=7, k_split=3, warpgroups=1, ring=2)),
+    # sync="flags": 5 state buffers (7 steps wrap around them), and the reduce-add into them
+    (1, 128, 7, SplitKConfig(2, 1, 1, reg_units=1, smem_units=1, sync="flags")),
+    (5, 256, 1, SplitKConfig(2, 2, 1, reg_units=1, smem_units=1, sync="flags")),
 ]
 
 
@@ -510,6 +514,8 @@ def test_splitk_lowers_for_cuda(capfd, m, d):
         (1, 2048, 8, dict(poll="leader")),
         (8, 6144, 1, dict(poll="leader")),
         (1, 3520, 8, dict(k_split=22, warpgroups=2, reg_units=0, smem_units=4, ring=3, x_stages=3)),
+        (1, 6144, 8, dict(sync="flags")),
+        (1, 4992, 3, dict(sync="flags")),  # K ranges of 832 rows over 128-column groups
     ],
 )
 def test_splitk_variants_lower_for_cuda(m, d, steps, overrides):
@@ -614,6 +620,20 @@ def test_splitk_3520_splits_are_valid(cfg):
 @pytest.mark.parametrize("steps", [1, 8])
 def test_splitk_3520_splits_gpu(cfg, steps):
     x, w = make_inputs(61 + steps, 1, 3520)
+    got = looped_matmul(x, w, steps, config=cfg)
+    assert rel_fro(got, looped_matmul_reference(x, w, steps)) <= 2e-2
+
+
+@gpu
+@requires_gpu
+@pytest.mark.parametrize("d", [2048, 3520, 4992, 6144, 12288])
+@pytest.mark.parametrize("m", [1, 8, 17])
+@pytest.mark.parametrize("steps", [2, 3, 8, 32])
+def test_splitk_flags_gpu(d, m, steps):
+    """Per-group flags instead of the grid barrier: workers drift a step apart, so the
+    zeroing two steps ahead over 5 buffers is what keeps the sums right."""
+    x, w = make_inputs(71 + d + m + steps, m, d)
+    cfg = dataclasses.replace(pick_splitk_config(m, d), sync="flags")
     got = looped_matmul(x, w, steps, config=cfg)
     assert rel_fro(got, looped_matmul_reference(x, w, steps)) <= 2e-2
 

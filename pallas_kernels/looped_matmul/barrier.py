@@ -124,6 +124,27 @@ class GridBarrier:
             pl.when(self.wg != 0)(lambda: plgpu.barrier_wait(self.poll_barrier))
 
 
+class GroupFlags:
+    """Per-column-group step counters, the split-K kernel's `sync="flags"` in place of a grid
+    barrier between steps: a worker adds 1 to its column group's counter once its partial sums
+    of a step are in L2, then, before reading the next step's state, waits until every group
+    its K range overlaps (`first`..`last`) has counted `arrivals` (k_split) per finished step.
+    Counters are zeroed per call (Mosaic's GMEM scratch); polled as the `wait` barrier does."""
+
+    def __init__(self, groups: int, arrivals: int, *, group: Any, first: Any, last: Any):
+        self.sem = pl.get_global(plgpu.SemaphoreType.REGULAR((groups,)))
+        self.arrivals, self.group, self.first, self.last = arrivals, group, first, last
+
+    def arrive_and_wait(self, steps_done: Any) -> None:
+        """Signals this worker's step; returns once the groups it reads finished `steps_done`."""
+        plgpu.semaphore_signal(self.sem.at[self.group], 1, memory_scope="gpu")
+        target = jnp.asarray(self.arrivals * steps_done, jnp.int32)
+
+        @pl.loop(self.first, self.last + 1)
+        def _(g):
+            plgpu.semaphore_wait(self.sem.at[g], target, decrement=False, memory_scope="gpu")
+
+
 def build_barrier_probe(blocks: int, warpgroups: int, epochs: int, poll: str):
     """A kernel that only crosses the grid barrier `epochs` times (inside `pl.loop`).
 

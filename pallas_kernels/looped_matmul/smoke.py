@@ -103,6 +103,7 @@ def _table_cases() -> dict[str, dict[str, Any]]:
         "lag2": dict(wgmma_lag=2),
         "ksplit8": dict(split=(3, 8)),  # 32 col groups x 8 K ranges, refilled
         "leaderpoll": dict(poll="leader"),  # one polling warpgroup per block
+        "flags": dict(sync="flags"),  # per-column-group counters instead of the grid barrier
         # zigzag: odd steps read the streamed chunks backwards (L2 reuse across steps)
         "zz": dict(zigzag=True),
         "zz_smem8": dict(reg_units=0, smem_units=8, ring=3, zigzag=True),
@@ -110,6 +111,9 @@ def _table_cases() -> dict[str, dict[str, Any]]:
     }
     for tag, over in variants.items():
         cases[f"splitk_d6144_m1_{tag}"] = dict(six, cfg=over)
+    cases["splitk_d12288_m1_flags"] = dict(
+        variant="splitk", m=1, d=12288, steps=TABLE_STEPS, cfg=dict(sync="flags")
+    )
     for d, over in ((4992, dict(x_stages=64, ring=6, smem_units=0)), (12288, {})):
         cases[f"splitk_d{d}_m1_zz"] = dict(
             variant="splitk", m=1, d=d, steps=TABLE_STEPS, cfg=dict(zigzag=True, **over)
@@ -146,6 +150,10 @@ def _steps_cases() -> dict[str, dict[str, Any]]:
         cases[f"splitk_d{d}_m1_s32_leaderpoll"] = dict(
             variant="splitk", m=1, d=d, steps=32, cfg=dict(poll="leader")
         )
+        for steps in (8, 32):  # per-column-group flags instead of the grid barrier
+            cases[f"splitk_d{d}_m1_s{steps}_flags"] = dict(
+                variant="splitk", m=1, d=d, steps=steps, cfg=dict(sync="flags")
+            )
         if d == 3520:  # 55 x 64: ragged K ranges over 2 warpgroups per SM vs the pick's 1
             for steps in (8, 32):
                 cases[f"splitk_d3520_m1_s{steps}_ragged2wg"] = dict(

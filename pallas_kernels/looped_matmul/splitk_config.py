@@ -47,6 +47,7 @@ PICK_MAX_REGS = 240
 # and no register units ran 583.6 us, with 6 slots and 8 register units 630.4 us).
 DEEP_RING = 9
 MAX_BARRIERS_PER_ARRAY = 32
+SYNCS = ("grid", "flags")
 SMEM_ALIGN = 1024  # every scratch buffer is rounded up to this (swizzled TMA tiles need it)
 
 
@@ -80,6 +81,9 @@ class SplitKConfig:
     poll: str = "wait"
     # Fully streamed k chunks in reverse order on odd steps (L2 reuse across steps).
     zigzag: bool = False
+    # Between steps: "grid" (one grid barrier) or "flags" (per-column-group counters: a worker
+    # waits only for the groups whose columns are its K range; 5 state buffers instead of 3).
+    sync: str = "grid"
 
     def __post_init__(self) -> None:
         if not 1 <= self.tiles <= 16:
@@ -96,6 +100,8 @@ class SplitKConfig:
         if self.wgmma_lag < 1:
             raise ValueError(f"wgmma_lag={self.wgmma_lag} must be >= 1")
         check_poll(self.poll)
+        if self.sync not in SYNCS:
+            raise ValueError(f"sync={self.sync!r} is not one of {SYNCS}")
         if self.min_n_pad not in (8, 16, 32, 64):
             raise ValueError(f"min_n_pad={self.min_n_pad} must be 8, 16, 32 or 64")
 
@@ -104,6 +110,13 @@ class SplitKConfig:
     def block_cols(self) -> int:
         """Output columns of one worker (the wgmma M of its accumulator)."""
         return UNIT * self.tiles
+
+    @property
+    def state_buffers(self) -> int:
+        """f32 state buffers: step s adds into S[s % B]. With a grid barrier 3 (S[s+1] is zeroed
+        during step s); with flags workers drift up to a step apart, so 5 (S[s+2] is zeroed
+        during step s, once every reader of the buffer it replaces is done)."""
+        return 3 if self.sync == "grid" else 5
 
     def n_pad(self, m: int) -> int:
         return n_pad_splitk(m, self.min_n_pad)
@@ -320,7 +333,9 @@ def pick_splitk_config(m: int, d: int, *, device: DeviceInfo | None = None) -> S
     2 warpgroups per SM) 2 x 110 workers of 15 units ran 43.1 us against 42.0 for the
     1 x 121 workers of 25 units picked here (8 steps; the wgmma issue time per step fell
     from 3609 to 2004 cycles, the barrier and the exchange grew by more;
-    results/2026-11-30-h200/pallas_ragged_session6.log).
+    results/2026-11-30-h200/pallas_ragged_session6.log). Nor are per-group flags
+    (sync="flags"): 8 steps at 8 / 24 / 72 MiB took 25.2 / 44.1 / 130.9 us against the grid
+    barrier's 26.2 / 43.9 / 133.8, with a third kernel per call (pallas_flags_session6.log).
     """
     return _pick_splitk(m, d, device or DeviceInfo())
 
@@ -385,7 +400,7 @@ def describe_splitk(cfg: SplitKConfig, m: int, d: int) -> str:
         f"(ring {cfg.ring}); on chip {on_chip_mib:.1f} MiB, streamed "
         f"{workers * streamed * UNIT_BYTES / 2**20:.1f} MiB/step; ~{cfg.regs_per_thread(m)} "
         f"regs/thread, smem {cfg.smem_bytes(m, d)} B, n_pad={cfg.n_pad(m)}; barrier poll "
-        f"{cfg.poll}{', zigzag' if cfg.zigzag else ''}"
+        f"{cfg.poll}{', zigzag' if cfg.zigzag else ''}{', flags' if cfg.sync == 'flags' else ''}"
     )
 
 

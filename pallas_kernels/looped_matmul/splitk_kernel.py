@@ -108,11 +108,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.looped_matmul.barrier import GridBarrier, needs_poll_barrier
+from pallas_kernels.looped_matmul.barrier import GridBarrier, GroupFlags, needs_poll_barrier
 from pallas_kernels.looped_matmul.phases import profile_ranges
 from pallas_kernels.looped_matmul.splitk_config import UNIT, SplitKConfig
 
-NUM_STATE_BUFFERS = 3
 SWIZZLE_128 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 
@@ -137,7 +136,8 @@ def build_splitk(
     debug: bool = False,
     profile_dir: str = "",
 ):
-    """Returns f(x0 [d, n_pad] f32, w [d, d] bf16) -> S [3, d, n_pad] f32, result S[(steps-1) % 3].
+    """Returns f(x0 [d, n_pad] f32, w [d, d] bf16) -> S [B, d, n_pad] f32 (B = cfg.state_buffers),
+    the result in S[(steps-1) % B].
 
     `grid_barrier=False` drops the barrier (only correct for one worker, or one step with
     k_split == 1). `profile_dir`: record the phases of every step (phases.PHASES, SM clock
@@ -183,6 +183,10 @@ def build_splitk(
             "between the warpgroups of a block: use warpgroups=1 with k_split > 1"
         )
     barrier_epoch0 = 1 if reduce else 0  # the prologue's arrival (S[0] zeroed)
+    n_buf = cfg.state_buffers
+    # sync="flags": after the prologue, steps wait on per-column-group counters, not the grid.
+    flags_sync = use_barrier and cfg.sync == "flags"
+    zero_ahead = n_buf - 3  # grid: zero S[s+1] during step s; flags: S[s+2]
     bf16 = jnp.bfloat16
 
     scratch: dict[str, Any] = dict(
@@ -224,6 +228,14 @@ def build_splitk(
         barrier = (
             GridBarrier(workers, cfg.poll, wg, wgs, sc.get("pollbar")) if use_barrier else None
         )
+        if flags_sync:
+            flags = GroupFlags(
+                cfg.col_groups(d),
+                k_split,
+                group=worker // k_split,
+                first=row0 // block_cols,
+                last=(row0 + cfg.k_len(d) - 1) // block_cols,
+            )
 
         def cols(t):
             return pl.ds(col0 + t * UNIT, UNIT)
@@ -243,7 +255,7 @@ def build_splitk(
                 plgpu.copy_gmem_to_smem(x0_ref.at[rows, :], xf.at[slot], xbar.at(slot))
 
             def from_state():
-                src = s_ref.at[lax.rem(s + NUM_STATE_BUFFERS - 1, NUM_STATE_BUFFERS), rows, :]
+                src = s_ref.at[lax.rem(s + n_buf - 1, n_buf), rows, :]
                 plgpu.copy_gmem_to_smem(src, xf.at[slot], xbar.at(slot))
 
             if isinstance(s, int):
@@ -311,8 +323,9 @@ def build_splitk(
 
             @pl.when(is_zeroer)
             def _():
-                for t in range(tiles):  # writes block_cols * n_pad * 4 B
-                    plgpu.copy_smem_to_gmem(zero, s_ref.at[0, cols(t), :])
+                for buf in range(min(zero_ahead + 1, steps)):  # S[0] (and S[1] with flags)
+                    for t in range(tiles):  # writes block_cols * n_pad * 4 B
+                        plgpu.copy_smem_to_gmem(zero, s_ref.at[buf, cols(t), :])
 
             plgpu.wait_smem_to_gmem(0)
             if use_barrier:
@@ -415,7 +428,7 @@ def build_splitk(
             if reduce and use_barrier:
                 pl.when(s == 0)(lambda: barrier.wait(barrier_epoch0))  # S[0] is zeroed
             with jax.named_scope("partial_out"):
-                out = lax.rem(s, NUM_STATE_BUFFERS)
+                out = lax.rem(s, n_buf)
                 for t in range(tiles):  # writes (adds) block_cols * n_pad * 4 B into L2
                     dst = s_ref.at[out, cols(t), :]
                     if not reduce:
@@ -424,11 +437,12 @@ def build_splitk(
                         plgpu.copy_smem_to_gmem(xf.at[t], dst, reduction_op="add")
                     else:
                         emulate_reduce_add(xf.at[t], dst, xbar.at(t % n_x_slots))
-                if reduce and steps > 1:
+                if reduce and steps > zero_ahead + 1:
+                    ahead = zero_ahead + 1  # the buffer step s + ahead adds into
 
-                    @pl.when(jnp.logical_and(is_zeroer, s < steps - 1))
+                    @pl.when(jnp.logical_and(is_zeroer, s < steps - ahead))
                     def _():
-                        nxt = lax.rem(s + 1, NUM_STATE_BUFFERS)
+                        nxt = lax.rem(s + ahead, n_buf)
                         for t in range(tiles):  # writes block_cols * n_pad * 4 B
                             plgpu.copy_smem_to_gmem(zero, s_ref.at[nxt, cols(t), :])
 
@@ -441,7 +455,10 @@ def build_splitk(
 
                 @pl.when(s < steps - 1)
                 def _next():
-                    if use_barrier:
+                    if flags_sync:
+                        with jax.named_scope("barrier"):
+                            flags.arrive_and_wait(s + 1)
+                    elif use_barrier:
                         with jax.named_scope("barrier"):
                             barrier.arrive()
                             barrier.wait(barrier_epoch0 + s + 1)
@@ -463,7 +480,7 @@ def build_splitk(
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(part, dst)
 
-    out_type = jax.ShapeDtypeStruct((NUM_STATE_BUFFERS, d, n_pad), jnp.float32)
+    out_type = jax.ShapeDtypeStruct((n_buf, d, n_pad), jnp.float32)
     kwargs: dict[str, Any] = dict(grid=(cfg.num_blocks(d),), grid_names=("b",))
     if wgs > 1:
         kwargs.update(num_threads=wgs, thread_name="wg")
@@ -506,4 +523,4 @@ def looped_matmul_splitk(
     )
     x0 = jnp.pad(x.T.astype(jnp.float32), ((0, 0), (0, n_pad - m)))
     state = f(x0, w)
-    return state[(steps - 1) % NUM_STATE_BUFFERS, :, :m].T.astype(x.dtype)
+    return state[(steps - 1) % cfg.state_buffers, :, :m].T.astype(x.dtype)
