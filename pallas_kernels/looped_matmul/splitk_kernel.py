@@ -33,6 +33,9 @@ Consumers round the f32 sums to bf16 themselves (f32 [64, n_pad] chunk -> WGMMA-
 registers -> bf16 -> stmatrix.trans into the swizzled B tile): one f32 sum, one bf16 rounding
 per step, as the unfused chain. Grid barrier: one global epoch counter, every worker adds 1
 (red.release.gpu) and waits for workers x epoch; who polls and how is `cfg.poll` (barrier.py).
+With `cfg.sync == "flags"` the steps wait instead on per-column-group counters
+(barrier.GroupFlags: only for the groups whose columns are the worker's K range); workers then
+drift up to a step apart, so there are 5 buffers and S[(s+2) % 5] is zeroed during step s.
 
 Zigzag (`cfg.zigzag`). The fully streamed k chunks are read in reverse order on odd steps, so a
 step starts on the weight the previous step read last. Read cyclically, a slice larger than what
