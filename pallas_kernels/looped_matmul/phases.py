@@ -10,8 +10,8 @@ in cycles, and the table converts them to us with the clock rate given.
 Phases, in a step's order: x_wait (the f32 state chunk's TMA), x_convert (f32 -> bf16 into the
 wgmma B tile), w_wait (a streamed weight unit's TMA), acc (waiting for the step's wgmmas and
 writing the partial sums to shared memory), partial_out (issuing the TMA reduce-adds and the
-zeroing), partial_wait (their completion), barrier (the grid barrier), x_issue (the next step's
-state TMAs).
+zeroing), partial_wait (their completion), barrier (the grid barrier, or with sync="flags" the
+wait on the column groups' counters), x_issue (the next step's state TMAs).
 """
 
 from __future__ import annotations

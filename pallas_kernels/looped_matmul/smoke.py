@@ -4,6 +4,7 @@
     python -m pallas_kernels.looped_matmul.smoke --suite legacy  # the resident kernel's probes
     python -m pallas_kernels.looped_matmul.smoke --suite steps   # split-K time against steps
     python -m pallas_kernels.looped_matmul.smoke --case NAME     # one case in this process
+    python -m pallas_kernels.looped_matmul.smoke --only A,B --profile_dir DIR  # + step phases
     python -m pallas_kernels.looped_matmul.smoke --list
 
 Every case runs in its own subprocess with a timeout, so that a hung grid barrier or a crash in

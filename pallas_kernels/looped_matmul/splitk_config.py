@@ -21,6 +21,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax.numpy as jnp
+
 from pallas_kernels.looped_matmul.barrier import check_poll
 from pallas_kernels.looped_matmul.config import (
     MAX_M,
@@ -148,8 +150,6 @@ class SplitKConfig:
         base = self.k_chunks(d) - 1  # the short ranges' chunks; the later ranges own base + 1
         if isinstance(j, int):
             return base * j + max(0, j - short)
-        import jax.numpy as jnp
-
         return base * j + jnp.maximum(0, j - short)
 
     def units(self, d: int) -> int:
@@ -335,7 +335,8 @@ def pick_splitk_config(m: int, d: int, *, device: DeviceInfo | None = None) -> S
     from 3609 to 2004 cycles, the barrier and the exchange grew by more;
     results/2026-11-30-h200/pallas_ragged_session6.log). Nor are per-group flags
     (sync="flags"): 8 steps at 8 / 24 / 72 MiB took 25.2 / 44.1 / 130.9 us against the grid
-    barrier's 26.2 / 43.9 / 133.8, with a third kernel per call (pallas_flags_session6.log).
+    barrier's 26.2 / 43.9 / 133.8, CUPTI counting a third kernel per call with flags
+    (pallas_flags_session6.log).
     """
     return _pick_splitk(m, d, device or DeviceInfo())
 
