@@ -647,8 +647,8 @@ def child_main(opts: Options) -> None:
     for layout in opts.layouts:
         for impl in opts.impls:
             if FLAGS.child == "trace":
-                rows = trace_pass(cfg, opts, layout, impl, x_host, w_host)
-                traces.append({"layout": layout, "rows": [dataclasses.asdict(r) for r in rows]})
+                traced = trace_pass(cfg, opts, layout, impl, x_host, w_host)
+                traces.append({"layout": layout, **traced.to_dict()})
                 continue
             runner, release = build_runner(impl, layout, x_host, w_host, cfg, opts)
             if FLAGS.child == "timing":
@@ -760,11 +760,28 @@ def pallas_runner(x: Any, ws: list[Any], layout: str, variant: str, *, n: int) -
 # ---------------------------------------------------------------- traces
 
 
+@dataclasses.dataclass(frozen=True)
+class ChainTrace:
+    """One impl's trace: the per-kernel rows, and the GPU's time per chain in µs (`span` from
+    the first kernel's start to the last one's end, `busy` in kernels, `gaps` idle between
+    them: launches, host work, waits)."""
+
+    rows: list[trace_lib.Row]
+    per_chain: dict[str, float]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rows": [dataclasses.asdict(r) for r in self.rows], "per_chain": self.per_chain}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ChainTrace:
+        return cls([trace_lib.Row(**r) for r in d["rows"]], dict(d["per_chain"]))
+
+
 def trace_pass(
     cfg: ChainConfig, opts: Options, layout: str, impl: str, x_host: np.ndarray, w_host: np.ndarray
-) -> list[trace_lib.Row]:
+) -> ChainTrace:
     """Profiler trace of about `chains_per_call` chains of `impl` (calls of `per_call` chains
-    each), compiled and warmed up first; the per-kernel breakdown."""
+    each), compiled and warmed up first; the per-kernel breakdown and the timeline."""
     base = Path(opts.trace_dir) / f"{size_label(cfg.weight_bytes)}-{layout}-{impl}"
     runner, release = build_runner(impl, layout, x_host, w_host, cfg, opts)
     calls = max(1, opts.chains_per_call // runner.per_call)
@@ -779,13 +796,29 @@ def trace_pass(
 
     try:
         if impl in torch_chain.IMPLS:
-            return trace_lib.trace_torch(run_all, chains=chains, export_path=f"{base}.trace.json")
-        return trace_lib.trace_jax(run_all, base, chains=chains)
+            path = f"{base}.trace.json"
+            rows = trace_lib.trace_torch(run_all, chains=chains, export_path=path)
+            events = trace_lib.kernel_events(trace_lib.load_trace(path))
+        else:
+            events = trace_lib.kernel_events(
+                trace_lib.load_trace(trace_lib.profile_jax(run_all, base))
+            )
+            rows = trace_lib.breakdown(events, chains=chains)
     finally:
         release()
+    return ChainTrace(rows, trace_lib.per_unit(trace_lib.timeline(events), chains))
 
 
-def run_trace_child(cfg: ChainConfig, opts: Options, impl: str) -> dict[str, list[trace_lib.Row]]:
+def format_per_chain(traced: dict[str, ChainTrace]) -> str:
+    """One line per impl: the traced GPU time per chain, kernels and idle gaps between them."""
+    return "\n".join(
+        f"{impl}: GPU span {t.per_chain['span']:.1f} µs per chain = kernels "
+        f"{t.per_chain['busy']:.1f} + idle between them {t.per_chain['gaps']:.1f}"
+        for impl, t in traced.items()
+    )
+
+
+def run_trace_child(cfg: ChainConfig, opts: Options, impl: str) -> dict[str, ChainTrace]:
     """Traces `impl` for every layout in a child process: the torch profiler and JAX's both
     use CUPTI, and once torch's has run in a process, JAX's cannot subscribe there again."""
     with tempfile.TemporaryDirectory(prefix="chain-trace-") as out:
@@ -797,7 +830,7 @@ def run_trace_child(cfg: ChainConfig, opts: Options, impl: str) -> dict[str, lis
             tail = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
             raise RuntimeError(f"trace child exited with {proc.returncode}: {tail}")
         traces = results_lib.read_json(Path(out) / "child.json")["traces"]
-        return {t["layout"]: [trace_lib.Row(**r) for r in t["rows"]] for t in traces}
+        return {t["layout"]: ChainTrace.from_dict(t) for t in traces}
 
 
 # ---------------------------------------------------------------- report
@@ -1000,15 +1033,12 @@ def run(opts: Options, notes: list[str], note: Callable[[str], None]) -> dict[st
                     f"\nkernels per chain, W = {size_label(cfg.weight_bytes)}, {layout} "
                     f"({opts.chains_per_call} chains traced, the profiler on):"
                 )
-                tqdm.write(trace_lib.side_by_side(traced[layout]))
+                tqdm.write(trace_lib.side_by_side({i: t.rows for i, t in traced[layout].items()}))
+                tqdm.write(format_per_chain(traced[layout]))
+                w_bytes = cfg.weight_bytes
                 data["traces"].extend(
-                    {
-                        "weight_bytes": cfg.weight_bytes,
-                        "layout": layout,
-                        "impl": impl,
-                        "rows": [dataclasses.asdict(r) for r in rows],
-                    }
-                    for impl, rows in traced[layout].items()
+                    {"weight_bytes": w_bytes, "layout": layout, "impl": impl, **t.to_dict()}
+                    for impl, t in traced[layout].items()
                 )
         if opts.json_out:  # what is done survives an interrupted sweep
             results_lib.write_json_atomic(opts.json_out, {**data, "complete": False})
@@ -1024,20 +1054,20 @@ def trace_all(
     x_host: np.ndarray,
     w_host: np.ndarray,
     note: Callable[[str], None],
-) -> dict[str, dict[str, list[trace_lib.Row]]]:
-    """layout -> impl -> kernel rows, for xla and the Pallas kernels (in this process) and
+) -> dict[str, dict[str, ChainTrace]]:
+    """layout -> impl -> trace, for xla and the Pallas kernels (in this process) and
     torch_eager (in a child)."""
-    traced: dict[str, dict[str, list[trace_lib.Row]]] = {layout: {} for layout in opts.layouts}
+    traced: dict[str, dict[str, ChainTrace]] = {layout: {} for layout in opts.layouts}
     for impl in [i for i in impls if i in TRACED_JAX_IMPLS]:
         for layout in opts.layouts:
-            rows = trace_pass(cfg, opts, layout, impl, x_host, w_host)
-            if not rows:
+            one = trace_pass(cfg, opts, layout, impl, x_host, w_host)
+            if not one.rows:
                 note(f"trace of {impl} {layout}: the profiler recorded no kernels")
-            traced[layout][impl] = rows
+            traced[layout][impl] = one
     if "torch_eager" in impls:
         try:
-            for layout, rows in run_trace_child(cfg, opts, "torch_eager").items():
-                traced[layout]["torch_eager"] = rows
+            for layout, one in run_trace_child(cfg, opts, "torch_eager").items():
+                traced[layout]["torch_eager"] = one
         except RuntimeError as e:
             note(f"trace of torch_eager at W={size_label(cfg.weight_bytes)}: {e}")
     return traced

@@ -543,8 +543,7 @@ def trace_case(runner, impl: str, case: Case) -> tuple[list[dict], dict]:
         trace_file = Path(FLAGS.trace_dir) / f"{label}.json"
         rows = trace_lib.trace_torch(run, chains=per, export_path=trace_file)
         events = trace_lib.kernel_events(trace_lib.load_trace(trace_file))
-    spent = trace_lib.timeline(events)
-    per_iteration = {"span": spent.span / per, "busy": spent.busy / per, "gaps": spent.gaps / per}
+    per_iteration = trace_lib.per_unit(trace_lib.timeline(events), per)
     return [dataclasses.asdict(r) for r in rows], per_iteration
 
 

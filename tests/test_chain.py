@@ -255,6 +255,10 @@ def test_end_to_end_on_cpu(tmp_path):
     assert all(c["identical"] for c in data["checks"]["layouts"])
     assert all(c["ok"] for c in data["checks"]["agreement"])
     assert {t["impl"] for t in data["traces"]} == {"xla"}
+    for t in data["traces"]:  # the timeline per chain: span = kernels + idle between them
+        span, busy, gaps = (t["per_chain"][k] for k in ("span", "busy", "gaps"))
+        assert 0 < busy <= span and span == pytest.approx(busy + gaps)
+    assert "xla: GPU span" in out and "idle between them" in out
     assert list((tmp_path / "trace").glob("*/plugins/profile/*/*.xplane.pb"))
 
 

@@ -173,6 +173,9 @@ def test_timeline_splits_the_span_into_busy_time_and_gaps():
     total = sum(e["dur"] for e in events)
     assert 0.9 * total < spent.busy <= total
     assert spent.span > spent.busy
+    assert trace.per_unit(trace.timeline(made), 2) == {"span": 6.5, "busy": 3.0, "gaps": 3.5}
+    with pytest.raises(ValueError, match="units=0"):
+        trace.per_unit(spent, 0)
 
 
 def _event(pid, tid, name, dur, **args):
@@ -234,11 +237,12 @@ def test_side_by_side_top_rows_keep_the_whole_total():
     assert lines[5].split()[1:] == ["10", "15.00"]  # all 5 kernels, 10 launches
 
 
-def test_trace_jax_on_cpu(tmp_path):
+def test_profile_jax_on_cpu(tmp_path):
     import jax.numpy as jnp
 
     x = jnp.ones((4, 4))
-    rows = trace.trace_jax(lambda: (x @ x).block_until_ready(), tmp_path, chains=1)
+    path = trace.profile_jax(lambda: (x @ x).block_until_ready(), tmp_path)
+    rows = trace.parse_trace(path, chains=1)
     assert list(tmp_path.rglob("*.xplane.pb"))
     assert isinstance(rows, list)
     assert trace.latest_trace_file(tmp_path).name.endswith(".trace.json.gz")

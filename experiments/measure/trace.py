@@ -35,14 +35,6 @@ class Row:
     us_per_chain: float
 
 
-def trace_jax(fn: Callable[[], Any], log_dir: str | os.PathLike, *, chains: int) -> list[Row]:
-    """Runs `fn()` (which must finish its device work) under the JAX profiler; parses the trace.
-
-    `chains`: how many chains `fn` runs, to report µs per chain.
-    """
-    return parse_trace(profile_jax(fn, log_dir), chains=chains)
-
-
 def profile_jax(fn: Callable[[], Any], log_dir: str | os.PathLike) -> Path:
     """Runs `fn()` under the JAX profiler; the *.trace.json.gz it wrote under `log_dir`."""
     import jax
@@ -59,7 +51,7 @@ def profile_jax(fn: Callable[[], Any], log_dir: str | os.PathLike) -> Path:
 
 
 def latest_trace_file(log_dir: str | os.PathLike) -> Path:
-    """The newest *.trace.json.gz under `log_dir` (where `trace_jax` wrote its trace)."""
+    """The newest *.trace.json.gz under `log_dir` (where `profile_jax` wrote its trace)."""
     found = sorted(Path(log_dir).rglob("*.trace.json.gz"), key=os.path.getmtime)
     if not found:
         raise FileNotFoundError(f"no *.trace.json.gz under {log_dir}")
@@ -140,6 +132,13 @@ class Timeline:
     @property
     def gaps(self) -> float:
         return self.span - self.busy
+
+
+def per_unit(spent: Timeline, units: int) -> dict[str, float]:
+    """The timeline in µs per unit of work (a chain, a Core iteration): span, busy, gaps."""
+    if units < 1:
+        raise ValueError(f"{units=} must be >= 1")
+    return {"span": spent.span / units, "busy": spent.busy / units, "gaps": spent.gaps / units}
 
 
 def timeline(events: Iterable[Mapping[str, Any]]) -> Timeline:
