@@ -25,6 +25,8 @@
 #   core_xla_gemm  issue 5: the Core with XLA's own GEMM choice (Triton), against the default
 #             --gemm=cublas of the other stages
 #   core_flags  issue 5: decode under XLA flag variants (command buffers, loop unrolling)
+#   prefill_attention  issue 5: one layer's causal prefill attention, XLA, cuDNN, Mosaic GPU,
+#             PyTorch, T = 1024 and 4096
 #   decode_attention  issue 5: one layer's decode attention, XLA, cuDNN, Pallas, PyTorch
 #             (DA_BATCH, default 1,8; DA_ARGS: more flags, e.g. --impls=pallas
 #             --pallas_configs=4:32:4:1,8:64:4:2)
@@ -43,7 +45,7 @@ set -u
 for stage in "$@"; do
   case "$stage" in
   tests | pallas | pallas_steps | pallas_barrier | pallas_l2 | chain_nocb | chain | chain_hbm | core | core_hbm | adapter) ;;
-  core_xla_gemm | core_flags | decode_attention | generate | generate_mem | train) ;;
+  core_xla_gemm | core_flags | decode_attention | prefill_attention | generate | generate_mem | train) ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done
@@ -65,7 +67,8 @@ stage_tests() {
   fi
   if [[ $groups == *" attention "* ]]; then
     timeout "$limit" python3 -m pytest -q tests/test_decode_attention_kernel.py \
-      tests/test_decode_attention.py tests/test_model.py > "$d/pytest_attention_model.txt" 2>&1 &
+      tests/test_decode_attention.py tests/test_prefill_attention.py tests/test_model.py \
+      > "$d/pytest_attention_model.txt" 2>&1 &
   fi
   if [[ $groups == *" model "* ]]; then
     timeout "$limit" python3 -m pytest -q tests/test_torch_ref.py tests/test_generate.py \
@@ -201,6 +204,13 @@ stage_decode_attention() {
     --context=1024,4096 ${DA_ARGS:-} \
     --json_out="$d/decode_attention.json" > "$d/decode_attention.txt" 2>&1
   tail -20 "$d/decode_attention.txt"
+}
+
+stage_prefill_attention() {
+  local d=$1
+  timeout 200 python3 -m experiments.prefill_attention --tokens=1024,4096 \
+    --json_out="$d/prefill_attention.json" > "$d/prefill_attention.txt" 2>&1
+  tail -12 "$d/prefill_attention.txt"
 }
 
 stage_generate_mem() {
