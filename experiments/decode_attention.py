@@ -19,6 +19,7 @@ float64 reference on the host):
   pallas          pallas_kernels.decode_attention: split-KV kernel reading the stacked caches
                   in place, the model's decode_attention_impl="pallas"
   torch           torch's scaled_dot_product_attention on [B, H, S, K] views of [B, S, H, K]
+                  (attention_bench.SdpaRunner)
 """
 
 from __future__ import annotations
@@ -33,11 +34,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
+from experiments import attention_bench as bench  # noqa: E402
 from experiments import cli  # noqa: E402
 from experiments.cli import UserError  # noqa: E402
 from experiments.measure import results as results_lib  # noqa: E402
-from experiments.measure import timing  # noqa: E402
-from experiments.torch_ref import chain as torch_chain  # noqa: E402 (imports no torch)
 from huginn_jax import costs  # noqa: E402
 from huginn_jax.layers import (  # noqa: E402
     DECODE_BLOCK,
@@ -193,43 +193,18 @@ class XlaRunner:
         return attend_slots(*self.args, impl=self.impl)
 
 
-class TorchRunner:
-    """scaled_dot_product_attention per slot on [B, H, S, K] views (no copy), in one CUDA graph."""
-
-    def __init__(self, q, k, v):
-        import torch
-        import torch.nn.functional as F
-
-        self.sync = torch.cuda.synchronize
-        q, k, v = (torch.from_dlpack(x).transpose(2, 3) for x in (q, k, v))  # [slots,B,H,S,K]
-        out = torch.empty_like(q)
-
-        def run():
-            for i in range(q.shape[0]):
-                out[i] = F.scaled_dot_product_attention(q[i], k[i], v[i])
-            return out
-
-        self.graph, self.out = torch_chain.capture_graph(run, warmup=1)
-
-    def __call__(self):
-        self.graph.replay()
-        return self.out
-
-
 def to_numpy(out) -> np.ndarray:
     if isinstance(out, jax.Array):
         return np.asarray(out.astype(jnp.float32))
     return out.float().transpose(2, 3).cpu().numpy()  # torch [slots,B,H,1,K] -> [slots,B,1,H,K]
 
 
+def make_runner(impl: str, q, k, v):
+    return bench.SdpaRunner(q, k, v, causal=False) if impl == "torch" else XlaRunner(impl, q, k, v)
+
+
 def run(batches: list[int], contexts: list[int], impls: list[str]) -> list[dict]:
-    on_gpu = jax.devices()[0].platform == "gpu"
-    if not on_gpu and any(i in GPU_ONLY for i in impls):
-        print(f"note: {', '.join(i for i in impls if i in GPU_ONLY)} need(s) CUDA; skipped")
-        impls = [i for i in impls if i not in GPU_ONLY]
-    if "torch" in impls and not torch_chain.available():
-        print("note: PyTorch is not installed; torch skipped")
-        impls = [i for i in impls if i != "torch"]
+    impls = bench.runnable(impls, GPU_ONLY, jax.devices()[0].platform == "gpu")
     floor_bw = costs.DEVICES["h200_measured"].hbm_bandwidth
     records = []
     for batch in batches:
@@ -238,41 +213,23 @@ def run(batches: list[int], contexts: list[int], impls: list[str]) -> list[dict]
             ref = reference(q, k, v)
             kv_bytes = 2 * k[0].size * k.dtype.itemsize  # K and V of one slot
             for impl in impls:
-                try:  # one implementation failing (e.g. cuDNN refusing a shape) is a result too
-                    runner = TorchRunner(q, k, v) if impl == "torch" else XlaRunner(impl, q, k, v)
-                    out = to_numpy(runner())[:CHECKED_SLOTS]
-                    samples = timing.time_fn(
-                        runner,
-                        warmup=FLAGS.warmup,
-                        repeats=FLAGS.repeats,
-                        sync=runner.sync,
-                        per_call=FLAGS.slots,
-                    )
-                except Exception as e:
-                    message = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
-                    print(f"note: {impl} B={batch} S={context} failed: {message}")
-                    records.append(
-                        {"impl": impl, "batch": batch, "context": context, "error": message}
-                    )
-                    continue
-                err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
-                seconds = samples.median
-                records.append(
-                    {
-                        "impl": impl,
-                        "batch": batch,
-                        "context": context,
-                        "kv_bytes": kv_bytes,
-                        "us": seconds * 1e6,
-                        "us_p10": samples.quantile(0.1) * 1e6,
-                        "us_p90": samples.quantile(0.9) * 1e6,
-                        "gb_per_s": kv_bytes / seconds / 1e9,
-                        "pct_of_h200_bandwidth": 100 * kv_bytes / seconds / floor_bw,
-                        "rel_err_vs_f64": err,
-                        "samples_s": samples.seconds,
-                    }
+                record = bench.time_one(
+                    {"impl": impl, "batch": batch, "context": context},
+                    functools.partial(make_runner, impl, q, k, v),
+                    lambda out: to_numpy(out)[:CHECKED_SLOTS],
+                    ref,
+                    per_call=FLAGS.slots,
+                    warmup=FLAGS.warmup,
+                    repeats=FLAGS.repeats,
                 )
-                print(f"{impl} B={batch} S={context}: {seconds * 1e6:.1f} us, rel err {err:.1e}")
+                if "error" not in record:
+                    seconds = record["us"] / 1e6
+                    record.update(
+                        kv_bytes=kv_bytes,
+                        gb_per_s=kv_bytes / seconds / 1e9,
+                        pct_of_h200_bandwidth=100 * kv_bytes / seconds / floor_bw,
+                    )
+                records.append(record)
             del q, k, v
     return records
 

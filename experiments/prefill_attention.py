@@ -18,6 +18,7 @@ float64 reference on the host):
          q pre-scaled by 1/sqrt(K) (the kernel does not scale) and K zero-padded to a multiple of
          64 (huginn-0125's 96 -> 128), the output sliced back
   torch  torch's scaled_dot_product_attention(is_causal=True) on [B, H, T, K] views
+         (attention_bench.SdpaRunner)
 """
 
 from __future__ import annotations
@@ -32,11 +33,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
+from experiments import attention_bench as bench  # noqa: E402
 from experiments import cli  # noqa: E402
 from experiments.cli import UserError  # noqa: E402
 from experiments.measure import results as results_lib  # noqa: E402
-from experiments.measure import timing  # noqa: E402
-from experiments.torch_ref import chain as torch_chain  # noqa: E402 (imports no torch)
 from huginn_jax import costs  # noqa: E402
 from huginn_jax.layers import attend, attend_cudnn  # noqa: E402
 
@@ -127,29 +127,6 @@ class XlaRunner:
         return attend_sets(*self.args, impl=self.impl)
 
 
-class TorchRunner:
-    """scaled_dot_product_attention per set on [B, H, T, K] views (no copy), in one CUDA graph."""
-
-    def __init__(self, q, k, v):
-        import torch
-        import torch.nn.functional as F
-
-        self.sync = torch.cuda.synchronize
-        q, k, v = (torch.from_dlpack(x).transpose(2, 3) for x in (q, k, v))  # [sets,B,H,T,K]
-        out = torch.empty_like(q)
-
-        def run():
-            for i in range(q.shape[0]):
-                out[i] = F.scaled_dot_product_attention(q[i], k[i], v[i], is_causal=True)
-            return out
-
-        self.graph, self.out = torch_chain.capture_graph(run, warmup=1)
-
-    def __call__(self):
-        self.graph.replay()
-        return self.out
-
-
 def first_set_checked_heads(out) -> np.ndarray:
     """[B, T, CHECKED_HEADS, K] float of set 0 from a JAX [sets,B,T,H,K] or torch
     [sets,B,H,T,K] output."""
@@ -158,14 +135,12 @@ def first_set_checked_heads(out) -> np.ndarray:
     return out[0, :, :CHECKED_HEADS].float().transpose(1, 2).cpu().numpy().astype(np.float64)
 
 
+def make_runner(impl: str, q, k, v):
+    return bench.SdpaRunner(q, k, v, causal=True) if impl == "torch" else XlaRunner(impl, q, k, v)
+
+
 def run(batches: list[int], token_counts: list[int], impls: list[str]) -> list[dict]:
-    on_gpu = jax.devices()[0].platform == "gpu"
-    if not on_gpu and any(i in GPU_ONLY for i in impls):
-        print(f"note: {', '.join(i for i in impls if i in GPU_ONLY)} need(s) CUDA; skipped")
-        impls = [i for i in impls if i not in GPU_ONLY]
-    if "torch" in impls and not torch_chain.available():
-        print("note: PyTorch is not installed; torch skipped")
-        impls = [i for i in impls if i != "torch"]
+    impls = bench.runnable(impls, GPU_ONLY, jax.devices()[0].platform == "gpu")
     gemm_rate = costs.DEVICES["h200_measured"].peak_bf16_flops
     records = []
     for batch in batches:
@@ -174,38 +149,23 @@ def run(batches: list[int], token_counts: list[int], impls: list[str]) -> list[d
             ref = reference(q, k, v)
             flops = causal_flops(batch, tokens, FLAGS.heads, FLAGS.head_dim)
             for impl in impls:
-                case = {"impl": impl, "batch": batch, "tokens": tokens}
-                try:  # one implementation failing (e.g. a kernel refusing a shape) is a result
-                    runner = TorchRunner(q, k, v) if impl == "torch" else XlaRunner(impl, q, k, v)
-                    out = first_set_checked_heads(runner())
-                    samples = timing.time_fn(
-                        runner,
-                        warmup=FLAGS.warmup,
-                        repeats=FLAGS.repeats,
-                        sync=runner.sync,
-                        per_call=FLAGS.sets,
-                    )
-                except Exception as e:
-                    message = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
-                    print(f"note: {impl} B={batch} T={tokens} failed: {message}")
-                    records.append({**case, "error": message})
-                    continue
-                err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
-                seconds = samples.median
-                records.append(
-                    {
-                        **case,
-                        "flops": flops,
-                        "us": seconds * 1e6,
-                        "us_p10": samples.quantile(0.1) * 1e6,
-                        "us_p90": samples.quantile(0.9) * 1e6,
-                        "tflop_per_s": flops / seconds / 1e12,
-                        "pct_of_gemm_rate": 100 * flops / seconds / gemm_rate,
-                        "rel_err_vs_f64": err,
-                        "samples_s": samples.seconds,
-                    }
+                record = bench.time_one(
+                    {"impl": impl, "batch": batch, "tokens": tokens},
+                    functools.partial(make_runner, impl, q, k, v),
+                    first_set_checked_heads,
+                    ref,
+                    per_call=FLAGS.sets,
+                    warmup=FLAGS.warmup,
+                    repeats=FLAGS.repeats,
                 )
-                print(f"{impl} B={batch} T={tokens}: {seconds * 1e6:.1f} us, rel err {err:.1e}")
+                if "error" not in record:
+                    seconds = record["us"] / 1e6
+                    record.update(
+                        flops=flops,
+                        tflop_per_s=flops / seconds / 1e12,
+                        pct_of_gemm_rate=100 * flops / seconds / gemm_rate,
+                    )
+                records.append(record)
             del q, k, v
     return records
 
