@@ -794,19 +794,14 @@ def trace_pass(
             y = runner.fn()
         timing.wait(y, runner.sync)
 
+    torch = impl in torch_chain.IMPLS
     try:
-        if impl in torch_chain.IMPLS:
-            path = f"{base}.trace.json"
-            rows = trace_lib.trace_torch(run_all, chains=chains, export_path=path)
-            events = trace_lib.kernel_events(trace_lib.load_trace(path))
-        else:
-            events = trace_lib.kernel_events(
-                trace_lib.load_trace(trace_lib.profile_jax(run_all, base))
-            )
-            rows = trace_lib.breakdown(events, chains=chains)
+        rows, per_chain = trace_lib.trace_run(
+            run_all, f"{base}.trace.json" if torch else base, torch=torch, units=chains
+        )
     finally:
         release()
-    return ChainTrace(rows, trace_lib.per_unit(trace_lib.timeline(events), chains))
+    return ChainTrace(rows, per_chain)
 
 
 def format_per_chain(traced: dict[str, ChainTrace]) -> str:

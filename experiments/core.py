@@ -534,16 +534,9 @@ def trace_case(runner, impl: str, case: Case) -> tuple[list[dict], dict]:
         timing.wait(out, runner.sync)
 
     per = calls * case.iterations  # rows are reported per Core iteration
-    if impl in XLA_IMPLS:
-        events = trace_lib.kernel_events(
-            trace_lib.load_trace(trace_lib.profile_jax(run, Path(FLAGS.trace_dir) / label))
-        )
-        rows = trace_lib.breakdown(events, chains=per)
-    else:
-        trace_file = Path(FLAGS.trace_dir) / f"{label}.json"
-        rows = trace_lib.trace_torch(run, chains=per, export_path=trace_file)
-        events = trace_lib.kernel_events(trace_lib.load_trace(trace_file))
-    per_iteration = trace_lib.per_unit(trace_lib.timeline(events), per)
+    torch = impl not in XLA_IMPLS
+    path = Path(FLAGS.trace_dir) / (f"{label}.json" if torch else label)
+    rows, per_iteration = trace_lib.trace_run(run, path, torch=torch, units=per)
     return [dataclasses.asdict(r) for r in rows], per_iteration
 
 

@@ -155,6 +155,21 @@ def timeline(events: Iterable[Mapping[str, Any]]) -> Timeline:
     return Timeline(span=max(hi for _, hi in intervals) - intervals[0][0], busy=busy)
 
 
+def trace_run(
+    fn: Callable[[], Any], path: str | os.PathLike, *, torch: bool, units: int
+) -> tuple[list[Row], dict[str, float]]:
+    """Runs `fn()` (which finishes its device work) under the JAX profiler (`path`: its log
+    directory) or, `torch`, under torch.profiler (`path`: the Chrome trace written); returns the
+    per-kernel rows and the timeline (`per_unit`), both per unit of work `fn` ran `units` of."""
+    if torch:
+        rows = trace_torch(fn, chains=units, export_path=path)
+        events = kernel_events(load_trace(path))
+    else:
+        events = kernel_events(load_trace(profile_jax(fn, path)))
+        rows = breakdown(events, chains=units)
+    return rows, per_unit(timeline(events), units)
+
+
 def parse_trace(path_or_trace: str | os.PathLike | Mapping[str, Any], *, chains: int) -> list[Row]:
     """Per-kernel breakdown of a Chrome trace (a path to *.trace.json[.gz] or the loaded dict)."""
     if isinstance(path_or_trace, Mapping):

@@ -76,7 +76,9 @@ def _config(F) -> HuginnConfig:
     with --decode_attention."""
     import dataclasses
 
-    if F.decode_attention not in ("xla", "xla_split", "cudnn"):
+    from huginn_jax.layers import DECODE_ATTENTION
+
+    if F.decode_attention not in DECODE_ATTENTION:  # the ones this package provides
         raise UsageError(
             f"--decode_attention={F.decode_attention} must be xla, xla_split or cudnn (the "
             "Pallas kernel lives in pallas_kernels, which this package does not import: "
