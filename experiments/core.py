@@ -14,6 +14,12 @@ random, never zeros); prefill = `context` new positions from position 0. Impleme
                   in XLA; the model's decode_attention_impl="xla_split")
   xla_pallas      as xla, decode attention by the Pallas split-KV kernel that reads the cache
                   slot in place (pallas_kernels.decode_attention)
+  xla_rows        as xla_pallas, and at batch 1 each GEMV one Pallas kernel that returns
+                  split-K partial sums unreduced or applies the SiLU gate, XLA adding the
+                  partials up where it builds the next row (huginn_jax.decode_row with
+                  pallas_kernels.fused_gemv)
+  xla_mgpu        as xla_pallas, prefill attention by jax's Mosaic GPU flash attention on
+                  float16 copies (the model's attention_impl="mgpu"; GPU only)
   xla_probe       the issue's plain-XLA probe: the same Core, the cache as [r, L, B, S, H, K]
                   arrays in the scan carry written with `.at[i, j, :, pos].set`, not donated
   torch_graph     the same Core in PyTorch, static cache written in place, CUDA-graph replay
@@ -44,6 +50,7 @@ from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import pallas_kernels.decode_attention  # noqa: E402, F401 (registers the "pallas" decode)
+import pallas_kernels.fused_gemv  # noqa: E402, F401 (registers the "pallas" row GEMV)
 from experiments import cli  # noqa: E402
 from experiments.cli import UserError  # noqa: E402
 from experiments.measure import hlo as hlo_lib  # noqa: E402
@@ -101,13 +108,16 @@ def define_flags() -> None:
 
 
 TORCH_IMPLS = ("torch_graph", "torch_eager", "torch_teaching")
-# XLA impls that are `xla` with other attention settings of the model config.
-XLA_ATTENTION_VARIANTS = {
+# XLA impls that are `xla` with other attention / decode settings of the model config.
+XLA_VARIANTS = {
     "xla_cudnn": {"attention_impl": "cudnn", "decode_attention_impl": "cudnn"},
     "xla_split": {"decode_attention_impl": "xla_split"},
     "xla_pallas": {"decode_attention_impl": "pallas"},
+    "xla_rows": {"decode_attention_impl": "pallas", "decode_gemv": "pallas"},
+    "xla_mgpu": {"attention_impl": "mgpu", "decode_attention_impl": "pallas"},
 }
-XLA_IMPLS = ("xla", *XLA_ATTENTION_VARIANTS, "xla_probe")
+GPU_ONLY_IMPLS = ("torch_graph", "xla_cudnn", "xla_mgpu")
+XLA_IMPLS = ("xla", *XLA_VARIANTS, "xla_probe")
 IMPLS = (*XLA_IMPLS, *TORCH_IMPLS)
 NCU_CALLS = 2
 
@@ -463,8 +473,8 @@ def make_runner(impl, cfg, graphdef, params, case, dtype_name):
     state, embedded, cache = case_inputs(cfg, case, jax_dtype(dtype_name), FLAGS.seed)
     if impl in ("xla", "xla_probe"):
         return XlaRunner(graphdef, params, state, embedded, cache, case, probe=impl == "xla_probe")
-    if impl in XLA_ATTENTION_VARIANTS:
-        variant = dataclasses.replace(cfg, **XLA_ATTENTION_VARIANTS[impl])
+    if impl in XLA_VARIANTS:
+        variant = dataclasses.replace(cfg, **XLA_VARIANTS[impl])
         return XlaRunner(
             core_graphdef(variant, jax_dtype(dtype_name)), params, state, embedded, cache, case
         )
@@ -594,7 +604,7 @@ def run(cases: list[Case], impls: list[str]) -> dict:
     device = jax.devices()[0]
     on_gpu = device.platform == "gpu"
     if not on_gpu:
-        skipped = [i for i in impls if i in ("torch_graph", "xla_cudnn")]
+        skipped = [i for i in impls if i in GPU_ONLY_IMPLS]
         impls = [i for i in impls if i not in skipped]
         if skipped:
             print(f"note: {', '.join(skipped)} need(s) CUDA; skipped on this device")

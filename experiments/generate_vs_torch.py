@@ -33,11 +33,12 @@ from absl import app, flags, logging  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import pallas_kernels.decode_attention  # noqa: E402, F401 (registers the "pallas" decode)
+import pallas_kernels.fused_gemv  # noqa: E402, F401 (registers the "pallas" row GEMV)
 from experiments import cli  # noqa: E402
 from experiments.measure import results as results_lib  # noqa: E402
 from experiments.torch_ref import chain as torch_chain  # noqa: E402 (imports no torch)
 from huginn_jax.checkpoint import from_pretrained  # noqa: E402
-from huginn_jax.config import DECODE_ATTENTION_IMPLS, HuginnConfig  # noqa: E402
+from huginn_jax.config import DECODE_ATTENTION_IMPLS, DECODE_GEMV_IMPLS, HuginnConfig  # noqa: E402
 from huginn_jax.generate import Generation, Plan, make_plan, run_plan  # noqa: E402
 from huginn_jax.model import Huginn, random_init  # noqa: E402
 from huginn_jax.xla_flags import GEMM_CHOICES, use_gemm  # noqa: E402
@@ -66,6 +67,13 @@ def define_flags() -> None:
         "JAX's decode attention (HuginnConfig.decode_attention_impl); pallas: the kernel in "
         "pallas_kernels.decode_attention.",
     )
+    flags.DEFINE_enum(
+        "decode_gemv",
+        "xla",
+        list(DECODE_GEMV_IMPLS),
+        "JAX's decode GEMVs at batch 1 (HuginnConfig.decode_gemv); pallas: the row GEMVs of "
+        "huginn_jax.decode_row with pallas_kernels.fused_gemv.",
+    )
     flags.DEFINE_integer("graph_warmup", 2, "Eager runs of each token's step before its capture.")
     flags.DEFINE_bool("torch_eager", False, "Also time the eager PyTorch loop (no CUDA graph).")
     flags.DEFINE_bool("progress", False, "JAX's progress bar on stderr.")
@@ -74,7 +82,7 @@ def define_flags() -> None:
 
 _OWN_FLAGS = (
     "config checkpoint dtype prompt_len batch max_new_tokens num_steps seed decode_attention "
-    "graph_warmup torch_eager progress json_out"
+    "decode_gemv graph_warmup torch_eager progress json_out"
 ).split()
 
 
@@ -88,7 +96,9 @@ def _config() -> HuginnConfig:
         config = HuginnConfig.from_hf_json(path)
     else:
         config = HuginnConfig.from_name(FLAGS.config)
-    return dataclasses.replace(config, decode_attention_impl=FLAGS.decode_attention)
+    return dataclasses.replace(
+        config, decode_attention_impl=FLAGS.decode_attention, decode_gemv=FLAGS.decode_gemv
+    )
 
 
 def _plan(config: HuginnConfig) -> Plan:

@@ -7,8 +7,9 @@ import json
 import math
 from pathlib import Path
 
-ATTENTION_IMPLS = ("xla", "cudnn")
+ATTENTION_IMPLS = ("xla", "cudnn", "mgpu")
 DECODE_ATTENTION_IMPLS = ("xla", "xla_split", "cudnn", "pallas")
+DECODE_GEMV_IMPLS = ("xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +41,10 @@ class HuginnConfig:
     embed_scale: float = 0.0  # 0: sqrt(n_embd)
     effective_expected_depth: int = 0  # 0: prelude + coda + core * mean_recurrence
     # How multi-position attention (prefill) is computed: "xla" (scores materialized, any
-    # backend) or "cudnn" (fused flash attention through jax.nn.dot_product_attention; NVIDIA
-    # GPUs, bf16/fp16).
+    # backend), "cudnn" (fused flash attention through jax.nn.dot_product_attention; NVIDIA
+    # GPUs, bf16/fp16) or "mgpu" (jax's Mosaic GPU flash attention, sm_90, on float16 copies:
+    # layers.attend_mgpu_causal; for T new positions with nothing cached before them, "xla"
+    # otherwise).
     attention_impl: str = "xla"
     # How one new position attends over a cache (decode): "xla" (one product over all S
     # positions), "xla_split" (the positions in blocks of DECODE_BLOCK, a softmax per block, the
@@ -50,6 +53,10 @@ class HuginnConfig:
     # split-KV kernel reading the cache slot in place, from pallas_kernels.decode_attention,
     # which must be imported).
     decode_attention_impl: str = "xla"
+    # A Core step at batch 1 and one position: "xla" (the plain layer code) or "pallas" (each
+    # matrix-vector product one kernel that returns split-K partial sums or applies the SiLU
+    # gate: huginn_jax.decode_row, with pallas_kernels.fused_gemv, which must be imported).
+    decode_gemv: str = "xla"
 
     def __post_init__(self):
         if self.attention_impl not in ATTENTION_IMPLS:
@@ -61,6 +68,8 @@ class HuginnConfig:
                 f"decode_attention_impl={self.decode_attention_impl!r} must be one of "
                 f"{DECODE_ATTENTION_IMPLS}"
             )
+        if self.decode_gemv not in DECODE_GEMV_IMPLS:
+            raise ValueError(f"decode_gemv={self.decode_gemv!r} must be one of {DECODE_GEMV_IMPLS}")
         for name in ("n_embd", "n_heads", "intermediate_size", "vocab_size", "block_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")

@@ -46,9 +46,14 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        xf = x.astype(jnp.float32)
-        normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return normed.astype(x.dtype) * self.weight[...]
+        return rms_norm(x, self.weight[...], self.eps)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """x * rsqrt(mean(x²) + eps) in float32, cast back to x's dtype, then times the weight."""
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return normed.astype(x.dtype) * weight
 
 
 def apply_rope(x_BxTxHxK: jax.Array, positions_T: jax.Array, base: float) -> jax.Array:
@@ -106,6 +111,33 @@ def attend_cudnn(
     return jax.nn.dot_product_attention(
         q_BxTxHxK, k_BxSxHxK, v_BxSxHxK, mask=visible, implementation="cudnn"
     )
+
+
+MGPU_BLOCK = 128  # block_q and block_kv of jax's Mosaic GPU attention (multiples of 64)
+MGPU_TOKENS = 2 * MGPU_BLOCK  # its T must be a multiple: two compute warpgroups of block_q rows
+
+
+def attend_mgpu_causal(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK) -> jax.Array:
+    """Causal self-attention of T positions (q, k, v of the same positions) by jax's Mosaic GPU
+    flash-attention kernel (`jax.experimental.pallas.ops.gpu.attention_mgpu`, sm_90).
+
+    What the kernel needs is done around it: q scaled by 1/sqrt(K) (it does not scale), K
+    zero-padded to a multiple of 64 (huginn-0125's 96 -> 128), T zero-padded at the end to a
+    multiple of MGPU_TOKENS (a causal query never sees later keys, so padding changes no real
+    row), and float16 operands: in jax 0.11.2 the kernel allocates its shared-memory tiles as
+    float16 whatever the input dtype (bf16 fails), so bf16 values go in as float16 (exact
+    within float16's range, |x| < 65504) and the output comes back in q's dtype."""
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+    _, tokens, _, head_dim = q_BxTxHxK.shape
+    q_BxTxHxK = q_BxTxHxK * jnp.asarray(head_dim**-0.5, q_BxTxHxK.dtype)
+    pad = [(0, 0), (0, -tokens % MGPU_TOKENS), (0, 0), (0, -head_dim % 64)]
+    q, k, v = (jnp.pad(x.astype(jnp.float16), pad) for x in (q_BxTxHxK, k_BxTxHxK, v_BxTxHxK))
+    config = attention_mgpu.TuningConfig(
+        block_q=MGPU_BLOCK, block_kv=MGPU_BLOCK, max_concurrent_steps=2, causal=True
+    )
+    out = attention_mgpu.attention(q, k, v, config)
+    return out[:, :tokens, :, :head_dim].astype(q_BxTxHxK.dtype)
 
 
 # Cache positions per block of attend_decode_split. On the H200 one layer alone ran fastest with
@@ -239,9 +271,16 @@ class Attention(nnx.Module):
     ) -> tuple[jax.Array, KVCache | None]:
         """Attends the T new positions [start, start + T) to themselves and, with a cache, to
         every earlier position stored in `slot`; writes their K/V into that slot in place."""
-        b, t, _ = x_BxTxD.shape
+        out_BxTxD, cache = self.attend_qkv(self.Wqkv(x_BxTxD), start, cache, slot)
+        return self.proj(out_BxTxD), cache
+
+    def attend_qkv(
+        self, qkv_BxTx3D: jax.Array, start: jax.Array, cache: KVCache | None, slot
+    ) -> tuple[jax.Array, KVCache | None]:
+        """`__call__` from the Wqkv product on, without the output projection: [B, T, H * K]."""
+        b, t, _ = qkv_BxTx3D.shape
         h, k = self.cfg.n_heads, self.cfg.head_dim
-        q, key, v = jnp.split(self.Wqkv(x_BxTxD).reshape(b, t, 3, h, k), 3, axis=2)
+        q, key, v = jnp.split(qkv_BxTx3D.reshape(b, t, 3, h, k), 3, axis=2)
         q, key, v = q[:, :, 0], key[:, :, 0], v[:, :, 0]
         if self.cfg.qk_bias:
             bias = self.qk_bias[...]
@@ -250,6 +289,7 @@ class Attention(nnx.Module):
         q = apply_rope(q, positions_T, self.cfg.rope_base)
         key = apply_rope(key, positions_T, self.cfg.rope_base)
         fused = self.cfg.attention_impl == "cudnn" and t > 1
+        mgpu = self.cfg.attention_impl == "mgpu" and t > 1
         if cache is not None:
             cache = cache.write(slot, start, key, v)
         if cache is None or (isinstance(start, int) and start == 0):
@@ -258,6 +298,8 @@ class Attention(nnx.Module):
             # and the mask is plain causal.
             if fused:
                 out = attend_cudnn(q, key, v, positions_T, positions_T, causal=True)
+            elif mgpu:
+                out = attend_mgpu_causal(q, key, v)
             else:
                 out = attend(q, key, v, positions_T, positions_T)
         elif t == 1:
@@ -267,7 +309,7 @@ class Attention(nnx.Module):
             k_all, v_all = cache.read(slot)
             k_pos_S = jnp.arange(k_all.shape[1], dtype=jnp.int32)
             out = (attend_cudnn if fused else attend)(q, k_all, v_all, positions_T, k_pos_S)
-        return self.proj(out.reshape(b, t, h * k)), cache
+        return out.reshape(b, t, h * k), cache
 
 
 class GatedMLP(nnx.Module):

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from huginn_jax import decode_row
 from huginn_jax.config import HuginnConfig
 from huginn_jax.kv_cache import KVCache
 from huginn_jax.layers import Linear, RMSNorm, SandwichBlock, dot_precision, truncated_normal
@@ -125,7 +126,12 @@ def run_prelude(model: Huginn, x, start, cache: KVCache | None):
 
 
 def core_step(model: Huginn | Core, state, embedded, iteration, start, cache: KVCache | None):
-    """One Core iteration: adapter(concat[state, embedded]) then the Core layers."""
+    """One Core iteration: adapter(concat[state, embedded]) then the Core layers (at batch 1
+    and one position through row GEMVs when the config asks for them: `decode_row`)."""
+    if decode_row.uses_rows(model.core_block[0], state):
+        return decode_row.core_step_rows(
+            model.adapter, model.core_block, state, embedded, iteration, start, cache
+        )
     x = model.adapter(jnp.concatenate([state, embedded], axis=-1))
     for j, block in enumerate(model.core_block):
         slot = None if cache is None else cache.core_slot(iteration, j)

@@ -10,20 +10,23 @@ import pytest
 TINY_A = Path(__file__).parent / "data" / "huginn_tiny_a"
 
 
-def prefill_then_decode(cfg, *, prompt_len: int, steps: int, max_len: int, seed: int):
+def prefill_then_decode(
+    cfg, *, prompt_len: int, steps: int, max_len: int, seed: int, batch: int = 2
+):
     """A fresh float32 model of `cfg` (weights from `seed`, the same for any cfg of one shape):
     prefill `prompt_len` random tokens into a `max_len` cache, then decode `steps` tokens one at
-    a time, 2 Core iterations each. Returns the decode steps' logits [2, steps, V] and the cache."""
+    a time, 2 Core iterations each. Returns the decode steps' logits [batch, steps, V] and the
+    cache."""
     import huginn_jax
     from huginn_jax.model import initial_state
 
     total = prompt_len + steps
-    ids = jax.random.randint(jax.random.key(seed), (2, total), 0, cfg.vocab_size)
+    ids = jax.random.randint(jax.random.key(seed), (batch, total), 0, cfg.vocab_size)
     state = initial_state(
-        cfg, (2, total), init_scale=1.0, key=jax.random.key(seed + 1), dtype=jnp.float32
+        cfg, (batch, total), init_scale=1.0, key=jax.random.key(seed + 1), dtype=jnp.float32
     )
     model = huginn_jax.random_init(cfg, jax.random.key(seed + 2))
-    cache = huginn_jax.KVCache.create(cfg, batch=2, max_len=max_len, num_steps=2)
+    cache = huginn_jax.KVCache.create(cfg, batch=batch, max_len=max_len, num_steps=2)
     out = model(ids[:, :prompt_len], num_steps=2, init_state=state[:, :prompt_len], cache=cache)
     logits = []
     for position in range(prompt_len, total):

@@ -67,7 +67,8 @@ def test_decode_writes_the_right_slots_and_keeps_the_history():
     _, cache1 = core_exp._core_jit(
         graphdef, params, state, embedded, cache1_in, jnp.int32(7), iterations=1
     )
-    np.testing.assert_allclose(np.asarray(cache1.k)[:, :, 7], written[: CFG.n_core], rtol=1e-6)
+    # float32, two executables (XLA fuses r = 1 and r = 2 differently): ~1e-6 apart on the H200
+    np.testing.assert_allclose(np.asarray(cache1.k)[:, :, 7], written[: CFG.n_core], rtol=1e-5)
     assert np.abs(written[CFG.n_core :] - written[: CFG.n_core]).max() > 1e-3  # iteration 1 differs
 
 
@@ -167,7 +168,7 @@ def test_cli_on_cpu_writes_json(tmp_path):
         "--config=micro",
         "--context=16",
         "--iterations=1,2",
-        "--impls=xla,xla_split,xla_pallas",
+        "--impls=xla,xla_split,xla_pallas,xla_rows,xla_mgpu",
         "--repeats=2",
         "--warmup=1",
         f"--json_out={out}",
@@ -176,14 +177,15 @@ def test_cli_on_cpu_writes_json(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     if not on_gpu:
         assert "HBM counters need a GPU" in proc.stdout
+        assert "xla_mgpu need(s) CUDA; skipped" in proc.stdout
     import json
 
     data = json.loads(out.read_text())
     assert {r["mode"] for r in data["records"]} == {"decode", "prefill"}
     assert all(r["ms_per_iteration"] > 0 for r in data["records"])
     assert data["records"][0]["xla_report"]["big_buffer_copies"] == []
-    # The other decode attentions compute what xla computes (bf16, so not bit for bit).
-    for impl in ("xla_split", "xla_pallas"):
+    # The other decode paths compute what xla computes (bf16, so not bit for bit).
+    for impl in ("xla_split", "xla_pallas", "xla_rows"):
         checks = [c for c in data["checks"] if c["impl"] == impl]
         assert len(checks) == 4 and all(c["rel_err_vs_xla"] < 2e-2 for c in checks)
 

@@ -238,3 +238,71 @@ def test_decode_attention_impls_match_xla_attention(impl):
         assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2e-2
     masked = np.asarray(attend(*f32, jnp.array([700]), k_pos))
     assert np.linalg.norm(masked - ref) / np.linalg.norm(ref) > 0.1  # the length matters
+
+
+def test_mgpu_wrapper_pads_scales_and_slices(monkeypatch):
+    """attend_mgpu_causal around a stand-in for jax's Mosaic GPU kernel (CPU): the kernel gets
+    float16, T padded to a multiple of 256, K to a multiple of 64, q pre-scaled; causal
+    attention of the padded data sliced back equals `attend` on the original."""
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+    from huginn_jax.layers import attend, attend_mgpu_causal
+
+    seen = {}
+
+    def stand_in(q, k, v, config):
+        seen.update(dtype=q.dtype, shape=q.shape, causal=config.causal)
+        pos = jnp.arange(q.shape[1])
+        f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+        # attend scales by 1/sqrt(K); undo it, since the kernel does not scale
+        out = attend(f32[0] * np.sqrt(q.shape[-1]), f32[1], f32[2], pos, pos)
+        return out.astype(q.dtype)
+
+    monkeypatch.setattr(attention_mgpu, "attention", stand_in)
+    keys = jax.random.split(jax.random.key(15), 3)
+    q, k, v = (jax.random.normal(key, (2, 100, 3, 24), jnp.bfloat16) for key in keys)
+    got = np.asarray(attend_mgpu_causal(q, k, v), np.float32)
+    assert seen == {"dtype": jnp.float16, "shape": (2, 256, 3, 64), "causal": True}
+    pos = jnp.arange(100)
+    want = np.asarray(attend(*(x.astype(jnp.float32) for x in (q, k, v)), pos, pos))
+    assert got.shape == want.shape
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+
+
+def test_mgpu_attention_in_the_model_prefill(monkeypatch):
+    """attention_impl="mgpu" routes attention over the new positions alone (no cache, or a
+    prefill known to start at 0) through the Mosaic GPU wrapper; the logits are the xla path's."""
+    from huginn_jax import layers
+
+    calls = []
+
+    def counted(q, k, v):
+        calls.append(q.shape[1])
+        pos = jnp.arange(q.shape[1])
+        return layers.attend(q, k, v, pos, pos)
+
+    monkeypatch.setattr(layers, "attend_mgpu_causal", counted)
+    ids = random_ids(50, 2, 12)
+    state = initial_state(MICRO, (2, 12), init_scale=1.0, key=jax.random.key(51), dtype=jnp.float32)
+    logits = []
+    for cfg in (MICRO, dataclasses.replace(MICRO, attention_impl="mgpu")):
+        model = huginn_jax.random_init(cfg, jax.random.key(52))
+        logits.append(model(ids, num_steps=2, init_state=state).logits)
+    np.testing.assert_allclose(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+    # traced once per layer: the prelude, the Core's scan body, the coda
+    n_layers = MICRO.n_layers_in_prelude + MICRO.n_core + MICRO.n_layers_in_coda
+    assert calls == [12] * n_layers
+
+
+@pytest.mark.gpu
+def test_mgpu_attention_matches_xla_attention():
+    """jax's Mosaic GPU kernel through attend_mgpu_causal, huginn-0125 heads, bf16 in, T = 200
+    (padded to 256), against `attend` in float32."""
+    from huginn_jax.layers import attend, attend_mgpu_causal
+
+    keys = jax.random.split(jax.random.key(16), 3)
+    q, k, v = (jax.random.normal(key, (1, 200, 55, 96), jnp.bfloat16) for key in keys)
+    pos = jnp.arange(200)
+    ref = np.asarray(attend(*(x.astype(jnp.float32) for x in (q, k, v)), pos, pos))
+    got = np.asarray(jax.jit(attend_mgpu_causal)(q, k, v), np.float32)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2e-2

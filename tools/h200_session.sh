@@ -25,6 +25,12 @@
 #   core_xla_gemm  issue 5: the Core with XLA's own GEMM choice (Triton), against the default
 #             --gemm=cublas of the other stages
 #   core_flags  issue 5: decode under XLA flag variants (command buffers, loop unrolling)
+#   gemv      issue 5: the fused row GEMV's configs against XLA on the Core's five decode GEMVs
+#             (GEMV_ARGS: more flags, e.g. --configs=64:64:4:1 --shapes=qkv)
+#   core_rows issue 5: Core decode, the row-GEMV path (xla_rows) against xla, xla_pallas and
+#             PyTorch's graph, r = 1 and 8, with traces (CORE_ROWS_ARGS: flags appended)
+#   core_prefill  issue 5: Core prefill, cuDNN against Mosaic GPU attention and PyTorch's graph,
+#             r = 8, with traces (CORE_PREFILL_ARGS: flags appended)
 #   prefill_attention  issue 5: one layer's causal prefill attention, XLA, cuDNN, Mosaic GPU,
 #             PyTorch, T = 1024 and 4096
 #   decode_attention  issue 5: one layer's decode attention, XLA, cuDNN, Pallas, PyTorch
@@ -46,6 +52,7 @@ for stage in "$@"; do
   case "$stage" in
   tests | pallas | pallas_steps | pallas_barrier | pallas_l2 | chain_nocb | chain | chain_hbm | core | core_hbm | adapter) ;;
   core_xla_gemm | core_flags | decode_attention | prefill_attention | generate | generate_mem | train) ;;
+  gemv | core_rows | core_prefill) ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done
@@ -68,6 +75,7 @@ stage_tests() {
   if [[ $groups == *" attention "* ]]; then
     timeout "$limit" python3 -m pytest -q tests/test_decode_attention_kernel.py \
       tests/test_decode_attention.py tests/test_prefill_attention.py tests/test_model.py \
+      tests/test_fused_gemv.py \
       > "$d/pytest_attention_model.txt" 2>&1 &
   fi
   if [[ $groups == *" model "* ]]; then
@@ -142,11 +150,12 @@ stage_core() {
   # CORE_ARGS / SWEEP_IMPLS: flags that narrow the main run / the sweep's impls
   # shellcheck disable=SC2086
   timeout 280 python3 -m experiments.core --mode=decode,prefill --iterations=1,8 \
-    --impls=xla,xla_cudnn,xla_split,xla_pallas,xla_probe,torch_graph ${CORE_ARGS:-} \
+    --impls=xla,xla_cudnn,xla_mgpu,xla_split,xla_pallas,xla_rows,xla_probe,torch_graph \
+    ${CORE_ARGS:-} \
     --trace_dir="$d/trace" --hlo_dir="$d/hlo" --json_out="$d/core.json" > "$d/core.txt" 2>&1
   stamp "core main done"
   timeout 200 python3 -m experiments.core --mode=decode --iterations=4 --batch=1,8,32 \
-    --context=1024,4096 --impls="${SWEEP_IMPLS:-xla,xla_split,xla_pallas,torch_graph}" \
+    --context=1024,4096 --impls="${SWEEP_IMPLS:-xla,xla_pallas,xla_rows,torch_graph}" \
     --repeats=10 --json_out="$d/core_sweep.json" > "$d/core_sweep.txt" 2>&1
   stamp "core sweep done"
   grep -v "it/s\]" "$d/core.txt" | tail -28; tail -28 "$d/core_sweep.txt"
@@ -204,6 +213,32 @@ stage_decode_attention() {
     --context=1024,4096 ${DA_ARGS:-} \
     --json_out="$d/decode_attention.json" > "$d/decode_attention.txt" 2>&1
   tail -20 "$d/decode_attention.txt"
+}
+
+stage_gemv() {
+  local d=$1
+  # shellcheck disable=SC2086  # GEMV_ARGS: more flags, word-split on purpose
+  timeout 280 python3 -m pallas_kernels.fused_gemv.tune --budget=250 ${GEMV_ARGS:-} \
+    --json_out="$d/gemv_tune.json" > "$d/gemv_tune.txt" 2>&1
+  grep -v "^RESULT" "$d/gemv_tune.txt" | tail -12
+}
+
+stage_core_rows() {
+  local d=$1
+  # shellcheck disable=SC2086  # CORE_ROWS_ARGS: flags appended
+  timeout 200 python3 -m experiments.core --mode=decode --iterations=1,8 \
+    --impls=xla,xla_pallas,xla_rows,torch_graph --trace_dir="$d/trace" --hlo_dir="$d/hlo" \
+    ${CORE_ROWS_ARGS:-} --json_out="$d/core_rows.json" > "$d/core_rows.txt" 2>&1
+  grep -v "it/s\]" "$d/core_rows.txt" | tail -60
+}
+
+stage_core_prefill() {
+  local d=$1
+  # shellcheck disable=SC2086  # CORE_PREFILL_ARGS: flags appended
+  timeout 200 python3 -m experiments.core --mode=prefill --iterations=8 \
+    --impls=xla_cudnn,xla_mgpu,torch_graph --repeats=10 --trace_dir="$d/trace" \
+    ${CORE_PREFILL_ARGS:-} --json_out="$d/core_prefill.json" > "$d/core_prefill.txt" 2>&1
+  grep -v "it/s\]" "$d/core_prefill.txt" | tail -50
 }
 
 stage_prefill_attention() {

@@ -1,0 +1,109 @@
+"""Row GEMVs with split-K partial sums or the SiLU gate fused in (Pallas, Triton backend).
+
+Public entry point: `fused_gemv(w, x, *, silu, as_partials)` with the signature and meaning of
+`huginn_jax.decode_row.row_gemv_xla` (its reference). The model uses it with
+`HuginnConfig(decode_gemv="pallas")` once this module is imported (it registers itself with
+`huginn_jax.decode_row`). On a machine without a GPU the kernel runs in interpret mode.
+Design and traffic: `kernel.py`; tuning: `tune.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from huginn_jax import decode_row
+from pallas_kernels.fused_gemv.kernel import fused_gemv_kernel
+
+__all__ = ["GemvConfig", "fused_gemv", "pick_config"]
+
+H200_SMS = 132
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvConfig:
+    """`block_n` output columns per program, W walked in [block_k, block_n] tiles by
+    `num_warps` warps, Triton pipelining loads over `num_stages` tiles; `split_k` programs
+    share a column block (partial sums only); `use_dot`: each tile multiplied on the tensor
+    cores (the row padded to 16) instead of elementwise products summed after the loop."""
+
+    block_n: int = 64
+    block_k: int = 64
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 1
+    use_dot: bool = False
+
+
+# Frozen defaults, the fastest of the configs tried per GEMV on the H200
+# (results/2026-11-30-h200/gemv_tune_session7.json; pallas_kernels.fused_gemv.tune): partial
+# sums 128 x 64 tiles, split-K for 4 programs per SM (attention proj 16.6 us = 3.36 TB/s);
+# whole rows 64 columns per program, 256-row tiles for Wqkv (43.2 us, 3.87 TB/s), 64-row tiles
+# for the two tiles of the SiLU product (98.8 us, 3.83 TB/s).
+PROGRAMS_PER_SM = 4
+PARTIALS_TUNING = {"block_n": 128, "block_k": 64, "num_stages": 3, "use_dot": True}
+ROW_TUNING = {"block_n": 64, "block_k": 256, "num_stages": 3, "use_dot": True}
+SILU_TUNING = {"block_n": 64, "block_k": 64, "num_stages": 3, "use_dot": True}
+
+
+def pick_config(
+    rows: int,
+    columns: int,
+    *,
+    as_partials: bool,
+    silu: bool = False,
+    programs_per_sm: int = PROGRAMS_PER_SM,
+    sms: int = H200_SMS,
+    **tuning,
+) -> GemvConfig:
+    """The frozen tuning for the output kind, `tuning` overriding fields; for partial sums,
+    as many row ranges as fill `programs_per_sm` programs per SM (at most one per block_k
+    rows)."""
+    default = PARTIALS_TUNING if as_partials else SILU_TUNING if silu else ROW_TUNING
+    config = GemvConfig(**{**default, **tuning})
+    if not as_partials:
+        return config
+    blocks = -(-columns // config.block_n)
+    wanted = -(-programs_per_sm * sms // blocks)
+    return dataclasses.replace(config, split_k=max(1, min(wanted, rows // config.block_k)))
+
+
+def fused_gemv(
+    w: jax.Array,
+    x: jax.Array,
+    *,
+    silu: bool = False,
+    as_partials: bool = False,
+    config: GemvConfig | None = None,
+) -> jax.Array:
+    """x [K] @ w [K, N] as `huginn_jax.decode_row.row_gemv_xla` returns it; for `as_partials`
+    [split_k, N] float32 (sum over axis 0 for the product)."""
+    if w.ndim != 2 or x.shape != w.shape[:1]:
+        raise ValueError(f"fused_gemv: need w [K, N] and x [K]; got w {w.shape}, x {x.shape}")
+    rows, n_total = w.shape
+    if silu and (as_partials or n_total % 2):
+        raise ValueError(
+            f"fused_gemv: silu needs w = [gate | up] (even N, got {n_total}) and a "
+            "whole row out (not as_partials)"
+        )
+    columns = n_total // 2 if silu else n_total
+    config = config or pick_config(rows, columns, as_partials=as_partials, silu=silu)
+    if config.split_k > 1 and not as_partials:
+        raise ValueError("fused_gemv: split_k > 1 gives partial sums: ask for as_partials")
+    return fused_gemv_kernel(
+        x,
+        w,
+        silu=silu,
+        as_partials=as_partials,
+        split_k=config.split_k,
+        block_k=config.block_k,
+        block_n=config.block_n,
+        use_dot=config.use_dot,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        interpret=jax.default_backend() != "gpu",
+    )
+
+
+decode_row.register_row_gemv("pallas", fused_gemv)

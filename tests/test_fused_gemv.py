@@ -1,0 +1,162 @@
+"""pallas_kernels.fused_gemv: the kernel against huginn_jax.decode_row.row_gemv_xla on fresh random
+inputs (interpret mode on CPU, compiled on the GPU), and the model decoding through it."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import prefill_then_decode
+
+from huginn_jax import decode_row
+from huginn_jax.config import HuginnConfig
+from huginn_jax.decode_row import PendingRow, row_gemv_xla
+from pallas_kernels.fused_gemv import GemvConfig, fused_gemv, pick_config
+
+
+def fresh(seed, rows, columns, dtype):
+    kw, kx = jax.random.split(jax.random.key(seed))
+    w = (jax.random.normal(kw, (rows, columns)) / np.sqrt(rows)).astype(dtype)
+    return w, jax.random.normal(kx, (rows,)).astype(dtype)
+
+
+def both(w, x, config, **kw):
+    want = row_gemv_xla(w, x, **kw)
+    got = fused_gemv(w, x, config=config, **kw)
+    if kw.get("as_partials"):
+        assert got.shape == (config.split_k, want.shape[1]) and got.dtype == jnp.float32
+        got, want = got.sum(axis=0), want.sum(axis=0)
+    assert got.shape == want.shape
+    return np.asarray(got, np.float32), np.asarray(want, np.float32)
+
+
+CASES = [
+    ({}, GemvConfig(block_n=16, block_k=16)),
+    ({"silu": True}, GemvConfig(block_n=8, block_k=32)),
+    ({"as_partials": True}, GemvConfig(block_n=16, block_k=16, split_k=3)),
+    ({"as_partials": True}, GemvConfig(block_n=32, block_k=16, split_k=7)),  # 2 ranges empty
+    ({"silu": True}, GemvConfig(block_n=16, block_k=16, use_dot=True)),
+    ({"as_partials": True}, GemvConfig(block_n=16, block_k=32, split_k=2, use_dot=True)),
+]
+
+
+@pytest.mark.parametrize("kw, config", CASES)
+def test_kernel_matches_reference_float32(kw, config):
+    # 70 rows, 2 x 45 columns: neither a multiple of any block
+    w, x = fresh(hash(config) % 1000, 70, 90, jnp.float32)
+    got, want = both(w, x, config, **kw)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kw, config", CASES)
+def test_kernel_matches_reference_bf16(kw, config):
+    """bf16 weights: the kernel rounds where the model rounds, so outputs agree to ~1 bf16 ulp
+    (partials: float32 sums against a bf16-rounded product)."""
+    w, x = fresh(7, 200, 96, jnp.bfloat16)
+    got, want = both(w, x, config, **kw)
+    np.testing.assert_allclose(got, want, rtol=2**-7, atol=2**-7 * np.abs(want).max())
+
+
+def test_pending_row_builds_what_the_plain_block_computes():
+    """norm(base + sum(partials)) in bf16, as SandwichBlock computes norm_2(x + attn_out)."""
+    from huginn_jax.layers import rms_norm
+
+    keys = jax.random.split(jax.random.key(3), 4)
+    partials = jax.random.normal(keys[0], (3, 64))
+    base = jax.random.normal(keys[1], (64,)).astype(jnp.bfloat16)
+    norm_a, norm_b = (1 + 0.2 * jax.random.normal(k, (64,)) for k in keys[2:])
+    norm_a, norm_b = norm_a.astype(jnp.bfloat16), norm_b.astype(jnp.bfloat16)
+    h, v = PendingRow(partials, base, norm_a).build(eps=1e-6, dtype=jnp.bfloat16, norm_b=norm_b)
+    want_h = rms_norm(base + partials.sum(0).astype(jnp.bfloat16), norm_a, 1e-6)
+    np.testing.assert_array_equal(h, want_h)
+    np.testing.assert_array_equal(v, rms_norm(want_h, norm_b, 1e-6))
+
+
+def test_pick_config_fills_the_gpu():
+    assert pick_config(5280, 5280, as_partials=True).split_k == 13  # 42 blocks x 13 >= 4 x 132
+    assert pick_config(17920, 5280, as_partials=True).split_k == 13
+    assert pick_config(128, 16, as_partials=True).split_k == 2  # no more ranges than blocks
+    whole = pick_config(5280, 15840, as_partials=False)
+    assert (whole.split_k, whole.block_k) == (1, 256)
+    assert pick_config(5280, 17920, as_partials=False, silu=True).block_k == 64
+    assert pick_config(5280, 5280, as_partials=True, block_n=64).block_n == 64  # overrides
+
+
+def test_bad_input_fails_clearly():
+    w, x = fresh(0, 16, 8, jnp.float32)
+    with pytest.raises(ValueError, match=r"need w \[K, N\] and x \[K\]"):
+        fused_gemv(w, x[:8])
+    with pytest.raises(ValueError, match="silu needs"):
+        fused_gemv(w, x, silu=True, as_partials=True)
+    with pytest.raises(ValueError, match="silu needs"):
+        fused_gemv(w[:, :7], x, silu=True)
+    with pytest.raises(ValueError, match="ask for as_partials"):
+        fused_gemv(w, x, config=GemvConfig(split_k=2))
+
+
+def test_model_decodes_through_the_kernel():
+    """decode_gemv="pallas" decodes like "xla" at batch 1 (row GEMVs, interpret mode on CPU),
+    and at batch 2 takes the plain path."""
+    micro = dataclasses.replace(HuginnConfig.from_name("micro"), block_size=64)
+    for batch in (1, 2):
+        (want, want_cache), (got, got_cache) = [
+            prefill_then_decode(
+                dataclasses.replace(micro, decode_gemv=impl),
+                prompt_len=20,
+                steps=2,
+                max_len=24,
+                seed=40,
+                batch=batch,
+            )
+            for impl in ("xla", "pallas")
+        ]
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(got_cache.k, want_cache.k, rtol=1e-5, atol=1e-5)
+
+
+def test_model_step_uses_the_kernel_at_batch_one_only():
+    """The Core step's jaxpr holds the row kernels at batch 1 and none at batch 2."""
+    from flax import nnx
+
+    from huginn_jax.model import Core, run_core
+
+    cfg = dataclasses.replace(HuginnConfig.from_name("micro"), decode_gemv="pallas")
+    core = Core(cfg, rngs=nnx.Rngs(0))
+
+    def kernels(batch):
+        state = jnp.ones((batch, 1, cfg.n_embd))
+        jaxpr = jax.make_jaxpr(lambda s: run_core(core, s, s, 0, None, 2))(state)
+        return str(jaxpr).count("name=fused_gemv_kernel")  # one jitted call per GEMV
+
+    assert kernels(1) == 1 + 4 * cfg.n_core  # adapter + 4 per block, in the scan body
+    assert kernels(2) == 0
+
+
+def test_model_without_the_kernel_imported_says_which_module(monkeypatch):
+    monkeypatch.delitem(decode_row.ROW_GEMV, "pallas")
+    with pytest.raises(ValueError, match="provided by pallas_kernels.fused_gemv"):
+        decode_row.row_gemv("pallas")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "rows, columns, kw",
+    [
+        (5280, 15840, {}),  # Wqkv
+        (5280, 5280, {"as_partials": True}),  # attention proj
+        (5280, 35840, {"silu": True}),  # fc
+        (17920, 5280, {"as_partials": True}),  # mlp proj
+        (10560, 5280, {"as_partials": True}),  # adapter
+    ],
+)
+def test_kernel_at_huginn_size_against_float32(rows, columns, kw):
+    """huginn-0125's GEMVs in bf16, compiled with the default config, against row_gemv_xla on the
+    same inputs in float32."""
+    w, x = fresh(rows + columns, rows, columns, jnp.bfloat16)
+    got = fused_gemv(w, x, **kw)
+    want = row_gemv_xla(w.astype(jnp.float32), x.astype(jnp.float32), **kw)
+    if kw.get("as_partials"):
+        got, want = got.sum(axis=0), want.sum(axis=0)
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
