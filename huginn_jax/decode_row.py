@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from huginn_jax.kv_cache import KVCache
-from huginn_jax.layers import SandwichBlock, dot_precision, rms_norm
+from huginn_jax.layers import SandwichBlock, dot_precision, registered_kernel, rms_norm
 
 
 @jax.tree_util.register_dataclass
@@ -78,12 +78,7 @@ def register_row_gemv(name: str, fn) -> None:
 
 
 def row_gemv(name: str):
-    if name not in ROW_GEMV:
-        raise ValueError(
-            f"decode_gemv={name!r} is provided by {ROW_GEMV_PROVIDERS[name]}: import it before "
-            "running the model"
-        )
-    return ROW_GEMV[name]
+    return registered_kernel(ROW_GEMV, ROW_GEMV_PROVIDERS, name, "decode_gemv")
 
 
 def uses_rows(block: SandwichBlock, x_BxTxD: jax.Array) -> bool:

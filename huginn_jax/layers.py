@@ -230,13 +230,21 @@ def register_slot_decode_attention(name: str, fn) -> None:
     SLOT_DECODE_ATTENTION[name] = fn
 
 
-def slot_decode_attention(name: str):
-    if name not in SLOT_DECODE_ATTENTION:
+def registered_kernel(table: dict, providers: dict, name: str, option: str):
+    """table[name], a kernel that a module above this package registered on import; a clear
+    error naming that module (`providers[name]`) when it was not imported."""
+    if name not in table:
         raise ValueError(
-            f"decode_attention_impl={name!r} is provided by {SLOT_DECODE_PROVIDERS[name]}: "
-            "import it before running the model"
+            f"{option}={name!r} is provided by {providers[name]}: import it before running the "
+            "model"
         )
-    return SLOT_DECODE_ATTENTION[name]
+    return table[name]
+
+
+def slot_decode_attention(name: str):
+    return registered_kernel(
+        SLOT_DECODE_ATTENTION, SLOT_DECODE_PROVIDERS, name, "decode_attention_impl"
+    )
 
 
 def decode_attention(name: str):

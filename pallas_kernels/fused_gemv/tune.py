@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import statistics
 import sys
 import time
 
@@ -27,6 +26,7 @@ from absl import app, flags
 
 from huginn_jax.decode_row import row_gemv_xla
 from huginn_jax.xla_flags import use_gemm
+from pallas_kernels.device_time import cupti_us, wall_us
 from pallas_kernels.fused_gemv import GemvConfig, fused_gemv, pick_config
 
 FLAGS = flags.FLAGS
@@ -72,24 +72,12 @@ def inputs(rows, columns, copies, key):
     return ws, jax.random.normal(keys[-1], (rows,)).astype(jnp.bfloat16)
 
 
-def device_us(fn, reps):
-    """Median over `reps` calls of the summed device time of the kernels of one call (us) and
-    the kernels per call; when CUPTI sees no kernel, the wall time of `reps` calls issued back
-    to back, per call, and None."""
-    from jax.experimental.mosaic.gpu import profiler
-
-    _, runs = profiler.measure(fn, aggregate=False, iterations=reps)()
-    if runs:
-        return statistics.median(sum(t for _, t in run) for run in runs) * 1e3, len(runs[0])
-    t0 = time.perf_counter()
-    jax.block_until_ready([fn() for _ in range(reps)])
-    return (time.perf_counter() - t0) / reps * 1e6, None
-
-
 def time_case(ws, x, gemv, kw):
     fn = jax.jit(lambda ws, x: [gemv(w, x, **kw) for w in ws])
     jax.block_until_ready(fn(ws, x))
-    us, kernels = device_us(lambda: fn(ws, x), FLAGS.reps)
+    us, kernels, _ = cupti_us(lambda: fn(ws, x), FLAGS.reps)
+    if us is None:  # CUPTI saw no kernel (or is unavailable): wall time, "kernels": null
+        us = wall_us(lambda: fn(ws, x), FLAGS.reps)
     return us / len(ws), kernels and kernels // len(ws)
 
 

@@ -28,12 +28,13 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 import traceback
 from typing import Any
+
+from pallas_kernels.device_time import cupti_us, wall_us
 
 TABLE_D = (6144, 3520, 2048, 12288)  # the 72 MiB target first
 TABLE_M = (1, 8, 64)
@@ -236,31 +237,6 @@ def _result(name: str, spec: dict[str, Any], **fields: Any) -> None:
     print("RESULT " + json.dumps(row), flush=True)
 
 
-def _cupti_us(fn, reps: int) -> tuple[float | None, str]:
-    """Median over `reps` calls of the summed device time of all kernels of one call (us)."""
-    try:
-        from jax.experimental.mosaic.gpu import profiler
-
-        _, runs = profiler.measure(fn, aggregate=False, iterations=reps)()
-        if not runs:
-            return None, "CUPTI saw no kernels"
-        total = statistics.median(sum(t for _, t in it) for it in runs) * 1e3
-        return total, f"{len(runs[0])} kernel(s)"
-    except Exception as e:  # CUPTI can be unavailable; wall-clock still prints
-        return None, f"{type(e).__name__}: {e}"
-
-
-def _wall_us(fn, reps: int) -> float:
-    import jax
-
-    for _ in range(2):
-        jax.block_until_ready(fn())
-    t = time.perf_counter()
-    outs = [fn() for _ in range(reps)]
-    jax.block_until_ready(outs)
-    return (time.perf_counter() - t) / reps * 1e6
-
-
 def run_barrier_case(name: str, spec: dict[str, Any], reps: int) -> None:
     """The barrier probe: checks the counter every worker read, times the kernel."""
     import numpy as np
@@ -274,7 +250,7 @@ def run_barrier_case(name: str, spec: dict[str, Any], reps: int) -> None:
     first_s = time.perf_counter() - t0
     want = BARRIER_BLOCKS * wgs * epochs
     ok = bool((seen == want).all())
-    k_us, k_note = _cupti_us(f, reps)
+    k_us, _, k_note = cupti_us(f, reps)
     print(
         f"[{name}] {BARRIER_BLOCKS} blocks x {wgs} wg, {epochs} barriers, poll={poll}: first "
         f"call {first_s:.1f} s; counter seen {seen.min()}..{seen.max()} (want {want}) "
@@ -356,9 +332,9 @@ def run_case(
     if calls:
         jax.block_until_ready([kern() for _ in range(calls)])
         return
-    k_us, k_note = _cupti_us(kern, reps)
-    x_us, x_note = _cupti_us(lambda: unrolled(x, w), reps)
-    k_wall, x_wall = _wall_us(kern, reps), _wall_us(lambda: unrolled(x, w), reps)
+    k_us, _, k_note = cupti_us(kern, reps)
+    x_us, _, x_note = cupti_us(lambda: unrolled(x, w), reps)
+    k_wall, x_wall = wall_us(kern, reps), wall_us(lambda: unrolled(x, w), reps)
     w_bytes = d * d * 2 * (steps if stacked else 1)
     print(
         f"[{name}] CUPTI us: kernel {k_us} ({k_note}), XLA unrolled {x_us} ({x_note}); wall "

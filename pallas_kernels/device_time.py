@@ -1,0 +1,38 @@
+"""How the kernel programs (looped_matmul.smoke, fused_gemv.tune) time one call of a function.
+
+`cupti_us`: the device time of the kernels one call launches, summed, median over `reps` calls
+(CUPTI through Mosaic GPU's profiler); `wall_us`: the wall time per call of `reps` calls issued
+back to back, after 2 warm-up calls, where CUPTI is unavailable or sees no kernel.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+
+def cupti_us(fn, reps: int) -> tuple[float | None, int | None, str]:
+    """(median us of the summed kernel time of one call, kernels per call, a note); None, None
+    and the reason where CUPTI measured nothing."""
+    try:
+        from jax.experimental.mosaic.gpu import profiler
+
+        _, runs = profiler.measure(fn, aggregate=False, iterations=reps)()
+        if not runs:
+            return None, None, "CUPTI saw no kernels"
+        total = statistics.median(sum(t for _, t in run) for run in runs) * 1e3
+        return total, len(runs[0]), f"{len(runs[0])} kernel(s)"
+    except Exception as e:  # CUPTI can be unavailable; wall-clock still prints
+        return None, None, f"{type(e).__name__}: {e}"
+
+
+def wall_us(fn, reps: int) -> float:
+    """Wall time per call of `reps` calls issued back to back (us), after 2 warm-up calls."""
+    import jax
+
+    for _ in range(2):
+        jax.block_until_ready(fn())
+    t = time.perf_counter()
+    outs = [fn() for _ in range(reps)]
+    jax.block_until_ready(outs)
+    return (time.perf_counter() - t) / reps * 1e6
