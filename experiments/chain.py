@@ -55,6 +55,7 @@ from experiments.measure import results as results_lib
 from experiments.measure import timing
 from experiments.measure import trace as trace_lib
 from experiments.torch_ref import chain as torch_chain
+from huginn_jax.xla_flags import COMMAND_BUFFERS_OFF
 
 FLAGS = flags.FLAGS
 
@@ -122,7 +123,6 @@ DTYPES = {
 }
 # Unit roundoff of the chain's dtype; fp32 uses 2^-20 because accumulation order dominates.
 UNIT_ROUNDOFF = {"bfloat16": 2.0**-8, "float16": 2.0**-11, "float32": 2.0**-20}
-NOCB_FLAG = "--xla_gpu_enable_command_buffer="  # empty list: no command buffers
 CPU_DEFAULTS = {"warmup": 2, "repeats": 5, "chains_per_call": 4}
 WORKSPACE_BYTES = 256 * 2**20  # state, outputs, cuBLAS workspace, compiled code
 H200_MEASURED_BW = 4.25e12  # B/s, shared/DEVICE.md; used when huginn_jax.costs is missing
@@ -579,7 +579,7 @@ def child_env(impls: Sequence[str]) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     if any(i.endswith("_nocb") for i in impls):
-        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {NOCB_FLAG}".strip()
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {COMMAND_BUFFERS_OFF}".strip()
     return env
 
 
@@ -639,9 +639,9 @@ def child_main(opts: Options) -> None:
     range. Both write child.json."""
     out = Path(FLAGS.child_out)
     cfg = opts.configs[0]
-    xla_flags = os.environ.get("XLA_FLAGS", "")
-    if any(i.endswith("_nocb") for i in opts.impls) and NOCB_FLAG not in xla_flags.split():
-        raise UserError(f"_nocb impls need XLA_FLAGS to contain {NOCB_FLAG}")
+    xla_flags = os.environ.get("XLA_FLAGS", "").split()
+    if any(i.endswith("_nocb") for i in opts.impls) and COMMAND_BUFFERS_OFF not in xla_flags:
+        raise UserError(f"_nocb impls need XLA_FLAGS to contain {COMMAND_BUFFERS_OFF}")
     x_host, w_host = host_values(cfg)
     runs, ranges, traces = [], [], []
     for layout in opts.layouts:

@@ -64,7 +64,7 @@ from huginn_jax.checkpoint import CheckpointError, from_pretrained  # noqa: E402
 from huginn_jax.config import HuginnConfig  # noqa: E402
 from huginn_jax.kv_cache import KVCache  # noqa: E402
 from huginn_jax.model import Core, run_core  # noqa: E402
-from huginn_jax.xla_flags import GEMM_CHOICES, use_gemm  # noqa: E402
+from huginn_jax.xla_flags import GEMM_CHOICES, use_command_buffers, use_gemm  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -92,6 +92,12 @@ def define_flags() -> None:
     flags.DEFINE_enum("dtype", "bf16", ["bf16", "fp32"], "Weights, state and cache dtype.")
     flags.DEFINE_enum(
         "gemm", "cublas", list(GEMM_CHOICES), "Dots: cublas (Triton GEMMs off) or xla's choice."
+    )
+    flags.DEFINE_bool(
+        "command_buffers",
+        True,
+        "XLA's command buffers (CUDA graphs; XLA's default). --nocommand_buffers launches each "
+        "kernel on its own: no graph re-recorded at the first iteration of a call.",
     )
     flags.DEFINE_integer("warmup", 3, "Untimed calls.")
     flags.DEFINE_integer("repeats", 20, "Timed calls (median reported).")
@@ -260,19 +266,24 @@ def case_inputs(cfg, case: Case, dtype, seed: int):
     return state, embedded, cache
 
 
-@functools.partial(
-    jax.jit, static_argnames=("graphdef", "iterations", "from_zero"), donate_argnames=("cache",)
-)
-def _core_jit(graphdef, params, state, embedded, cache, start, *, iterations, from_zero=False):
-    """`from_zero`: a prefill into an empty cache; start is then the constant 0, so attention reads
-    the new positions alone with a plain causal mask (as generation's prefill does)."""
-    model = nnx.merge(graphdef, params)
-    return run_core(model, state, embedded, 0 if from_zero else start, cache, iterations)
+def jit_core(graphdef, params, *, iterations: int, from_zero=False, probe=False):
+    """The Core's r iterations, jitted: returns (fn, weights); `fn(weights, state, embedded,
+    cache, start)` returns (state, cache). `weights` are the leaves of the nnx.State `params`: a
+    tuple of arrays is flattened in C++ at each call, where flattening the State itself took
+    178 us of Python per call on the H200's host.
 
+    `from_zero`: a prefill into an empty cache; start is then the constant 0, so attention reads
+    the new positions alone with a plain causal mask (as generation's prefill does). The cache is
+    donated, so XLA updates it in place, except with `probe` (the issue's plain-XLA probe as it
+    was: `ProbeCache`, nothing donated).
+    """
+    leaves, treedef = jax.tree.flatten(params)
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "iterations"))
-def _core_probe_jit(graphdef, params, state, embedded, cache, start, *, iterations):
-    return run_core(nnx.merge(graphdef, params), state, embedded, start, cache, iterations)
+    def core(weights, state, embedded, cache, start):
+        model = nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
+        return run_core(model, state, embedded, 0 if from_zero else start, cache, iterations)
+
+    return (jax.jit(core) if probe else jax.jit(core, donate_argnames="cache")), tuple(leaves)
 
 
 @jax.tree_util.register_dataclass
@@ -317,17 +328,15 @@ class XlaRunner:
     sync = None
 
     def __init__(self, graphdef, params, state, embedded, cache, case: Case, probe=False):
-        self.args = (params, state, embedded)
+        # the probe as it was: start traced, so the whole cache slot is read
+        from_zero = case.mode == "prefill" and not probe
+        fn, weights = jit_core(
+            graphdef, params, iterations=case.iterations, from_zero=from_zero, probe=probe
+        )
+        self.args = (weights, state, embedded)
         self.start = jnp.int32(case.start)
         self.cache = ProbeCache.from_cache(cache, case.iterations) if probe else cache
-        args = (graphdef, params, state, embedded, self.cache, self.start)
-        if probe:  # the issue's probe as it was: start traced, the whole cache slot read
-            lowered = _core_probe_jit.lower(*args, iterations=case.iterations)
-        else:
-            lowered = _core_jit.lower(
-                *args, iterations=case.iterations, from_zero=case.mode == "prefill"
-            )
-        self.compiled = lowered.compile()
+        self.compiled = fn.lower(*self.args, self.cache, self.start).compile()
 
     def compile_report(self):
         """Optimized HLO text and `memory_analysis()` of the executable that is timed."""
@@ -687,6 +696,7 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
     use_gemm(FLAGS.gemm)  # before anything starts the backend (ncu children inherit it)
+    use_command_buffers(FLAGS.command_buffers)
     if FLAGS.ncu_child:
         ncu_child(FLAGS.ncu_child)
         return
@@ -739,8 +749,8 @@ def main(argv: list[str]) -> None:
 
 
 _OWN_FLAGS = (
-    "mode iterations context batch impls config weights dtype gemm warmup repeats seed json_out "
-    "hbm hbm_impls ncu_timeout trace_dir hlo_dir"
+    "mode iterations context batch impls config weights dtype gemm command_buffers warmup repeats "
+    "seed json_out hbm hbm_impls ncu_timeout trace_dir hlo_dir"
 ).split()
 
 

@@ -5,6 +5,11 @@ H200 (2026-11-30, results/2026-11-30-h200/) XLA's Triton split-K GEMM for the 52
 attention projection padded that weight to [5312, 5280] at every Core iteration of every layer
 (138 us of a 1.34 ms decode iteration); with cuBLAS the iteration took 1.14 ms and the prefill
 iteration 5.99 ms instead of 6.24 ms. "xla" keeps XLA's own choice.
+
+`use_command_buffers(False)` turns XLA's command buffers (CUDA graphs) off, so that every kernel
+is launched on its own. In a traced Core call (r = 8, decode) XLA re-recorded its while body's
+CUDA graph at the first iteration of every call: the GPU sat idle for the 352 us that launch took
+on the host (`results/2026-11-30-h200/core_trace_xla_rows-decode-1-1024-8_session7.json.gz`).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import os
 
 GEMM_CHOICES = ("cublas", "xla")
 TRITON_GEMM_OFF = "--xla_gpu_enable_triton_gemm=false"
+COMMAND_BUFFERS_OFF = "--xla_gpu_enable_command_buffer="  # an empty list: no command buffers
 
 
 def use_gemm(choice: str) -> None:
@@ -21,18 +27,31 @@ def use_gemm(choice: str) -> None:
     Raises ValueError for an unknown choice, and RuntimeError once the backend has started
     (XLA reads XLA_FLAGS only then).
     """
-    from jax._src import xla_bridge
-
     if choice not in GEMM_CHOICES:
         raise ValueError(f"gemm={choice!r} must be one of {GEMM_CHOICES}")
-    words = [w for w in os.environ.get("XLA_FLAGS", "").split() if w != TRITON_GEMM_OFF]
-    if choice == "cublas":
-        words.append(TRITON_GEMM_OFF)
+    _set_flag(TRITON_GEMM_OFF, choice == "cublas", f"gemm={choice!r}")
+
+
+def use_command_buffers(enabled: bool) -> None:
+    """Keeps XLA's command buffers (its default) or turns them off for this process; raises
+    RuntimeError once the backend has started."""
+    _set_flag(COMMAND_BUFFERS_OFF, not enabled, f"command_buffers={enabled}")
+
+
+def _set_flag(word: str, present: bool, what: str) -> None:
+    """Adds `word` to XLA_FLAGS (once) or removes it; a change after the backend started is an
+    error naming `what`."""
+    from jax._src import xla_bridge
+
+    old = os.environ.get("XLA_FLAGS", "")
+    words = [w for w in old.split() if w != word]
+    if present:
+        words.append(word)
     new = " ".join(words)
-    if new == os.environ.get("XLA_FLAGS", ""):
+    if new == old:
         return
     if xla_bridge.backends_are_initialized():
         raise RuntimeError(
-            f"gemm={choice!r} needs XLA_FLAGS set before JAX starts its backend; it has started"
+            f"{what} needs XLA_FLAGS set before JAX starts its backend; it has started"
         )
     os.environ["XLA_FLAGS"] = new

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from experiments import chain
+from huginn_jax.xla_flags import COMMAND_BUFFERS_OFF
 
 REPO = Path(__file__).resolve().parent.parent
 MIB = 2**20
@@ -272,7 +273,7 @@ def test_pallas_impl_is_known_and_skipped_without_a_gpu(tmp_path):
 def test_pallas_splitk_nocb_runs_in_the_command_buffer_free_child():
     assert chain.expand_impls(["pallas_splitk_nocb"]) == ("pallas_splitk_nocb",)
     assert "pallas_splitk_nocb" in chain.LAYOUTS_NOT_COMPARABLE
-    assert chain.NOCB_FLAG in chain.child_env(["pallas_splitk_nocb"])["XLA_FLAGS"]
+    assert COMMAND_BUFFERS_OFF in chain.child_env(["pallas_splitk_nocb"])["XLA_FLAGS"]
     notes: list[str] = []
     opts = chain.Options(
         configs=(), layouts=("shared",), impls=("xla", "pallas_splitk_nocb"), warmup=1,

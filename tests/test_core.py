@@ -1,6 +1,5 @@
 """experiments.core on CPU: the cache-update path and the Core against the model's forward."""
 
-import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -30,10 +29,8 @@ def decode_setup(iterations, seed=0):
 
 def test_decode_updates_the_cache_in_place_without_a_copy():
     graphdef, params, case, state, embedded, cache = decode_setup(iterations=3)
-    lowered = core_exp._core_jit.lower(
-        graphdef, params, state, embedded, cache, jnp.int32(7), iterations=3
-    )
-    compiled = lowered.compile()
+    core, weights = core_exp.jit_core(graphdef, params, iterations=3)
+    compiled = core.lower(weights, state, embedded, cache, jnp.int32(7)).compile()
     report = hlo.loop_report(
         compiled.as_text(),
         compiled.memory_analysis(),
@@ -45,7 +42,7 @@ def test_decode_updates_the_cache_in_place_without_a_copy():
     assert report["slice_copies_per_iteration"] == []  # each slot is read where it is
     assert report["alias_bytes"] >= cache.nbytes  # both K and V alias their outputs
     k_before = cache.k
-    core_exp._core_jit(graphdef, params, state, embedded, cache, jnp.int32(7), iterations=3)
+    core(weights, state, embedded, cache, jnp.int32(7))
     assert k_before.is_deleted()  # donated: the output reuses the input's buffer
 
 
@@ -55,18 +52,16 @@ def test_decode_writes_the_right_slots_and_keeps_the_history():
     # The history is random, and different in every slot (drawn slot by slot).
     assert 0.8 < history_k[:, :, :7].std() < 1.2
     assert np.abs(history_k[0, :, :7] - history_k[1, :, :7]).mean() > 0.5
-    _, cache2 = core_exp._core_jit(
-        graphdef, params, state, embedded, cache, jnp.int32(7), iterations=2
-    )
+    core2, weights = core_exp.jit_core(graphdef, params, iterations=2)
+    _, cache2 = core2(weights, state, embedded, cache, jnp.int32(7))
     k2 = np.asarray(cache2.k)
     np.testing.assert_array_equal(k2[:, :, :7], history_k[:, :, :7])  # history untouched
     written = k2[:, :, 7]
     assert np.all(np.abs(written).reshape(written.shape[0], -1).max(axis=1) > 0)
     # Iteration 0's entries do not depend on later iterations: a 1-iteration run writes the same.
     *_, cache1_in = decode_setup(iterations=1)
-    _, cache1 = core_exp._core_jit(
-        graphdef, params, state, embedded, cache1_in, jnp.int32(7), iterations=1
-    )
+    core1, _ = core_exp.jit_core(graphdef, params, iterations=1)
+    _, cache1 = core1(weights, state, embedded, cache1_in, jnp.int32(7))
     # float32, two executables (XLA fuses r = 1 and r = 2 differently): ~1e-6 apart on the H200
     np.testing.assert_allclose(np.asarray(cache1.k)[:, :, 7], written[: CFG.n_core], rtol=1e-5)
     assert np.abs(written[CFG.n_core :] - written[: CFG.n_core]).max() > 1e-3  # iteration 1 differs
@@ -77,19 +72,15 @@ def test_probe_cache_writes_what_the_kv_cache_writes_and_is_copied_once():
     same Core; its HLO copies both cache arrays (no donation), ours copies none."""
     graphdef, params, case, state, embedded, cache = decode_setup(iterations=2)
     probe = core_exp.ProbeCache.from_cache(cache, 2)
-    out_p, probe2 = core_exp._core_probe_jit(
-        graphdef, params, state, embedded, probe, jnp.int32(7), iterations=2
-    )
-    out, cache2 = core_exp._core_jit(
-        graphdef, params, state, embedded, cache, jnp.int32(7), iterations=2
-    )
+    probe_core, weights = core_exp.jit_core(graphdef, params, iterations=2, probe=True)
+    out_p, probe2 = probe_core(weights, state, embedded, probe, jnp.int32(7))
+    core, _ = core_exp.jit_core(graphdef, params, iterations=2)
+    out, cache2 = core(weights, state, embedded, cache, jnp.int32(7))
     np.testing.assert_array_equal(np.asarray(out_p), np.asarray(out))
     np.testing.assert_array_equal(np.asarray(probe2.k).reshape(cache2.k.shape), cache2.k)
     *_, fresh = decode_setup(iterations=2)
     fresh = core_exp.ProbeCache.from_cache(fresh, 2)
-    compiled = core_exp._core_probe_jit.lower(
-        graphdef, params, state, embedded, fresh, jnp.int32(7), iterations=2
-    ).compile()
+    compiled = probe_core.lower(weights, state, embedded, fresh, jnp.int32(7)).compile()
     report = hlo.loop_report(
         compiled.as_text(), compiled.memory_analysis(), big_buffer_dims=fresh.k.shape
     )
@@ -102,10 +93,11 @@ def test_prefill_from_zero_equals_reading_the_cache():
     graphdef, params = core_exp.build_core(CFG, jnp.float32, 0)
     case = core_exp.Case("prefill", batch=2, context=9, iterations=2)
     state, embedded, cache = core_exp.case_inputs(CFG, case, jnp.float32, 0)
-    run = functools.partial(core_exp._core_jit, graphdef, params, state, embedded)
-    want, want_cache = run(cache, jnp.int32(0), iterations=2)
+    reading, weights = core_exp.jit_core(graphdef, params, iterations=2)
+    from_zero, _ = core_exp.jit_core(graphdef, params, iterations=2, from_zero=True)
+    want, want_cache = reading(weights, state, embedded, cache, jnp.int32(0))
     *_, cache = core_exp.case_inputs(CFG, case, jnp.float32, 0)  # the first was donated
-    got, got_cache = run(cache, jnp.int32(5), iterations=2, from_zero=True)  # start ignored
+    got, got_cache = from_zero(weights, state, embedded, cache, jnp.int32(5))  # start ignored
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got_cache.k, want_cache.k, rtol=1e-5, atol=1e-5)
 
@@ -127,9 +119,8 @@ def test_core_matches_the_model_forward():
             "core_block": nnx.to_pure_dict(nnx.state(model.core_block)),
         },
     )
-    got, _ = core_exp._core_jit(
-        core_graph, core_state, state0, embedded, None, jnp.int32(0), iterations=3
-    )
+    core, weights = core_exp.jit_core(core_graph, core_state, iterations=3)
+    got, _ = core(weights, state0, embedded, None, jnp.int32(0))
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -145,9 +136,8 @@ def test_trained_weights_are_the_exported_models_core(tmp_path):
     graphdef, params = core_exp.load_core(
         core_exp.core_config(str(tmp_path)), jnp.float32, str(tmp_path)
     )
-    got, _ = core_exp._core_jit(
-        graphdef, params, state0, embedded, None, jnp.int32(0), iterations=2
-    )
+    core, weights = core_exp.jit_core(graphdef, params, iterations=2)
+    got, _ = core(weights, state0, embedded, None, jnp.int32(0))
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
     _, random_params = core_exp.build_core(core_exp.core_config(str(tmp_path)), jnp.float32, 0)
     assert not np.allclose(

@@ -11,6 +11,7 @@ from conftest import TINY_A, prefill_then_decode
 
 import huginn_jax
 from huginn_jax.config import HuginnConfig
+from huginn_jax.layers import apply_rope
 from huginn_jax.model import (
     core_step,
     embed,
@@ -30,6 +31,23 @@ def model():
 
 def random_ids(key, batch, tokens, vocab=MICRO.vocab_size):
     return jax.random.randint(jax.random.key(key), (batch, tokens), 0, vocab)
+
+
+@pytest.mark.parametrize("dtype, rtol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
+def test_rope_rotates_each_adjacent_pair_like_a_complex_product(dtype, rtol):
+    """Pair (2i, 2i+1) of position p, as a complex number, times exp(1j p base^(-2i/K)):
+    the float64 reference on random inputs and positions far from 0."""
+    b, t, h, k, base = 2, 5, 3, 8, 10000.0
+    x = jax.random.normal(jax.random.key(11), (b, t, h, k), jnp.float32).astype(dtype)
+    positions = jnp.array([0, 3, 17, 250, 4095], jnp.int32)
+    got = np.asarray(apply_rope(x, positions, base).astype(jnp.float32), np.float64)
+    xs = np.asarray(x.astype(jnp.float32), np.float64)
+    pairs = xs[..., 0::2] + 1j * xs[..., 1::2]
+    angle = np.asarray(positions, np.float64)[:, None] * base ** (-np.arange(0, k, 2) / k)
+    want = pairs * np.exp(1j * angle)[None, :, None, :]
+    want = np.stack([want.real, want.imag], axis=-1).reshape(xs.shape)
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * np.abs(want).max())
+    assert np.abs(got[:, 1:] - xs[:, 1:]).max() > 0.1  # positions > 0 rotate
 
 
 def test_causality(model):

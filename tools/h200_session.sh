@@ -31,6 +31,13 @@
 #             PyTorch's graph, r = 1 and 8, with traces (CORE_ROWS_ARGS: flags appended)
 #   core_prefill  issue 5: Core prefill, cuDNN against Mosaic GPU attention and PyTorch's graph,
 #             r = 8, with traces (CORE_PREFILL_ARGS: flags appended)
+#   core_cb   issue 5: Core decode (xla_pallas, xla_rows; r = 1, 8) and prefill (xla_cudnn,
+#             xla_mgpu; r = 8) against PyTorch's graph, with XLA's command buffers on and off
+#             (one process each), traces with them off
+#   core_clocks  issue 5: SM clock and power (nvidia-smi, every 100 ms) while the Core's prefill
+#             runs, r = 1 then r = 8 (xla_cudnn)
+#   gemm_clocks  issue 5: the bf16 GEMM rate in bursts of 10 and sustained over 100 and 400
+#             8192^3 matmuls, with the SM clock and power per phase
 #   prefill_attention  issue 5: one layer's causal prefill attention, XLA, cuDNN, Mosaic GPU,
 #             PyTorch, T = 1024 and 4096
 #   decode_attention  issue 5: one layer's decode attention, XLA, cuDNN, Pallas, PyTorch
@@ -52,7 +59,7 @@ for stage in "$@"; do
   case "$stage" in
   tests | pallas | pallas_steps | pallas_barrier | pallas_l2 | chain_nocb | chain | chain_hbm | core | core_hbm | adapter) ;;
   core_xla_gemm | core_flags | decode_attention | prefill_attention | generate | generate_mem | train) ;;
-  gemv | core_rows | core_prefill) ;;
+  gemv | core_rows | core_prefill | core_cb | core_clocks | gemm_clocks) ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done
@@ -150,7 +157,7 @@ stage_core() {
   # CORE_ARGS / SWEEP_IMPLS: flags that narrow the main run / the sweep's impls
   # shellcheck disable=SC2086
   timeout 280 python3 -m experiments.core --mode=decode,prefill --iterations=1,8 \
-    --impls=xla,xla_cudnn,xla_mgpu,xla_split,xla_pallas,xla_rows,xla_probe,torch_graph \
+    --impls=xla,xla_cudnn,xla_mgpu,xla_pallas,xla_rows,xla_probe,torch_graph,torch_teaching \
     ${CORE_ARGS:-} \
     --trace_dir="$d/trace" --hlo_dir="$d/hlo" --json_out="$d/core.json" > "$d/core.txt" 2>&1
   stamp "core main done"
@@ -239,6 +246,52 @@ stage_core_prefill() {
     --impls=xla_cudnn,xla_mgpu,torch_graph --repeats=10 --trace_dir="$d/trace" \
     ${CORE_PREFILL_ARGS:-} --json_out="$d/core_prefill.json" > "$d/core_prefill.txt" 2>&1
   grep -v "it/s\]" "$d/core_prefill.txt" | tail -50
+}
+
+stage_core_cb() {
+  local d=$1 cb trace
+  for cb in command_buffers nocommand_buffers; do
+    trace=""
+    [ "$cb" = nocommand_buffers ] && trace="--trace_dir=$d/trace_$cb"
+    timeout 170 python3 -m experiments.core --mode=decode --iterations=1,8 \
+      --impls=xla_pallas,xla_rows,torch_graph --"$cb" $trace \
+      --json_out="$d/decode_$cb.json" > "$d/decode_$cb.txt" 2>&1
+    stamp "decode --$cb done"
+    timeout 130 python3 -m experiments.core --mode=prefill --iterations=8 \
+      --impls=xla_cudnn,xla_mgpu,torch_graph --repeats=10 --"$cb" $trace \
+      --json_out="$d/prefill_$cb.json" > "$d/prefill_$cb.txt" 2>&1
+    stamp "prefill --$cb done"
+  done
+  for f in "$d"/decode_*.txt "$d"/prefill_*.txt; do
+    echo "== $(basename "$f")"; grep -E "^(decode|prefill) |traced span|^check|Error" "$f" | tail -12
+  done
+}
+
+stage_core_clocks() {
+  local d=$1 smi
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader \
+    -lms 100 > "$d/smi.csv" &
+  smi=$!
+  for r in 1 8; do
+    echo "$(date +%H:%M:%S.%N) r=$r start" >> "$d/phases.txt"
+    timeout 100 python3 -m experiments.core --mode=prefill --iterations=$r --impls=xla_cudnn \
+      --repeats=40 --json_out="$d/core_clocks_r$r.json" > "$d/core_clocks_r$r.txt" 2>&1
+    echo "$(date +%H:%M:%S.%N) r=$r end" >> "$d/phases.txt"
+  done
+  kill "$smi"
+  cat "$d/phases.txt"; grep -h "^prefill" "$d"/core_clocks_r*.txt
+  python3 tools/smi_phases.py "$d/smi.csv" "$d/phases.txt"
+}
+
+stage_gemm_clocks() {
+  local d=$1 smi
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader \
+    -lms 100 > "$d/smi.csv" &
+  smi=$!
+  timeout 120 python3 tools/gemm_sustained.py --phases="$d/phases.txt" > "$d/gemm.txt" 2>&1
+  kill "$smi"
+  grep -v "^I1" "$d/gemm.txt"
+  python3 tools/smi_phases.py "$d/smi.csv" "$d/phases.txt"
 }
 
 stage_prefill_attention() {
