@@ -1,13 +1,15 @@
-"""Prefill attention of one Core layer: T new positions attending causally to themselves, the
-part of a prefill iteration that ran furthest from the GEMM rate on the H200 (cuDNN's kernel:
-136 µs per layer at T = 1024, ~81 TFLOP/s; results/README.md, issue 5 notes of session 6).
+"""Prefill attention of one Core layer: T new positions attending causally to themselves.
 
-    python -m experiments.prefill_attention --tokens=1024,4096
+    python -m experiments.prefill_attention --tokens=1024,4096 [--trace_dir=DIR]
 
 Each call runs `--sets` attentions over different inputs in a loop (`lax.scan`; PyTorch: one
-CUDA graph), so that the call's fixed cost (~0.2 ms for a JAX call on the H200) is spread over
-them; the time per attention is the call's time / sets. FLOPs count the causal half only:
-2 products x 2 x B x H x T^2 x K / 2. Inputs are not flushed from L2 between calls.
+CUDA graph), so that the call's fixed cost is spread over them; the time per attention is the
+call's wall time / sets. FLOPs count the causal half only: 2 products x 2 x B x H x T^2 x K / 2.
+Inputs are not flushed from L2 between calls. The wall time is not the kernel's: on the H200 at
+T = 1024 (results/2026-11-30-h200/prefill_attention_trace_session8.txt) cuDNN's kernel took
+42.7 us per attention, its call 134.2 us per attention: 27.0 us of layout copies (memcpy128)
+around the custom call, which the Core does not have (its RoPE fusion writes the layout), and
+~0.34 ms of JAX call cost per call of 8. `--trace_dir` prints that breakdown per JAX impl.
 
 Implementations, all over the same bf16 data (the first set's first heads checked against a
 float64 reference on the host):
@@ -24,8 +26,10 @@ float64 reference on the host):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
+from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -38,6 +42,7 @@ from experiments import attention_bench as bench  # noqa: E402
 from experiments import cli  # noqa: E402
 from experiments.cli import UserError  # noqa: E402
 from experiments.measure import results as results_lib  # noqa: E402
+from experiments.measure import trace as trace_lib  # noqa: E402
 from huginn_jax import costs  # noqa: E402
 from huginn_jax.layers import attend, attend_cudnn, attend_mgpu_causal  # noqa: E402
 
@@ -58,6 +63,12 @@ def define_flags() -> None:
     flags.DEFINE_integer("repeats", 20, "Timed calls (median reported).")
     flags.DEFINE_integer("seed", 0, "Seed of the inputs.")
     flags.DEFINE_string("json_out", "out/prefill_attention.json", "Results JSON ('' to skip).")
+    flags.DEFINE_string(
+        "trace_dir",
+        None,
+        "Trace one call of each JAX impl here and print its kernels per attention (what a call "
+        "runs besides the attention kernel).",
+    )
 
 
 def inputs(sets: int, batch: int, tokens: int, heads: int, head_dim: int, seed: int):
@@ -151,9 +162,31 @@ def run(batches: list[int], token_counts: list[int], impls: list[str]) -> list[d
                         tflop_per_s=flops / seconds / 1e12,
                         pct_of_gemm_rate=100 * flops / seconds / gemm_rate,
                     )
+                    if FLAGS.trace_dir and impl != "torch":
+                        record.update(trace_call(impl, q, k, v, f"{impl}-{batch}-{tokens}"))
                 records.append(record)
             del q, k, v
     return records
+
+
+def trace_call(impl: str, q, k, v, label: str) -> dict:
+    """One traced call: the kernels per attention (rows) and the call's span, busy time and gaps
+    per attention (µs), printed and returned for the record. JAX impls only: once torch's
+    profiler has run in a process, JAX's can no longer subscribe to CUPTI."""
+    runner = make_runner(impl, q, k, v)
+    jax.block_until_ready(runner())
+    rows, spent = trace_lib.trace_run(
+        lambda: jax.block_until_ready(runner()),
+        Path(FLAGS.trace_dir) / label,
+        torch=False,
+        units=FLAGS.sets,
+    )
+    print(trace_lib.side_by_side({label: rows}, top=8, per="attn"))
+    print(
+        f"traced span {spent['span']:.1f} µs per attention: {spent['busy']:.1f} busy, "
+        f"{spent['gaps']:.1f} between kernels"
+    )
+    return {"trace": [dataclasses.asdict(r) for r in rows], "trace_us_per_attention": spent}
 
 
 def format_table(records: list[dict]) -> str:
@@ -193,7 +226,8 @@ def main(argv: list[str]) -> None:
         raise UserError(f"--warmup must be >= 0, got {FLAGS.warmup}")
     records = run(batches, token_counts, list(dict.fromkeys(FLAGS.impls)))
     if FLAGS.json_out:
-        names = "batch tokens impls heads head_dim sets warmup repeats seed json_out".split()
+        names = "batch tokens impls heads head_dim sets warmup repeats seed json_out trace_dir"
+        names = names.split()
         path = results_lib.write_results(
             FLAGS.json_out, cli.flag_values(names), {"records": records}
         )

@@ -11,13 +11,14 @@ import statistics
 import time
 
 
-def cupti_us(fn, reps: int) -> tuple[float | None, int | None, str]:
-    """(median us of the summed kernel time of one call, kernels per call, a note); None, None
-    and the reason where CUPTI measured nothing."""
+def cupti_us(fn, reps: int, *args) -> tuple[float | None, int | None, str]:
+    """(median us of the summed kernel time of one call `fn(*args)`, kernels per call, a note);
+    None, None and the reason where CUPTI measured nothing. Pass large arrays as `args`: the
+    profiler traces `fn`, so arrays it closes over become constants of the executable."""
     try:
         from jax.experimental.mosaic.gpu import profiler
 
-        _, runs = profiler.measure(fn, aggregate=False, iterations=reps)()
+        _, runs = profiler.measure(fn, aggregate=False, iterations=reps)(*args)
         if not runs:
             return None, None, "CUPTI saw no kernels"
         total = statistics.median(sum(t for _, t in run) for run in runs) * 1e3

@@ -59,6 +59,20 @@ def test_cli_on_cpu_writes_json(tmp_path):
     assert "TFLOP/s" in proc.stdout.splitlines()[-1]
 
 
+def test_cli_trace_dir_breaks_each_jax_call_down(tmp_path):
+    out = tmp_path / "pa.json"
+    proc = run_cli(
+        "--impls=xla", "--tokens=64", "--heads=2", "--head_dim=16", "--sets=2", "--repeats=2",
+        f"--json_out={out}", f"--trace_dir={tmp_path / 'trace'}",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (record,) = json.loads(out.read_text())["records"]
+    spent = record["trace_us_per_attention"]
+    assert spent["busy"] > 0 and spent["span"] >= spent["busy"]
+    assert record["trace"] and all(row["launches"] >= 1 for row in record["trace"])
+    assert "traced span" in proc.stdout and list((tmp_path / "trace").rglob("*.trace.json.gz"))
+
+
 @pytest.mark.parametrize(
     "flag, message",
     [

@@ -38,6 +38,8 @@
 #             runs, r = 1 then r = 8 (xla_cudnn)
 #   gemm_clocks  issue 5: the bf16 GEMM rate in bursts of 10 and sustained over 100 and 400
 #             8192^3 matmuls, with the SM clock and power per phase
+#   hbm_read  issue 5: the read-only streaming rate (XLA reduction, cuBLAS GEMV both ways) and
+#             the copy rate over 2 GiB, CUPTI device time
 #   prefill_attention  issue 5: one layer's causal prefill attention, XLA, cuDNN, Mosaic GPU,
 #             PyTorch, T = 1024 and 4096
 #   decode_attention  issue 5: one layer's decode attention, XLA, cuDNN, Pallas, PyTorch
@@ -59,7 +61,7 @@ for stage in "$@"; do
   case "$stage" in
   tests | pallas | pallas_steps | pallas_barrier | pallas_l2 | chain_nocb | chain | chain_hbm | core | core_hbm | adapter) ;;
   core_xla_gemm | core_flags | decode_attention | prefill_attention | generate | generate_mem | train) ;;
-  gemv | core_rows | core_prefill | core_cb | core_clocks | gemm_clocks) ;;
+  gemv | core_rows | core_prefill | core_cb | core_clocks | gemm_clocks | hbm_read) ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done
@@ -294,11 +296,18 @@ stage_gemm_clocks() {
   python3 tools/smi_phases.py "$d/smi.csv" "$d/phases.txt"
 }
 
+stage_hbm_read() {
+  local d=$1
+  timeout 120 python3 tools/hbm_read.py > "$d/hbm_read.txt" 2>&1
+  grep -v "^I1" "$d/hbm_read.txt"
+}
+
 stage_prefill_attention() {
   local d=$1
-  timeout 200 python3 -m experiments.prefill_attention --tokens=1024,4096 \
+  # shellcheck disable=SC2086  # PA_ARGS: more flags, e.g. --trace_dir=DIR
+  timeout 200 python3 -m experiments.prefill_attention --tokens=1024,4096 ${PA_ARGS:-} \
     --json_out="$d/prefill_attention.json" > "$d/prefill_attention.txt" 2>&1
-  tail -12 "$d/prefill_attention.txt"
+  tail -40 "$d/prefill_attention.txt"
 }
 
 stage_generate_mem() {

@@ -75,7 +75,7 @@ def inputs(rows, columns, copies, key):
 def time_case(ws, x, gemv, kw):
     fn = jax.jit(lambda ws, x: [gemv(w, x, **kw) for w in ws])
     jax.block_until_ready(fn(ws, x))
-    us, kernels, _ = cupti_us(lambda: fn(ws, x), FLAGS.reps)
+    us, kernels, _ = cupti_us(fn, FLAGS.reps, ws, x)
     if us is None:  # CUPTI saw no kernel (or is unavailable): wall time, "kernels": null
         us = wall_us(lambda: fn(ws, x), FLAGS.reps)
     return us / len(ws), kernels and kernels // len(ws)
