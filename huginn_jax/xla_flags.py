@@ -7,9 +7,11 @@ attention projection padded that weight to [5312, 5280] at every Core iteration 
 iteration 5.99 ms instead of 6.24 ms. "xla" keeps XLA's own choice.
 
 `use_command_buffers(False)` turns XLA's command buffers (CUDA graphs) off, so that every kernel
-is launched on its own. In a traced Core call (r = 8, decode) XLA re-recorded its while body's
-CUDA graph at the first iteration of every call: the GPU sat idle for the 352 us that launch took
-on the host (`results/2026-11-30-h200/core_trace_xla_rows-decode-1-1024-8_session7.json.gz`).
+is launched on its own. In a traced Core call (r = 8, decode) the first launch of the while
+body's graph took 352 us on the host (later ones ~100 us), the GPU idle meanwhile
+(`results/2026-11-30-h200/core_trace_xla_rows-decode-1-1024-8_session7.json.gz`); yet without
+command buffers the decode iteration was 3-4 % slower (more time between kernels), so
+experiments.core keeps them on by default (`core_{cb,nocb}_decode_session8.txt`).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
     python3 tools/gemm_sustained.py [--counts=10,100,400] [--phases=phases.txt]
 
-The seeds' ceiling (shared/DEVICE.md, ~790 TFLOP/s) is the mean of ten matmuls after warm-up: a
-burst of ~14 ms. A Core prefill call at r = 8 keeps the tensor cores busy for ~45 ms, and a timing
+shared/DEVICE.md's ceiling (~790 TFLOP/s) is the mean of ten matmuls after warm-up: a burst of
+~14 ms. A Core prefill call at r = 8 keeps the tensor cores busy for ~45 ms, and a timing
 loop for seconds, long enough for the board's power limit to lower the clock. Each N: matmuls
 dispatched back to back, then one wait; TFLOP/s over the wall time, median of 5 repeats with a
 second of idle before each. With --phases, writes 'HH:MM:SS.micro N=... start|end' lines for

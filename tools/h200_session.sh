@@ -38,8 +38,8 @@
 #             runs, r = 1 then r = 8 (xla_cudnn)
 #   gemm_clocks  issue 5: the bf16 GEMM rate in bursts of 10 and sustained over 100 and 400
 #             8192^3 matmuls, with the SM clock and power per phase
-#   hbm_read  issue 5: the read-only streaming rate (XLA reduction, cuBLAS GEMV both ways) and
-#             the copy rate over 2 GiB, CUPTI device time
+#   hbm_read  issue 5: the read-only streaming rate (XLA reduction, cuBLAS GEMV over 2 GiB and
+#             at the Core's shapes) and XLA's copy rate, CUPTI device time
 #   prefill_attention  issue 5: one layer's causal prefill attention, XLA, cuDNN, Mosaic GPU,
 #             PyTorch, T = 1024 and 4096
 #   decode_attention  issue 5: one layer's decode attention, XLA, cuDNN, Pallas, PyTorch

@@ -6,8 +6,12 @@ Device time of the kernels of one call (CUPTI, median of `reps`) over bf16 weigh
 reading HBM (each weight > L2, or the Core's weights rotated over > 2 x L2):
   sum       XLA's reduction of W [K, N] over K to [N], `gib` GiB (reads W once)
   gemv      x [1, K] @ W [K, N], XLA's dot in cuBLAS as experiments.core runs it, `gib` GiB
-  copy      W + 1 written to a new array, `gib` GiB (read + write: DEVICE.md's copy bandwidth)
-  gemv KxN  the same GEMV at each of the Core's decode shapes (huginn-0125)
+  copy      W + 1 written to a new array, `gib` GiB (read + write; shared/DEVICE.md's 4.25 TB/s
+            is a device-to-device memcpy)
+  gemv NAME xC  the GEMV at one of the Core's decode shapes (huginn-0125), C weight copies, each
+            with its own x (with one x shared by 3 copies, the first run on the H200 ran the
+            attention proj's GEMVs as 5 kernels at 1.58 TB/s; XLA can merge dots that share an
+            operand)
 Rates in TB/s of bytes moved.
 """
 
@@ -66,10 +70,10 @@ def main() -> None:
     del w
     for name, (rows, columns) in CORE_SHAPES.items():
         ws = weights(rows, columns, 2 * L2_BYTES, jax.random.key(1))
-        x = jnp.ones((1, rows), jnp.bfloat16)
-        gemvs = jax.jit(lambda x, ws: [x @ w for w in ws])
+        xs = [jnp.full((1, rows), i + 1, jnp.bfloat16) for i in range(len(ws))]
+        gemvs = jax.jit(lambda xs, ws: [x @ w for x, w in zip(xs, ws, strict=True)])
         nbytes = sum(w.nbytes for w in ws)
-        report(f"gemv {name} x{len(ws)}", gemvs, nbytes, args.reps, x, ws)
+        report(f"gemv {name} x{len(ws)}", gemvs, nbytes, args.reps, xs, ws)
 
 
 if __name__ == "__main__":
