@@ -1,4 +1,5 @@
-"""huginn_jax.xla_flags: the GEMM choice goes into XLA_FLAGS, and only before the backend starts."""
+"""huginn_jax.xla_flags: the GEMM choice and command buffers go into XLA_FLAGS, and only before the
+backend starts."""
 
 import subprocess
 import sys
@@ -6,7 +7,7 @@ import sys
 import jax
 import pytest
 
-from huginn_jax.xla_flags import TRITON_GEMM_OFF, use_gemm
+from huginn_jax.xla_flags import COMMAND_BUFFERS_OFF, TRITON_GEMM_OFF, use_gemm
 
 
 def test_unknown_choice_fails_clearly():
@@ -34,3 +35,19 @@ def test_choice_sets_and_clears_the_flag_in_a_fresh_process():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout.splitlines()
     assert out == [f"--xla_dump_to=/tmp/x {TRITON_GEMM_OFF}"] * 2 + ["--xla_dump_to=/tmp/x"]
+
+
+def test_command_buffers_off_adds_the_empty_list_and_on_removes_it():
+    code = (
+        "import os; from huginn_jax.xla_flags import use_command_buffers, use_gemm; "
+        "os.environ['XLA_FLAGS'] = '--xla_dump_to=/tmp/x'; "
+        "use_gemm('cublas'); use_command_buffers(False); print(os.environ['XLA_FLAGS']); "
+        "use_command_buffers(True); print(os.environ['XLA_FLAGS'])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert out == [
+        f"--xla_dump_to=/tmp/x {TRITON_GEMM_OFF} {COMMAND_BUFFERS_OFF}",
+        f"--xla_dump_to=/tmp/x {TRITON_GEMM_OFF}",
+    ]
