@@ -736,11 +736,7 @@ def main(argv: list[str]) -> None:
                     per="iter",
                 )
             )
-            spent = rec["trace_us_per_iteration"]
-            print(
-                f"traced span {spent['span']:.1f} µs per iteration (3 calls): "
-                f"{spent['busy']:.1f} busy, {spent['gaps']:.1f} between kernels"
-            )
+            print(trace_lib.per_unit_line(rec["trace_us_per_iteration"], "iteration (3 calls)"))
     for line in scaling_lines(result["records"]):
         print(line)
     if FLAGS.json_out:

@@ -182,10 +182,7 @@ def trace_call(impl: str, q, k, v, label: str) -> dict:
         units=FLAGS.sets,
     )
     print(trace_lib.side_by_side({label: rows}, top=8, per="attn"))
-    print(
-        f"traced span {spent['span']:.1f} µs per attention: {spent['busy']:.1f} busy, "
-        f"{spent['gaps']:.1f} between kernels"
-    )
+    print(trace_lib.per_unit_line(spent, "attention"))
     return {"trace": [dataclasses.asdict(r) for r in rows], "trace_us_per_attention": spent}
 
 

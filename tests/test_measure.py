@@ -174,6 +174,9 @@ def test_timeline_splits_the_span_into_busy_time_and_gaps():
     assert 0.9 * total < spent.busy <= total
     assert spent.span > spent.busy
     assert trace.per_unit(trace.timeline(made), 2) == {"span": 6.5, "busy": 3.0, "gaps": 3.5}
+    assert trace.per_unit_line(trace.per_unit(trace.timeline(made), 2), "chain") == (
+        "traced span 6.5 µs per chain: 3.0 busy, 3.5 between kernels"
+    )
     with pytest.raises(ValueError, match="units=0"):
         trace.per_unit(spent, 0)
 

@@ -141,6 +141,14 @@ def per_unit(spent: Timeline, units: int) -> dict[str, float]:
     return {"span": spent.span / units, "busy": spent.busy / units, "gaps": spent.gaps / units}
 
 
+def per_unit_line(spent: Mapping[str, float], unit: str) -> str:
+    """`per_unit`'s dict as one line: 'traced span S µs per UNIT: B busy, G between kernels'."""
+    return (
+        f"traced span {spent['span']:.1f} µs per {unit}: {spent['busy']:.1f} busy, "
+        f"{spent['gaps']:.1f} between kernels"
+    )
+
+
 def timeline(events: Iterable[Mapping[str, Any]]) -> Timeline:
     intervals = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events)
     if not intervals:
