@@ -25,6 +25,22 @@ def positive_ints(name: str, values: list[str]) -> list[int]:
     return ints
 
 
+def check_writable(path: str) -> None:
+    """UserError unless a file can be created at `path` (its folder exists or can be made, and
+    is writable): checked before a measurement, not after it."""
+    import os
+    from pathlib import Path
+
+    folder = Path(path).resolve().parent
+    existing = folder
+    while not existing.exists():
+        existing = existing.parent
+    if Path(path).is_dir():
+        raise UserError(f"{path}: is a directory, not a file path")
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{path}: cannot write there ({existing} is not a writable directory)")
+
+
 def flag_values(names) -> dict:
     """{name: value} of the parsed absl flags `names` (for a results JSON's environment)."""
     return {name: flags.FLAGS[name].value for name in names}

@@ -1,7 +1,7 @@
 """Cost model of one Huginn Core iteration: parameter storage, matmul FLOPs, HBM traffic, roofline.
 
-Reproduces Chapter 2 and Appendix A of the seeds. Units everywhere: bytes (B), FLOPs (a
-multiply-add counts 2), seconds; "GB" means 1e9 B. Counting rules:
+Reproduces Chapter 2 and Appendix A of the profiling study (see the README). Units everywhere:
+bytes (B), FLOPs (a multiply-add counts 2), seconds; "GB" means 1e9 B. Counting rules:
 - Every op reads its weights from HBM once, reads its input activation once and writes its output
   once. Per-iteration weights are therefore re-read at every Core iteration (no cache reuse).
 - Only matrix multiplications count as FLOPs. Elementwise work (RMSNorm, residual adds, qk_bias,
@@ -49,7 +49,8 @@ DEVICES: dict[str, DeviceSpec] = {
         l2_bytes=int(126.5 * MiB),
         num_sms=148,
         smem_per_block_bytes=232_448,
-        source="the seeds: NVIDIA B200 published specs (2,250 TFLOP/s, 8 TB/s), L2 as reported",
+        source="the profiling study: NVIDIA B200 published specs (2,250 TFLOP/s, 8 TB/s), L2 as "
+        "reported there",
     ),
     "h200": DeviceSpec(
         name="h200",
@@ -58,16 +59,18 @@ DEVICES: dict[str, DeviceSpec] = {
         l2_bytes=60 * MiB,
         num_sms=132,
         smem_per_block_bytes=232_448,
-        source="NVIDIA H200 SXM datasheet; L2, SMs and smem as measured (shared/DEVICE.md)",
+        source="NVIDIA H200 SXM datasheet; L2, SMs and smem as measured on the H200",
     ),
+    # The ceilings `experiments.ceilings` measured on the H200 (results/h200/ceilings.json; a
+    # test keeps the two equal): read-only streaming rate and sustained bf16 GEMM rate.
     "h200_measured": DeviceSpec(
         name="h200_measured",
-        peak_bf16_flops=790e12,
-        hbm_bandwidth=4.25e12,
+        peak_bf16_flops=708.9e12,
+        hbm_bandwidth=4.243e12,
         l2_bytes=60 * MiB,
         num_sms=132,
         smem_per_block_bytes=232_448,
-        source="H200 ceilings measured here: 8192^3 bf16 matmul, 1 GiB D2D copy (DEVICE.md)",
+        source="results/h200/ceilings.json: sustained bf16 GEMM rate, read-only streaming rate",
     ),
     "h100": DeviceSpec(
         name="h100",
@@ -290,7 +293,7 @@ def headline(
     iterations: int = 32,
     dtype_bytes: int = 2,
 ) -> dict[str, float | int | str]:
-    """The seeds' Chapter 2 / Appendix A numbers for `device` (GB = 1e9 B, ms, us).
+    """The profiling study's Chapter 2 / Appendix A numbers for `device` (GB = 1e9 B, ms, us).
 
     Adapter [M, 2h] @ [2h, h] alone (no concatenation): M = batch for decode,
     M = batch * context for prefill.

@@ -21,6 +21,8 @@ def cupti_us(fn, reps: int, *args) -> tuple[float | None, int | None, str]:
         _, runs = profiler.measure(fn, aggregate=False, iterations=reps)(*args)
         if not runs:
             return None, None, "CUPTI saw no kernels"
+        if isinstance(runs[0], tuple):  # iterations=1: one run's (name, ms) pairs, not nested
+            runs = [runs]
         total = statistics.median(sum(t for _, t in run) for run in runs) * 1e3
         return total, len(runs[0]), f"{len(runs[0])} kernel(s)"
     except Exception as e:  # CUPTI can be unavailable; wall-clock still prints

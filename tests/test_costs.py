@@ -132,7 +132,6 @@ def test_op_names_readable():
 
 
 def test_devices():
-    assert costs.get_device("h200_measured").peak_bf16_flops == 790e12
     assert costs.get_device("h200").l2_bytes == 60 * 2**20
     assert set(costs.DEVICES) == {"b200", "h200", "h200_measured", "h100"}
     with pytest.raises(ValueError, match="known: b200"):
@@ -191,3 +190,13 @@ def test_program_bad_flag_one_line_exit_2(flag):
     assert len(lines) == 1, proc.stderr
     assert "Traceback" not in proc.stderr
     assert flag.split("=")[0].lstrip("-") in lines[0]
+
+
+def test_h200_measured_is_the_stored_ceilings_file():
+    """The cost model's measured H200 is the ceilings file the project measured, to 4 digits."""
+    from experiments.measure import ceilings
+
+    stored = ceilings.load(ceilings.default_path("NVIDIA H200"))
+    spec = costs.get_device("h200_measured")
+    assert spec.hbm_bandwidth == pytest.approx(stored.read_bytes_per_s, rel=1e-3)
+    assert spec.peak_bf16_flops == pytest.approx(stored.bf16_flops_per_s, rel=1e-3)

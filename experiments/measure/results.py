@@ -124,20 +124,28 @@ def _clean(obj: Any) -> Any:
     return obj
 
 
-def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:
-    """Writes `obj` as JSON to `path` via a temporary file and a rename; creates parent dirs."""
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Writes `text` to `path` via a temporary file and a rename (readers never see half a
+    file); creates parent dirs; the file gets the usual 0644-style mode (umask applied)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(_clean(obj), f, indent=1, allow_nan=False)
-            f.write("\n")
+            f.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:
+    """Writes `obj` as strict JSON to `path` atomically (`write_text_atomic`)."""
+    return write_text_atomic(path, json.dumps(_clean(obj), indent=1, allow_nan=False) + "\n")
 
 
 def write_results(path: str | os.PathLike, flag_values: dict[str, Any], payload: dict) -> Path:

@@ -1,0 +1,79 @@
+"""experiments.headline: several processes' results combined into median and range."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from experiments import headline
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def core_run(times: dict[str, float]) -> dict:
+    case = {"mode": "decode", "batch": 1, "context": 1024, "iterations": 8}
+    return {
+        "environment": {"argv": ["/x/experiments/core.py"]},
+        "records": [{**case, "impl": impl, "ms_per_iteration": t} for impl, t in times.items()],
+    }
+
+
+def test_median_range_and_vs_best_from_the_processes():
+    runs = [
+        core_run({"xla": 1.0, "torch_compile": 1.2, "only_here": 5.0}),
+        core_run({"xla": 1.4, "torch_compile": 0.9}),
+        core_run({"xla": 1.1, "torch_compile": 1.0}),
+    ]
+    records = {r["impl"]: r for r in headline.combine(runs, headline.PROGRAMS["core"])}
+    assert set(records) == {"xla", "torch_compile"}  # only_here ran in one process
+    xla, torch = records["xla"], records["torch_compile"]
+    assert xla["ms_per_iteration"] == 1.1 and (xla["min"], xla["max"]) == (1.0, 1.4)
+    assert torch["ms_per_iteration"] == 1.0 and torch["per_process"] == [1.2, 0.9, 1.0]
+    assert xla["vs_best"] == pytest.approx(1.0 / 1.1)
+    assert torch["vs_best"] == pytest.approx(1.1 / 1.0)
+
+
+def test_program_name_from_argv_of_a_module_and_a_package():
+    assert headline.program_of({"environment": {"argv": ["/a/experiments/core.py"]}}, "f") == "core"
+    package = {"environment": {"argv": ["/a/experiments/chain/__main__.py"]}}
+    assert headline.program_of(package, "f") == "chain"
+
+
+def run_cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "experiments.headline", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
+
+
+def test_cli_writes_json_and_table(tmp_path):
+    paths = []
+    for i, t in enumerate((1.0, 1.3, 1.2)):
+        path = tmp_path / f"run{i}.json"
+        path.write_text(json.dumps(core_run({"xla": t, "torch_graph": 1.5})))
+        paths.append(str(path))
+    out = tmp_path / "headline.json"
+    proc = run_cli(*paths, f"--json_out={out}", f"--txt_out={tmp_path / 'h.txt'}")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    xla = next(r for r in data["records"] if r["impl"] == "xla")
+    assert xla["ms_per_iteration"] == 1.2 and xla["vs_best"] == pytest.approx(1.5 / 1.2)
+    assert "1.000-1.300" in proc.stdout and (tmp_path / "h.txt").read_text() in proc.stdout + "\n"
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(core_run({"xla": 1.0})))
+    few = run_cli(str(path), str(path))
+    assert few.returncode == 2 and "at least 3" in few.stderr and "Traceback" not in few.stderr
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    broken = run_cli(str(path), str(path), str(bad))
+    assert broken.returncode == 2 and len(broken.stderr.strip().splitlines()) == 1
+    unwritable = run_cli(str(path), str(path), str(path), f"--json_out={path}/x.json")
+    assert unwritable.returncode == 2 and "cannot write" in unwritable.stderr
