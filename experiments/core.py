@@ -22,11 +22,21 @@ random, never zeros); prefill = `context` new positions from position 0. Impleme
                   float16 copies (the model's attention_impl="mgpu"; GPU only)
   xla_probe       the issue's plain-XLA probe: the same Core, the cache as [r, L, B, S, H, K]
                   arrays in the scan carry written with `.at[i, j, :, pos].set`, not donated
-  torch_graph     the same Core in PyTorch, static cache written in place, CUDA-graph replay
+  torch_compile   the same Core in PyTorch, the fast Core's iteration through torch.compile
+                  (--torch_compile_mode), compiled once, r iterations replayed from one CUDA
+                  graph (reduce-overhead: Inductor's own CUDA graphs); compile time reported
+                  apart (compile_seconds)
+  torch_graph     the fast Core written by hand (fused RMSNorm, cached RoPE tables, SDPA, views,
+                  static cache written in place), r iterations replayed from one CUDA graph
   torch_eager     the same, eager
+  torch_reference the reference-faithful Core (float32 RMSNorm by hand, RoPE recomputed with
+                  torch.stack), r iterations replayed from one CUDA graph
   torch_teaching  the seeds' teaching cache: history re-concatenated with torch.cat (eager)
-(`--impls=torch` means all three.) Timing: `measure.timing.time_fn`, caches not flushed; each
-call restarts from the same state and history, as in the seeds.
+(`--impls=torch` means all five; experiments.torch_ref.core_runner; torch_compile, torch_graph
+and torch_reference need CUDA.) Each torch impl's Core code is also checked once per process
+against the conformance checkpoint (experiments.torch_ref.conformance); a failure ends the run.
+Timing: `measure.timing.time_fn`, caches not flushed; each call restarts from the same state and
+history, as in the seeds.
 """
 
 from __future__ import annotations
@@ -53,12 +63,23 @@ import pallas_kernels.decode_attention  # noqa: E402, F401 (registers the "palla
 import pallas_kernels.fused_gemv  # noqa: E402, F401 (registers the "pallas" row GEMV)
 from experiments import cli  # noqa: E402
 from experiments.cli import UserError  # noqa: E402
+from experiments.measure import ceilings as ceilings_lib  # noqa: E402
+from experiments.measure import (
+    compare,  # noqa: E402
+    timing,  # noqa: E402
+)
 from experiments.measure import hlo as hlo_lib  # noqa: E402
 from experiments.measure import ncu as ncu_lib  # noqa: E402
 from experiments.measure import results as results_lib  # noqa: E402
-from experiments.measure import timing  # noqa: E402
 from experiments.measure import trace as trace_lib  # noqa: E402
 from experiments.torch_ref import chain as torch_chain  # noqa: E402 (imports no torch)
+from experiments.torch_ref.core_runner import (  # noqa: E402 (imports no torch)
+    COMPILE_MODES,
+    CUDA_ONLY_IMPLS,
+    TORCH_IMPLS,
+    TorchRunner,
+    torch_device,
+)
 from huginn_jax import costs  # noqa: E402
 from huginn_jax.checkpoint import CheckpointError, from_pretrained  # noqa: E402
 from huginn_jax.config import HuginnConfig  # noqa: E402
@@ -76,7 +97,14 @@ def define_flags() -> None:
     flags.DEFINE_list("iterations", ["1", "8"], "Core iterations per call (a list).")
     flags.DEFINE_list("context", ["1024"], "Cached positions (decode) or new positions (prefill).")
     flags.DEFINE_list("batch", ["1"], "Sequences (a list).")
-    flags.DEFINE_list("impls", ["xla", "torch"], "xla, torch (= the three torch_* impls) or names.")
+    flags.DEFINE_list("impls", ["xla", "torch"], "xla, torch (= the five torch_* impls) or names.")
+    flags.DEFINE_enum(
+        "torch_compile_mode",
+        "default",
+        list(COMPILE_MODES),
+        "torch.compile's mode for torch_compile (reduce-overhead: Inductor's CUDA graphs, "
+        "otherwise one CUDA graph captured around the r compiled iterations).",
+    )
     flags.DEFINE_string(
         "config",
         "huginn_0125",
@@ -99,6 +127,12 @@ def define_flags() -> None:
         "XLA's command buffers (CUDA graphs; XLA's default). --nocommand_buffers launches each "
         "kernel on its own (the Core decode was 3-4 % slower so on the H200).",
     )
+    flags.DEFINE_string(
+        "ceilings",
+        "",
+        "Measured ceilings JSON (experiments.ceilings); '' = results/<device>/ceilings.json "
+        "when it exists.",
+    )
     flags.DEFINE_integer("warmup", 3, "Untimed calls.")
     flags.DEFINE_integer("repeats", 20, "Timed calls (median reported).")
     flags.DEFINE_integer("seed", 0, "Seed of weights, state and history.")
@@ -113,7 +147,6 @@ def define_flags() -> None:
     )
 
 
-TORCH_IMPLS = ("torch_graph", "torch_eager", "torch_teaching")
 # XLA impls that are `xla` with other attention / decode settings of the model config.
 XLA_VARIANTS = {
     "xla_cudnn": {"attention_impl": "cudnn", "decode_attention_impl": "cudnn"},
@@ -122,7 +155,7 @@ XLA_VARIANTS = {
     "xla_rows": {"decode_attention_impl": "pallas", "decode_gemv": "pallas"},
     "xla_mgpu": {"attention_impl": "mgpu", "decode_attention_impl": "pallas"},
 }
-GPU_ONLY_IMPLS = ("torch_graph", "xla_cudnn", "xla_mgpu")
+GPU_ONLY_IMPLS = (*CUDA_ONLY_IMPLS, "xla_cudnn", "xla_mgpu")
 XLA_IMPLS = ("xla", *XLA_VARIANTS, "xla_probe")
 IMPLS = (*XLA_IMPLS, *TORCH_IMPLS)
 NCU_CALLS = 2
@@ -350,53 +383,6 @@ class XlaRunner:
         self.cache = self.compiled = None
 
 
-class TorchRunner:
-    """The same Core in PyTorch over the same weights and history (shared through DLPack)."""
-
-    def __init__(self, impl: str, params, cfg, state, embedded, cache, case: Case, dtype_name):
-        import torch
-
-        from experiments.torch_ref.core import TorchCore, to_torch_fn
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
-        convert = to_torch_fn(device, dtype)
-        self.core = TorchCore(params, cfg, convert)
-        self.state, self.embedded = convert(state), convert(embedded)
-        self.k, self.v = convert(cache.k), convert(cache.v)
-        self.case = case
-        self.sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-        n = case.iterations * cfg.n_core
-        start = case.start
-        if impl == "torch_teaching":
-            history = [(self.k[s, :, :start], self.v[s, :, :start]) for s in range(n)]
-            self.fn = lambda: self.core.run_teaching(
-                self.state, self.embedded, case.iterations, start, history
-            )
-        else:
-            self.fn = lambda: self.core.run_static(
-                self.state, self.embedded, case.iterations, start, self.k, self.v
-            )
-        if impl == "torch_graph":
-            self.fn = self._capture(self.fn)
-
-    def _capture(self, fn):
-        graph, out = torch_chain.capture_graph(fn, warmup=2)
-
-        def replay():
-            graph.replay()
-            return out
-
-        return replay
-
-    def __call__(self):
-        return self.fn()
-
-    def release(self):
-        self.fn = self.core = self.k = self.v = None
-        release_torch_memory()
-
-
 def to_numpy(out) -> np.ndarray:
     if hasattr(out, "detach"):
         return out.detach().float().cpu().numpy()
@@ -422,16 +408,20 @@ def cost_of(cfg, case: Case, dtype_bytes: int) -> dict:
     }
 
 
-def device_ceilings(device_kind: str) -> dict | None:
-    """Measured ceilings for the device the run is on (None if unknown, e.g. on CPU)."""
-    if "H200" in device_kind:
-        spec = costs.get_device("h200_measured")
-        return {
-            "name": spec.name,
-            "hbm_bandwidth": spec.hbm_bandwidth,
-            "bf16_flops": spec.peak_bf16_flops,
-        }
-    return None
+def device_ceilings(device_kind: str) -> ceilings_lib.Ceilings | None:
+    """The project's measured ceilings for this device (`--ceilings` or the device's results
+    file); None where it has none, e.g. on a CPU."""
+    try:
+        return ceilings_lib.for_device(device_kind, FLAGS.ceilings or None)
+    except ceilings_lib.CeilingsError as e:
+        raise UserError(f"--ceilings: {e}") from None
+
+
+def check_tolerance(dtype_name: str, iterations: int) -> float:
+    """Largest relative (Frobenius) difference allowed between two implementations' output
+    states: rounding grows with the number of chained layers, roughly as its square root."""
+    base = 6e-3 if dtype_name == "bf16" else 3e-5
+    return base * max(1.0, iterations) ** 0.5
 
 
 def record(case: Case, impl: str, samples: timing.Samples, cost: dict, ceilings) -> dict:
@@ -447,16 +437,29 @@ def record(case: Case, impl: str, samples: timing.Samples, cost: dict, ceilings)
         "cost_model": cost,
     }
     if ceilings:
-        floor = (cost["weight_bytes"] + cost["kv_read_bytes"]) / ceilings["hbm_bandwidth"]
+        floor = (cost["weight_bytes"] + cost["kv_read_bytes"]) / ceilings.read_bytes_per_s
         rec["pct_hbm_floor"] = 100 * floor / t
-        rec["pct_bf16_gemm"] = 100 * (cost["flops"] / t) / ceilings["bf16_flops"]
+        rec["pct_bf16_gemm"] = 100 * (cost["flops"] / t) / ceilings.bf16_flops_per_s
     return rec
+
+
+TABLE_LEGEND = """\
+vs best   the other framework's fastest ms/iter in the same case / this row's (> 1: ahead)
+%floor    (weights + KV read) at the measured read-only streaming rate / ms/iter
+%gemm     TFLOP/s / the measured sustained bf16 GEMM rate
+HBM/pred  bytes read (ncu, --hbm) / the cost model's
+-         not measured: no ceilings file for this device, no rival of the other framework,
+          or no --hbm"""
+
+
+def _optional(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def format_table(records: list[dict]) -> str:
     head = (
-        f"{'mode':<8}{'B':>4}{'ctx':>6}{'r':>4} {'impl':<15}{'ms/iter':>9}{'p10-p90':>15}"
-        f"{'GB/s w+kv':>10}{'%floor':>7}{'TFLOP/s':>9}{'%gemm':>6}{'HBM/pred':>9}"
+        f"{'mode':<8}{'B':>4}{'ctx':>6}{'r':>4} {'impl':<16}{'ms/iter':>9}{'p10-p90':>15}"
+        f"{'vs best':>8}{'GB/s w+kv':>10}{'%floor':>7}{'TFLOP/s':>9}{'%gemm':>6}{'HBM/pred':>9}"
     )
     lines = [head, "-" * len(head)]
     for r in records:
@@ -466,13 +469,14 @@ def format_table(records: list[dict]) -> str:
         hbm = r.get("hbm") or {}
         ratio = hbm.get("read_over_prediction")
         lines.append(
-            f"{r['mode']:<8}{r['batch']:>4}{r['context']:>6}{it:>4} {r['impl']:<15}"
-            f"{r['ms_per_iteration']:>9.3f}{spread:>15}{r['weights_kv_gbps']:>10.0f}"
-            f"{r.get('pct_hbm_floor', float('nan')):>7.1f}{r['tflops']:>9.1f}"
-            f"{r.get('pct_bf16_gemm', float('nan')):>6.1f}"
-            f"{(f'{ratio:.3f}' if ratio else '-'):>9}"
+            f"{r['mode']:<8}{r['batch']:>4}{r['context']:>6}{it:>4} {r['impl']:<16}"
+            f"{r['ms_per_iteration']:>9.3f}{spread:>15}"
+            f"{compare.format_vs_best(r.get('vs_best')):>8}{r['weights_kv_gbps']:>10.0f}"
+            f"{_optional(r.get('pct_hbm_floor'), '.1f'):>7}{r['tflops']:>9.1f}"
+            f"{_optional(r.get('pct_bf16_gemm'), '.1f'):>6}"
+            f"{_optional(ratio, '.3f'):>9}"
         )
-    return "\n".join(lines)
+    return "\n".join([*lines, TABLE_LEGEND])
 
 
 # ---------------------------------------------------------------- one case
@@ -488,7 +492,15 @@ def make_runner(impl, cfg, graphdef, params, case, dtype_name):
             core_graphdef(variant, jax_dtype(dtype_name)), params, state, embedded, cache, case
         )
     return TorchRunner(
-        impl, nnx.to_pure_dict(params), cfg, state, embedded, cache, case, dtype_name
+        impl,
+        nnx.to_pure_dict(params),
+        cfg,
+        state,
+        embedded,
+        cache,
+        case,
+        dtype_name,
+        compile_mode=FLAGS.torch_compile_mode,
     )
 
 
@@ -524,8 +536,19 @@ def run_case(impl, cfg, graphdef, params, case, dtype_name, ceilings, hlo_dir) -
         case, impl, samples, cost_of(cfg, case, 2 if dtype_name == "bf16" else 4), ceilings
     )
     rec.update(extra)
+    if getattr(runner, "compile_seconds", None) is not None:  # torch_compile: apart from timing
+        rec["compile_seconds"] = runner.compile_seconds
+        rec["torch_compile_mode"] = FLAGS.torch_compile_mode
     runner.release()
     return rec, out
+
+
+@functools.cache
+def torch_conformance(impl: str, device: str, compile_mode: str) -> dict:
+    """`conformance.check_core_impl`, once per (impl, device, mode) in a process."""
+    from experiments.torch_ref.conformance import check_core_impl
+
+    return check_core_impl(impl, device, compile_mode)
 
 
 def trace_all(records: list[dict], cfg, graphdef, params) -> None:
@@ -589,6 +612,7 @@ def hbm_pass(impl: str, case: Case, ncu: str) -> dict:
         f"--seed={FLAGS.seed}",
         f"--weights={FLAGS.weights}",
         f"--gemm={FLAGS.gemm}",
+        f"--torch_compile_mode={FLAGS.torch_compile_mode}",
     ]
     with tempfile.TemporaryDirectory(prefix="core-ncu-") as out:
         text = ncu_lib.run_ncu(
@@ -630,6 +654,7 @@ def run(cases: list[Case], impls: list[str]) -> dict:
     grid = [(c, i) for c in cases for i in impls]
     outputs: dict[tuple, np.ndarray] = {}
     failures = []
+    conformance: dict[str, dict] = {}  # torch impl -> its Core's check against huginn_tiny_a
     for case, impl in tqdm(grid, desc="core", disable=len(grid) < 2, file=sys.stderr):
         try:
             rec, out = run_case(
@@ -645,17 +670,24 @@ def run(cases: list[Case], impls: list[str]) -> dict:
             continue
         records.append(rec)
         outputs[(case, impl)] = out
+        if impl in TORCH_IMPLS and impl not in conformance:
+            check = torch_conformance(impl, torch_device(), FLAGS.torch_compile_mode)
+            conformance[impl] = check
+            print(
+                f"conformance {impl} ({check['core']} Core) vs huginn_tiny_a: max abs err "
+                f"{check['max_abs_err']:.2e} (tolerance {check['tolerance']:.0e})"
+            )
+            if not check["passed"]:
+                raise UserError(
+                    f"{impl}: its Core code misses the conformance logits (max abs err "
+                    f"{check['max_abs_err']:.2e} > {check['tolerance']:.0e}); timings void"
+                )
     if FLAGS.trace_dir:
         trace_all(records, cfg, graphdef, params)
-    for case in cases:
-        if (case, "xla") not in outputs:
-            continue
-        ref = outputs[(case, "xla")]
-        for impl in impls:
-            if impl != "xla" and (case, impl) in outputs:
-                got = outputs[(case, impl)]
-                rel = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
-                checks.append({**dataclasses.asdict(case), "impl": impl, "rel_err_vs_xla": rel})
+    compare.add_vs_best(
+        records, group_keys=("mode", "batch", "context", "iterations"), time_key="ms_per_iteration"
+    )
+    checks = agreement_checks(cases, impls, outputs, FLAGS.dtype)
     ncu = ncu_lib.find_ncu() if FLAGS.hbm else None
     if FLAGS.hbm and (not on_gpu or ncu is None):
         print(ncu_lib.SKIP_LINE)
@@ -675,7 +707,42 @@ def run(cases: list[Case], impls: list[str]) -> dict:
                 rec["cost_model"]["weight_bytes"] + rec["cost_model"]["kv_read_bytes"]
             )
             rec["hbm"] = hbm
-    return {"records": records, "checks": checks, "ceilings": ceilings, "failures": failures}
+    return {
+        "records": records,
+        "checks": checks,
+        "ceilings": ceilings.to_dict() if ceilings else None,
+        "failures": failures,
+        "conformance": list(conformance.values()),
+    }
+
+
+def agreement_checks(cases, impls, outputs: dict, dtype_name: str) -> list[dict]:
+    """Every impl's output state against the case's reference impl (`xla` when it ran, else the
+    first XLA impl): relative Frobenius difference and whether it is within tolerance."""
+    checks = []
+    for case in cases:
+        ran = [impl for impl in impls if (case, impl) in outputs]
+        reference = next((impl for impl in ran if impl in XLA_IMPLS), None)
+        if reference is None:
+            continue
+        ref = outputs[(case, reference)]
+        tolerance = check_tolerance(dtype_name, case.iterations)
+        for impl in ran:
+            if impl == reference:
+                continue
+            got = outputs[(case, impl)]
+            rel = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+            checks.append(
+                {
+                    **dataclasses.asdict(case),
+                    "impl": impl,
+                    "reference": reference,
+                    "rel_err": rel,
+                    "tolerance": tolerance,
+                    "passed": bool(rel <= tolerance),  # NaN fails
+                }
+            )
+    return checks
 
 
 def scaling_lines(records: list[dict]) -> list[str]:
@@ -711,8 +778,9 @@ def main(argv: list[str]) -> None:
         path = results_lib.write_results(FLAGS.json_out, cli.flag_values(_OWN_FLAGS), result)
     for check in result["checks"]:
         print(
-            f"check {check['impl']} vs xla, {check['mode']} B={check['batch']} "
-            f"ctx={check['context']} r={check['iterations']}: rel err {check['rel_err_vs_xla']:.2e}"
+            f"check {check['impl']} vs {check['reference']}, {check['mode']} B={check['batch']} "
+            f"ctx={check['context']} r={check['iterations']}: rel err {check['rel_err']:.2e} "
+            f"(tolerance {check['tolerance']:.1e}){'' if check['passed'] else ' FAILED'}"
         )
     for rec in result["records"]:
         if "xla_report" in rec:
@@ -742,11 +810,15 @@ def main(argv: list[str]) -> None:
     if FLAGS.json_out:
         print(f"results: {path}")
     print(format_table(result["records"]))
+    failed = [c for c in result["checks"] if not c["passed"]]
+    if failed:
+        names = ", ".join(sorted({c["impl"] for c in failed}))
+        raise UserError(f"outputs disagree beyond tolerance ({names}): see the check lines above")
 
 
 _OWN_FLAGS = (
     "mode iterations context batch impls config weights dtype gemm command_buffers warmup repeats "
-    "seed json_out hbm hbm_impls ncu_timeout trace_dir hlo_dir"
+    "seed ceilings json_out hbm hbm_impls ncu_timeout trace_dir hlo_dir torch_compile_mode"
 ).split()
 
 

@@ -1,27 +1,36 @@
-"""Per-token decode latency of the JAX generation loop and of a PyTorch loop over the same weights,
-in the same run (the Generation issue's comparison).
+"""Per-token decode latency of the JAX generation loop and of PyTorch loops over the same weights,
+in the same run, each framework at its strongest.
 
     python -m experiments.generate_vs_torch --config=huginn_0125 --prompt_len=1024 \
         --max_new_tokens=32 --num_steps=32 --json_out=out/generate_vs_torch.json
 
 JAX: `huginn_jax.generate.make_plan` + `run_plan`, what `python -m huginn_jax.generate` runs, with
 a fixed `num_steps`, a zero initial state (init_scale 0), greedy tokens and the `full` cache; the
-latency of a token is one compiled step until its token is ready. PyTorch
-(`experiments.torch_ref.huginn`): the same weights (DLPack, no copy), an eager prefill, then per
-token a CUDA graph of the whole step captured at that position (untimed) and replayed once, timed
-until `torch.cuda.synchronize` returns. Both loops feed back their own greedy tokens; the report
-gives both medians, their ratio, whether the tokens agree and, where they part, the logit
-difference and JAX's top-1/top-2 gap there (random weights make near-ties likely in bf16).
-Without torch the JAX half runs alone (one note line); without CUDA torch runs eager on the CPU.
+latency of a token is one compiled step until its token is ready. PyTorch (`--torch_impls`,
+`experiments.torch_ref.huginn.run_loop`), the same weights (DLPack on CUDA):
+- torch_compile: gpt-fast style, the position a tensor; prelude, one Core iteration and coda
+  compiled once each (`--torch_compile_mode`), the whole token in one CUDA graph replayed at
+  every position (Inductor's own graphs with reduce-overhead);
+- torch_graph: FastCore's eager Core, a CUDA graph of the whole token captured per position;
+- torch_reference: the same loop with the reference-faithful Core.
+A torch token is one replay, timed until `torch.cuda.synchronize` returns. Every prefill runs
+once (JAX) or `--graph_warmup` times (torch) untimed before it is timed; compilation, captures
+and warm-ups are reported apart (compile s). Every loop feeds back its own greedy tokens; the
+table gives per loop the median ms/token (p10-p90), tokens/s, prefill, compile time, whether
+its tokens equal JAX's (else where they part; the JSON has the logit difference and JAX's
+top-1/top-2 gap there, as random weights make near-ties likely in bf16) and "vs best" (the
+other framework's fastest median ÷ this row's). With `--torch_conformance` each torch loop
+first reproduces the conformance checkpoint's greedy tokens in float32
+(`torch_ref.conformance.check_generation_impl`); a failure exits 1 after the JSON is written.
+Without torch the JAX half runs alone (one note line); without CUDA torch runs on the CPU
+without CUDA graphs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import statistics
 import sys
-from typing import Any
 
 # PyTorch runs in the same process: JAX must not grab 75 % of the GPU up front.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -35,8 +44,11 @@ from flax import nnx  # noqa: E402
 import pallas_kernels.decode_attention  # noqa: E402, F401 (registers the "pallas" decode)
 import pallas_kernels.fused_gemv  # noqa: E402, F401 (registers the "pallas" row GEMV)
 from experiments import cli  # noqa: E402
+from experiments.measure import compare as compare_lib  # noqa: E402
 from experiments.measure import results as results_lib  # noqa: E402
 from experiments.torch_ref import chain as torch_chain  # noqa: E402 (imports no torch)
+from experiments.torch_ref.core import COMPILE_MODES  # noqa: E402 (imports no torch)
+from experiments.torch_ref.huginn import LOOPS as TORCH_LOOPS  # noqa: E402 (imports no torch)
 from huginn_jax.checkpoint import from_pretrained  # noqa: E402
 from huginn_jax.config import DECODE_ATTENTION_IMPLS, DECODE_GEMV_IMPLS, HuginnConfig  # noqa: E402
 from huginn_jax.generate import Generation, Plan, make_plan, run_plan  # noqa: E402
@@ -45,6 +57,20 @@ from huginn_jax.xla_flags import GEMM_CHOICES, use_gemm  # noqa: E402
 
 FLAGS = flags.FLAGS
 _DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
+
+
+def loop_text(impl: str, cuda: bool, mode: str) -> str:
+    """What the loop `impl` runs, in a few words (the table's footnote)."""
+    if impl == "torch_compile":
+        graphs = (
+            "Inductor's CUDA graphs of the r + 2 calls"
+            if mode == "reduce-overhead"
+            else "one CUDA graph of the token"
+        )
+        where = f"{graphs}, replayed at every position" if cuda else "no CUDA graph (CPU)"
+        return f"compiled units (mode {mode}), {where}"
+    core = "fast eager Core" if impl == "torch_graph" else "reference-faithful Core"
+    return f"{core}, " + ("a CUDA graph captured per position" if cuda else "eager (CPU)")
 
 
 def define_flags() -> None:
@@ -74,15 +100,37 @@ def define_flags() -> None:
         "JAX's decode GEMVs at batch 1 (HuginnConfig.decode_gemv); pallas: the row GEMVs of "
         "huginn_jax.decode_row with pallas_kernels.fused_gemv.",
     )
-    flags.DEFINE_integer("graph_warmup", 2, "Eager runs of each token's step before its capture.")
-    flags.DEFINE_bool("torch_eager", False, "Also time the eager PyTorch loop (no CUDA graph).")
+    flags.DEFINE_list(
+        "torch_impls", list(TORCH_LOOPS), f"PyTorch loops to run, of {', '.join(TORCH_LOOPS)}."
+    )
+    flags.DEFINE_enum(
+        "torch_compile_mode",
+        "default",
+        list(COMPILE_MODES),
+        "torch.compile's mode for torch_compile (reduce-overhead: Inductor's CUDA graphs, "
+        "otherwise one CUDA graph captured around the compiled token).",
+    )
+    flags.DEFINE_bool(
+        "torch_coordinate_descent",
+        True,
+        "Inductor's coordinate_descent_tuning for torch_compile (as gpt-fast sets it).",
+    )
+    flags.DEFINE_bool(
+        "torch_conformance",
+        True,
+        "Check each torch loop against the conformance checkpoint's greedy tokens first.",
+    )
+    flags.DEFINE_integer(
+        "graph_warmup", 2, "Untimed torch prefills, and runs of a token's step before capture."
+    )
     flags.DEFINE_bool("progress", False, "JAX's progress bar on stderr.")
     flags.DEFINE_string("json_out", "out/generate_vs_torch.json", "Results JSON ('' to skip).")
 
 
 _OWN_FLAGS = (
-    "config checkpoint dtype prompt_len batch max_new_tokens num_steps seed decode_attention "
-    "decode_gemv graph_warmup torch_eager progress json_out"
+    "config checkpoint dtype gemm prompt_len batch max_new_tokens num_steps seed decode_attention "
+    "decode_gemv torch_impls torch_compile_mode torch_coordinate_descent torch_conformance "
+    "graph_warmup progress json_out"
 ).split()
 
 
@@ -124,48 +172,92 @@ def _model(config: HuginnConfig) -> Huginn:
     return random_init(config, jax.random.key(FLAGS.seed), dtype=dtype)
 
 
-def run_torch(model: Huginn, plan: Plan, notes: list[str]) -> tuple[dict[str, Any], Any] | None:
-    """The PyTorch loop over `model`'s weights: (its JSON record, the timed run's
-    `TorchGeneration`); None (with a note) when torch is missing."""
+def _torch_impls() -> list[str]:
+    unknown = [name for name in FLAGS.torch_impls if name not in TORCH_LOOPS]
+    if unknown:
+        raise ValueError(
+            f"--torch_impls: unknown {', '.join(unknown)}; known: {', '.join(TORCH_LOOPS)}"
+        )
+    return list(dict.fromkeys(FLAGS.torch_impls))
+
+
+def run_jax(model: Huginn, plan: Plan) -> Generation:
+    """The JAX loop. Its prefill runs once untimed first (a plan of one token, same cache
+    shape, so the same executable), then the timed run; the stats' compile seconds are the
+    prefill's (first run) and the decode's, `prefill_first_call_s` the untimed prefill."""
+    warm = run_plan(model, dataclasses.replace(plan, max_new_tokens=1))
+    compile_prefill, first_call_s = warm.stats["compile_s"]["prefill"], warm.stats["prefill_s"]
+    del warm  # its cache
+    gen = run_plan(model, plan, return_logits=True, progress=FLAGS.progress)
+    gen.stats["compile_s"] = {**gen.stats["compile_s"], "prefill": compile_prefill}
+    gen.stats["prefill_first_call_s"] = first_call_s
+    return gen
+
+
+def run_torch(model: Huginn, plan: Plan, impls: list[str], notes: list[str]):
+    """Each PyTorch loop of `impls` over `model`'s weights, after its conformance check (with
+    --torch_conformance): ({impl: TorchGeneration}, {impl: JSON details}, {impl: check});
+    empty (with a note) when torch is missing."""
+    if not impls:
+        return {}, {}, {}
     if not torch_chain.available():
-        notes.append("torch is not installed: the PyTorch loop is skipped")
-        return None
+        notes.append("torch is not installed: the PyTorch loops are skipped")
+        return {}, {}, {}
     import torch
 
-    from experiments.torch_ref.core import to_torch_fn
-    from experiments.torch_ref.huginn import TorchHuginn, generate_greedy
+    from experiments.torch_ref.conformance import check_generation_impl
+    from experiments.torch_ref.core import FastCore, to_torch_fn
+    from experiments.torch_ref.huginn import run_loop
 
     cuda = jax.default_backend() == "gpu" and torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
     if not cuda:
-        notes.append("no CUDA for torch: its loop runs eager on the CPU, without a CUDA graph")
+        notes.append("no CUDA for torch: its loops run on the CPU, without CUDA graphs")
+        # One intra-op thread: an OpenMP team beside JAX's thread pool waits on descheduled
+        # threads at every compiled kernel's barrier.
+        torch.set_num_threads(1)
+    torch._inductor.config.coordinate_descent_tuning = FLAGS.torch_coordinate_descent
     dtype = torch_chain.torch_dtype(str(jnp.dtype(model.dtype)))
     params = nnx.to_pure_dict(nnx.state(model))
-    tmodel = TorchHuginn(params, model.config, to_torch_fn("cuda" if cuda else "cpu", dtype))
-    args = (tmodel, plan.ids, plan.max_new_tokens, plan.spec.num_steps)
-    runs = {
-        "graph" if cuda else "eager": generate_greedy(*args, graph=cuda, warmup=FLAGS.graph_warmup)
-    }
-    if cuda and FLAGS.torch_eager:
-        runs["eager"] = generate_greedy(*args, graph=False)
-    main = runs["graph" if cuda else "eager"]
-    out: dict[str, Any] = {
-        "mode": "graph" if cuda else "eager",
-        "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "head_f32_out": main.head_f32_out,
-        "cache_bytes": tmodel.cache_bytes,
-        "peak_bytes_allocated": torch.cuda.max_memory_allocated() if cuda else None,
-    }
-    for name, gen in runs.items():
-        out[name] = {
+    to_torch = to_torch_fn(device, dtype)
+    shared = {"torch_compile", "torch_graph"} & set(impls)
+    fast_core = FastCore(params, model.config, to_torch) if shared else None
+    runs, details, checks = {}, {}, {}
+    for impl in impls:
+        if FLAGS.torch_conformance:
+            checks[impl] = check_generation_impl(
+                impl, device, FLAGS.torch_compile_mode, FLAGS.graph_warmup
+            )
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        gen = run_loop(
+            impl,
+            params,
+            model.config,
+            to_torch,
+            plan.ids,
+            plan.max_new_tokens,
+            plan.spec.num_steps,
+            compile_mode=FLAGS.torch_compile_mode,
+            warmup=FLAGS.graph_warmup,
+            fast_core=fast_core,
+        )
+        runs[impl] = gen
+        details[impl] = {
+            "loop": loop_text(impl, cuda, FLAGS.torch_compile_mode),
+            "graph": gen.graph,
+            "compile_mode": FLAGS.torch_compile_mode if impl == "torch_compile" else None,
+            "graphs_compiled": gen.graphs_compiled,
             "prefill_s": gen.prefill_s,
+            "setup_s": gen.setup_s,
+            "capture_s": gen.capture_s,
             "decode_latency_s": gen.latencies_s,
             "latency_median_s": gen.latency_median_s,
-            "capture_s": gen.capture_s,
             "tokens": gen.tokens.tolist(),
+            "device": torch.cuda.get_device_name() if cuda else "cpu",
+            "peak_bytes_allocated": torch.cuda.max_memory_allocated() if cuda else None,
         }
-    if "eager" in runs and cuda:
-        out["eager_tokens_equal_graph"] = bool(np.array_equal(runs["eager"].tokens, main.tokens))
-    return out, main
+    return runs, details, checks
 
 
 def compare(jax_gen: Generation, torch_tokens: np.ndarray, torch_logits: np.ndarray) -> dict:
@@ -191,46 +283,82 @@ def compare(jax_gen: Generation, torch_tokens: np.ndarray, torch_logits: np.ndar
     return out
 
 
-def _ms(seconds: float | None, unit: str = "ms") -> str:
-    return "-" if seconds is None else f"{seconds * 1e3:.3f} {unit}"
+def loop_record(impl: str, latencies_s: list[float], prefill_s: float, compile_s: float) -> dict:
+    """One table row: ms/token median and p10/p90, tokens/s (batch × tokens / decode time),
+    prefill ms, compile s."""
+    ms = np.asarray(latencies_s) * 1e3
+    return {
+        "impl": impl,
+        "ms_per_token": float(np.median(ms)) if ms.size else None,
+        "ms_p10": float(np.percentile(ms, 10)) if ms.size else None,
+        "ms_p90": float(np.percentile(ms, 90)) if ms.size else None,
+        "tokens_per_s": FLAGS.batch * ms.size / (ms.sum() / 1e3) if ms.size else None,
+        "prefill_ms": prefill_s * 1e3,
+        "compile_s": compile_s,
+    }
 
 
-def print_table(jax_stats: dict, torch_out: dict | None, comparison: dict | None) -> None:
-    rows = [("", "JAX (XLA)", "PyTorch" + (f" ({torch_out['mode']})" if torch_out else ""))]
-    main = torch_out[torch_out["mode"]] if torch_out else {}
-    rows.append(("prefill", _ms(jax_stats["prefill_s"]), _ms(main.get("prefill_s"))))
-    rows.append(
-        (
-            "decode latency (median)",
-            _ms(jax_stats["latency_median_s"], "ms/token"),
-            _ms(main.get("latency_median_s"), "ms/token"),
-        )
-    )
-    if torch_out and torch_out["mode"] == "graph":
-        capture = statistics.median(main["capture_s"]) if main["capture_s"] else None
-        rows.append(("capture + warm-up (untimed)", "", _ms(capture, "ms/token")))
-        if "eager" in torch_out:
-            eager = torch_out["eager"]["latency_median_s"]
-            rows.append(("PyTorch eager (median)", "", _ms(eager, "ms/token")))
-    if comparison:
-        ratio = comparison.get("latency_ratio_jax_over_torch")
-        rows.append(("JAX / PyTorch latency", "-" if ratio is None else f"{ratio:.3f}", ""))
-        agree = (
-            "yes"
-            if comparison["tokens_agree"]
-            else f"no, from token {comparison['first_mismatch']}"
-        )
-        rows.append(("greedy tokens agree", agree, ""))
+def make_records(jax_gen: Generation, runs: dict, comparisons: dict, checks: dict) -> list:
+    """The rows: jax, then each torch loop (tokens vs JAX, its conformance), with vs_best."""
+    stats = jax_gen.stats
+    compile_s = sum(v for v in stats["compile_s"].values() if v)
+    records = [loop_record("jax", stats["decode_latency_s"], stats["prefill_s"], compile_s)]
+    records[0].update(tokens_equal_jax=None, first_difference=None)
+    for impl, gen in runs.items():
+        rec = loop_record(impl, gen.latencies_s, gen.prefill_s, gen.setup_s)
+        rec["tokens_equal_jax"] = comparisons[impl]["tokens_agree"]
+        rec["first_difference"] = comparisons[impl]["first_mismatch"]
+        rec["conformance_passed"] = checks[impl]["passed"] if impl in checks else None
+        records.append(rec)
+    compare_lib.add_vs_best(records, group_keys=(), time_key="ms_per_token")
+    return records
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def print_table(records: list[dict], comparisons: dict, checks: dict, details: dict) -> None:
+    header = "impl|ms/token|p10-p90|tokens/s|prefill ms|compile s|tokens = JAX|vs best"
+    rows = [tuple(header.split("|"))]
+    for rec in records:
+        same = rec["tokens_equal_jax"]
+        equal = "-" if same is None else "yes" if same else f"no ({rec['first_difference']})"
+        spread = "-" if rec["ms_p10"] is None else f"{rec['ms_p10']:.3f}-{rec['ms_p90']:.3f}"
         rows.append(
             (
-                "max |logit diff| (same ids)",
-                f"{comparison['logits_max_abs_diff_same_inputs']:.3g}",
-                "",
+                rec["impl"],
+                _num(rec["ms_per_token"], ".3f"),
+                spread,
+                _num(rec["tokens_per_s"], ".1f"),
+                _num(rec["prefill_ms"], ".1f"),
+                _num(rec["compile_s"], ".1f"),
+                equal,
+                compare_lib.format_vs_best(rec["vs_best"]),
             )
         )
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+    for impl, info in details.items():
+        print(f"{impl}: {info['loop']}")
+    for impl, c in comparisons.items():
+        line = (
+            f"{impl} vs jax: max |logit diff| (same ids) {c['logits_max_abs_diff_same_inputs']:.3g}"
+        )
+        if not c["tokens_agree"]:
+            line += (
+                f"; tokens part at {c['first_mismatch']}, JAX's top-1/top-2 gap there "
+                f"{c['jax_top2_gap_at_mismatch']:.3g}"
+            )
+        print(line)
+    for impl, check in checks.items():
+        verdict = "passed" if check["passed"] else "FAILED"
+        print(
+            f"conformance {impl} (huginn_tiny_a greedy tokens, float32): tokens "
+            f"{'equal' if check['tokens_equal'] else 'differ'}, prefill max abs err "
+            f"{check['prefill_max_abs_err']:.2e}: {verdict}"
+        )
 
 
 def main(argv: list[str]) -> None:
@@ -238,25 +366,24 @@ def main(argv: list[str]) -> None:
         raise ValueError(f"unexpected arguments: {' '.join(argv[1:])}")
     if FLAGS.graph_warmup < 1:
         raise ValueError("--graph_warmup must be at least 1 (cuBLAS and friends initialise there)")
+    impls = _torch_impls()
     use_gemm(FLAGS.gemm)  # before anything starts the backend
     config = _config()
     plan = _plan(config)  # every bad setting fails here, before weights or compilation
     model = _model(config)
-    jax_gen = run_plan(model, plan, return_logits=True, progress=FLAGS.progress)
+    jax_gen = run_jax(model, plan)
     notes: list[str] = []
-    torch_run = run_torch(model, plan, notes)
-    torch_out, comparison = None, None
-    if torch_run is not None:
-        torch_out, tgen = torch_run
-        comparison = compare(jax_gen, tgen.tokens, tgen.logits)
-        jax_s, torch_s = jax_gen.stats["latency_median_s"], tgen.latency_median_s
-        if jax_s and torch_s:
-            comparison["latency_ratio_jax_over_torch"] = jax_s / torch_s
+    runs, details, checks = run_torch(model, plan, impls, notes)
+    comparisons = {impl: compare(jax_gen, g.tokens, g.logits) for impl, g in runs.items()}
+    for impl, comparison in comparisons.items():
+        details[impl]["comparison"] = comparison
+    records = make_records(jax_gen, runs, comparisons, checks)
     if FLAGS.json_out:
         result = {
             "jax": {**jax_gen.stats, "tokens": jax_gen.tokens.tolist()},
-            "torch": torch_out,
-            "comparison": comparison,
+            "torch": details,
+            "records": records,
+            "conformance": checks,
             "notes": notes,
         }
         path = results_lib.write_results(FLAGS.json_out, cli.flag_values(_OWN_FLAGS), result)
@@ -264,7 +391,15 @@ def main(argv: list[str]) -> None:
         print(f"note: {line}")
     if FLAGS.json_out:
         print(f"results: {path}")
-    print_table(jax_gen.stats, torch_out, comparison)
+    print_table(records, comparisons, checks, details)
+    failed = [impl for impl, check in checks.items() if not check["passed"]]
+    if failed:
+        print(
+            f"generate_vs_torch: {', '.join(failed)} missed the conformance greedy tokens; "
+            "their timings are void",
+            file=sys.stderr,
+        )
+        sys.exit(1)
 
 
 def run_main(argv: list[str]) -> None:

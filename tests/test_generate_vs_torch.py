@@ -1,10 +1,15 @@
-"""experiments.generate_vs_torch's JAX half, which runs without PyTorch (the program with torch
-is tested in test_torch_ref.py): the decode attention and decode GEMV flags reach the model."""
+"""experiments.generate_vs_torch end to end on small sizes. Its JAX half (--torch_impls= empty,
+no PyTorch): the decode attention and decode GEMV flags reach the model, the JAX record. With
+the PyTorch loops (skipped without torch): one record per loop, vs_best, conformance, exit codes.
+"""
 
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import jax
+import pytest
 
 
 def run(tmp_path, decode_attention, *flags):
@@ -13,7 +18,8 @@ def run(tmp_path, decode_attention, *flags):
         [
             sys.executable, "-m", "experiments.generate_vs_torch", "--config=micro",
             "--dtype=f32", "--prompt_len=8", "--max_new_tokens=4", "--num_steps=3",
-            f"--decode_attention={decode_attention}", f"--json_out={out}", *flags,
+            f"--decode_attention={decode_attention}", f"--json_out={out}", "--torch_impls=",
+            *flags,
         ],
         capture_output=True, text=True, cwd=Path(__file__).parents[1], timeout=300,
     )  # fmt: skip
@@ -36,3 +42,96 @@ def test_row_gemvs_generate_the_same_tokens(tmp_path):
     xla, rows = run(tmp_path, "xla"), run(tmp_path, "xla", "--decode_gemv=pallas")
     assert rows["environment"]["flags"]["decode_gemv"] == "pallas"
     assert rows["jax"]["tokens"] == xla["jax"]["tokens"]
+
+
+def test_jax_alone_writes_its_record_with_a_warm_prefill(tmp_path):
+    """One row, jax: no rival framework, so no vs_best; the prefill was timed after an untimed
+    first call, whose compile seconds the record keeps."""
+    data = run(tmp_path, "xla")
+    assert data["torch"] == {} and data["conformance"] == {}
+    (rec,) = data["records"]
+    assert rec["impl"] == "jax" and rec["vs_best"] is None and rec["best_rival"] is None
+    assert rec["ms_p10"] <= rec["ms_per_token"] <= rec["ms_p90"]
+    assert rec["prefill_ms"] == pytest.approx(data["jax"]["prefill_s"] * 1e3)
+    assert rec["prefill_ms"] > 0
+    assert data["jax"]["prefill_first_call_s"] > 0
+    assert data["jax"]["compile_s"]["prefill"] > 0  # from the untimed first run
+    assert rec["compile_s"] >= data["jax"]["compile_s"]["prefill"]
+    assert rec["tokens_per_s"] > 0
+
+
+# ---------------------------------------------------------------- with the PyTorch loops
+
+# The conformance checkpoint's shapes (prompt 6, 6 tokens, 4 steps, batch 2): the compiled
+# units of the conformance check and of the timed loop are then the same graphs.
+TINY_RUN = (
+    "--config=tiny", "--dtype=f32", "--prompt_len=6", "--max_new_tokens=6", "--num_steps=4",
+    "--batch=2",
+)  # fmt: skip
+
+
+def run_program(out, *flags, prelude: str = ""):
+    """The program in a subprocess (after `prelude`, Python run first in it)."""
+    main = "import runpy; runpy.run_module('experiments.generate_vs_torch', run_name='__main__')"
+    code = f"{prelude}\n{main}"
+    return subprocess.run(
+        [sys.executable, "-c", code, *TINY_RUN, f"--json_out={out}", *flags],
+        capture_output=True, text=True, cwd=Path(__file__).parents[1], timeout=600,
+    )  # fmt: skip
+
+
+def test_program_with_every_torch_loop(tmp_path):
+    """Every torch loop by default: one record per loop with vs_best against the other
+    framework's fastest, its tokens equal to JAX's (float32), its conformance check passed,
+    compile time apart; the table prints one row per loop."""
+    pytest.importorskip("torch")
+    out = tmp_path / "r.json"
+    proc = run_program(out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    records = {rec["impl"]: rec for rec in data["records"]}
+    assert list(records) == ["jax", "torch_compile", "torch_graph", "torch_reference"]
+    jax_ms = records["jax"]["ms_per_token"]
+    torch_ms = {impl: rec["ms_per_token"] for impl, rec in records.items() if impl != "jax"}
+    fastest = min(torch_ms, key=torch_ms.get)
+    assert records["jax"]["best_rival"] == fastest
+    assert records["jax"]["vs_best"] == pytest.approx(torch_ms[fastest] / jax_ms)
+    for impl, ms in torch_ms.items():
+        rec, details = records[impl], data["torch"][impl]
+        assert rec["vs_best"] == pytest.approx(jax_ms / ms) and rec["best_rival"] == "jax"
+        assert rec["tokens_equal_jax"] and rec["first_difference"] is None
+        assert rec["conformance_passed"] and data["conformance"][impl]["passed"]
+        assert rec["ms_p10"] <= rec["ms_per_token"] <= rec["ms_p90"]
+        assert rec["compile_s"] == pytest.approx(details["setup_s"]) and rec["compile_s"] > 0
+        assert len(details["decode_latency_s"]) == 5
+        assert details["comparison"]["logits_max_abs_diff_same_inputs"] < 1e-3
+        assert details["graph"] == (jax.default_backend() == "gpu")
+    assert data["torch"]["torch_compile"]["graphs_compiled"] == 6
+    assert data["torch"]["torch_compile"]["compile_mode"] == "default"
+    lines = proc.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("impl "))
+    assert "vs best" in lines[header] and "tokens = JAX" in lines[header]
+    rows = [line.split()[0] for line in lines[header + 1 : header + 5]]
+    assert rows == ["jax", "torch_compile", "torch_graph", "torch_reference"]
+    assert proc.stdout.count(": passed") == 3
+
+
+def test_program_exits_1_after_the_json_when_a_loop_fails_conformance(tmp_path):
+    """RoPE left out of the reference-faithful PyTorch code: its conformance check fails, the
+    JSON is written all the same, the exit code is 1."""
+    pytest.importorskip("torch")
+    out = tmp_path / "r.json"
+    prelude = "import experiments.torch_ref.core as core\ncore._rope = lambda x, positions, base: x"
+    proc = run_program(out, "--torch_impls=torch_reference", prelude=prelude)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "torch_reference missed the conformance greedy tokens" in proc.stderr
+    data = json.loads(out.read_text())
+    assert not data["conformance"]["torch_reference"]["passed"]
+    assert [rec["impl"] for rec in data["records"]] == ["jax", "torch_reference"]
+
+
+def test_program_refuses_an_unknown_torch_loop(tmp_path):
+    proc = run_program(tmp_path / "r.json", "--torch_impls=torch_compile,torch_fast")
+    assert proc.returncode == 2
+    assert "--torch_impls: unknown torch_fast" in proc.stderr
+    assert not (tmp_path / "r.json").exists()

@@ -1,7 +1,7 @@
-"""The chain `x <- x @ W_i` in PyTorch: eager, and CUDA-graph replay as in the seeds.
+"""The chain `x <- x @ W_i` in PyTorch: eager, CUDA-graph replay, and torch.compile.
 
 Weights come from the same numpy values as the JAX side. torch is imported lazily so that
-everything else runs without it; every function here except `available` needs a CUDA GPU.
+everything else runs without it; the runners need a CUDA GPU (`compile_chain` also runs on CPU).
 Shapes: x [batch, d], each W [d, d], in the chain's dtype; outputs as float32 numpy arrays.
 """
 
@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-IMPLS = ("torch_eager", "torch_graph")
+IMPLS = ("torch_eager", "torch_graph", "torch_compile")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 _GRAPH_WARMUP = 3  # side-stream runs before capture, as the CUDA-graph docs ask
 
 
@@ -64,34 +66,91 @@ def chain(x: Any, ws: list[Any]) -> Any:
     return x
 
 
+def _chain_of_args(x: Any, *ws: Any) -> Any:
+    return chain(x, list(ws))
+
+
+def compile_chain(mode: str = "default", backend: str = "inductor") -> Callable[..., Any]:
+    """`chain` as one graph (fullgraph=True, static shapes) for `f(x, *ws)`, compiled at its
+    first call. Dynamo's caches are reset first: each runner compiles afresh, so that the
+    recompile limit (sizes x layouts) never sends a call back to eager."""
+    import torch
+
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"torch.compile mode {mode!r} must be one of {COMPILE_MODES}")
+    torch._dynamo.reset()
+    if backend == "inductor":
+        return torch.compile(_chain_of_args, fullgraph=True, dynamic=False, mode=mode)
+    return torch.compile(_chain_of_args, fullgraph=True, dynamic=False, backend=backend)
+
+
 @dataclasses.dataclass
 class Runner:
-    """What the timing helper needs: a call, its chains, a sync, and the comparable output."""
+    """What the timing helper needs: a call, its chains, a sync, and the comparable outputs;
+    `compile_seconds`: the first call of the compiled chain (torch_compile only)."""
 
     fn: Callable[[], Any]
     per_call: int
     sync: Callable[[], None]
     output: Callable[[], np.ndarray]  # float32 [batch, d] after `chains_in_output` chains
     chains_in_output: int
+    one_chain: Callable[[], np.ndarray]  # float32 [batch, d] after one chain
+    compile_seconds: float | None = None
+    # The tensors a captured graph reads: held here, or the allocator would reuse their memory
+    # once `runner` returns and later replays would read whatever was written there since.
+    inputs: tuple[Any, ...] = ()
 
 
-def runner(impl: str, x_host: np.ndarray, ws: list[Any], *, dtype_name: str, n: int) -> Runner:
-    """torch_eager: one chain per call. torch_graph: one captured chain replayed `n` times."""
+def runner(
+    impl: str,
+    x_host: np.ndarray,
+    ws: list[Any],
+    *,
+    dtype_name: str,
+    n: int,
+    compile_mode: str = "default",
+) -> Runner:
+    """torch_eager: one chain per call. torch_graph: one captured chain replayed `n` times.
+    torch_compile: the chain compiled in `compile_mode`, then replayed as torch_graph; with
+    "reduce-overhead" the compiled chain is called `n` times (Inductor replays its own graphs)."""
     import torch
 
     x = to_device(x_host, dtype_name)
     sync = torch.cuda.synchronize
     if impl == "torch_eager":
+
+        def eager_output() -> np.ndarray:
+            return chain(x, ws).float().cpu().numpy()
+
         return Runner(
             fn=lambda: chain(x, ws),
             per_call=1,
             sync=sync,
-            output=lambda: chain(x, ws).float().cpu().numpy(),
+            output=eager_output,
             chains_in_output=1,
+            one_chain=eager_output,
         )
-    if impl != "torch_graph":
+    if impl not in ("torch_graph", "torch_compile"):
         raise ValueError(f"unknown torch impl {impl!r}")
-    graph, y = capture_graph(lambda: chain(x, ws))  # y: rewritten by every replay
+    compile_seconds = None
+    if impl == "torch_compile":
+        compiled = compile_chain(compile_mode)
+        t0 = time.perf_counter()
+        compiled(x, *ws)
+        sync()
+        compile_seconds = time.perf_counter() - t0
+
+        def one_call() -> Any:
+            return compiled(x, *ws)
+
+        if compile_mode == "reduce-overhead":
+            return _direct_runner(one_call, n, sync, compile_seconds)
+    else:
+
+        def one_call() -> Any:
+            return chain(x, ws)
+
+    graph, y = capture_graph(one_call)  # y: rewritten by every replay
 
     def replay() -> None:
         for _ in range(n):
@@ -102,7 +161,43 @@ def runner(impl: str, x_host: np.ndarray, ws: list[Any], *, dtype_name: str, n: 
         sync()
         return y.float().cpu().numpy()
 
-    return Runner(fn=replay, per_call=n, sync=sync, output=output, chains_in_output=1)
+    return Runner(
+        fn=replay,
+        per_call=n,
+        sync=sync,
+        output=output,
+        chains_in_output=1,
+        one_chain=output,
+        compile_seconds=compile_seconds,
+        inputs=(x, tuple(ws)),
+    )
+
+
+def _direct_runner(
+    fn: Callable[[], Any], n: int, sync: Callable[[], None], compile_seconds: float
+) -> Runner:
+    """`fn` called `n` times per call; for a chain compiled with "reduce-overhead", whose first
+    calls record CUDA graphs that later calls replay."""
+    for _ in range(_GRAPH_WARMUP):
+        fn()
+    sync()
+
+    def call() -> None:
+        for _ in range(n):
+            fn()
+
+    def output() -> np.ndarray:
+        return fn().float().cpu().numpy()  # read before the next call reuses the graph's output
+
+    return Runner(
+        fn=call,
+        per_call=n,
+        sync=sync,
+        output=output,
+        chains_in_output=1,
+        one_chain=output,
+        compile_seconds=compile_seconds,
+    )
 
 
 def capture_graph(fn: Callable[[], Any], warmup: int = _GRAPH_WARMUP) -> tuple[Any, Any]:

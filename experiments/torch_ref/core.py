@@ -1,19 +1,32 @@
-"""The Huginn Core (adapter + sandwich layers) in PyTorch, for side-by-side comparisons.
+"""The Huginn Core (adapter + sandwich layers) in PyTorch, for side-by-side comparisons with JAX.
 
-Two cache schemes, both with one KV entry per (iteration, layer):
-- `static`: preallocated [L, B, S, H, K] tensors written in place at `start` (gpt-fast style), so
-  a CUDA graph can capture r iterations;
-- `teaching`: the seeds' teaching implementation, history re-concatenated with `torch.cat` at
-  every step (an O(S) copy per layer and iteration).
+Three implementations of the same math (`huginn_jax.layers`), one KV slot per (iteration, layer):
+- `ReferenceCore`: reference-faithful and plain: a hand-written float32 RMSNorm, RoPE recomputed
+  with `torch.stack` at every call, weights in JAX's [in, out] layout (shared with JAX through
+  DLPack on a GPU). It also runs the prelude and coda of `torch_ref.huginn`, and holds the
+  `teaching` cache path (history re-concatenated with `torch.cat`, an O(S) copy per layer and
+  iteration).
+- `FastCore`: the same Core the way a PyTorch performance engineer writes it (gpt-fast style):
+  fused `F.rms_norm`, `F.linear` on [out, in] weights (nn.Linear's layout), q and k rotated
+  together by a RoPE table built once per (start, T), views instead of copies, SDPA, the static
+  cache written in place. Eager, or captured r iterations at a time in a CUDA graph. Its layer
+  code is also module functions (`fast_layer_weights`, `fast_qkv`, `fast_out`, `fast_layer`)
+  for any sandwich layer: `torch_ref.generation` runs the prelude and coda with them too.
+- `CompiledCore`: FastCore's iteration (adapter + layers) through `torch.compile`, compiled once
+  for all iterations: each call gets that iteration's K/V slots as tensor arguments.
 
-Weights come from the JAX model in JAX's [in, out] layout (shared through DLPack on a GPU, so both
-sides compute with the same values and no copy); `x @ W` with W [in, out] is what F.linear does
-with the transposed [out, in] weight. torch is imported lazily here.
+Static cache: K and V [slots, B, S, H, K], written at [start, start + T) in place, so a CUDA graph
+can capture whole calls. torch is imported lazily here, so importing this module needs no torch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 
 
 def _rope(x_BxTxHxK, positions_T, base: float):
@@ -61,10 +74,11 @@ def layer_list(layers: dict, config, to_torch) -> list[dict]:
     return [layer_weights(layers[k], config, to_torch) for k in sorted(layers, key=int)]
 
 
-class TorchCore:
-    """Adapter + Core layers with weights copied from a `huginn_jax.model.Core` state."""
+class ReferenceCore:
+    """Adapter + Core layers with weights copied from a `huginn_jax.model.Core` state, written as
+    plainly as the reference (hand-written float32 RMSNorm, RoPE recomputed at every call)."""
 
-    def __init__(self, params: dict, config, to_torch):
+    def __init__(self, params: dict, config: Any, to_torch: Callable[[Any], Any]):
         """params: the nested dict of `nnx.to_pure_dict(nnx.state(core))`; `to_torch` turns
         one JAX array into a torch tensor on the target device (see `to_torch_fn`)."""
         self.cfg = config
@@ -143,6 +157,8 @@ class TorchCore:
         return x
 
     def run_static(self, state, embedded, iterations: int, start: int, k_cache, v_cache):
+        """`iterations` Core iterations over the static caches [>= iterations · L, B, S, H, K];
+        returns the new state [B, T, D]."""
         for i in range(iterations):
             state = self.step_static(state, embedded, i, start, k_cache, v_cache)
         return state
@@ -151,6 +167,255 @@ class TorchCore:
         for i in range(iterations):
             state = self.step_teaching(state, embedded, i, start, history)
         return state
+
+
+TorchCore = ReferenceCore  # the name this class had before FastCore existed
+
+
+def rope_table(start: int, tokens: int, head_dim: int, base: float, device) -> Any:
+    """cos and sin of positions [start, start + tokens) as float32 [T, K/2, 2] (cos at 0, sin at
+    1), the angles as `huginn_jax.layers.apply_rope` computes them: pos · base^(-2i/K)."""
+    import torch
+
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    positions = torch.arange(start, start + tokens, device=device).float()
+    angles = positions[:, None] * freqs[None, :]
+    return torch.stack([torch.cos(angles), torch.sin(angles)], dim=-1).contiguous()
+
+
+def _rope_complex(x, freqs_cis):
+    """Interleaved-pair RoPE as one complex multiply in float32 (eager: one kernel, plus the
+    casts for a bf16 x). x [B, T, ..., K]; freqs_cis complex64 [T, K/2]."""
+    import torch
+
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    shape = (1, x.shape[1]) + (1,) * (x.dim() - 3) + (x.shape[-1] // 2,)
+    return torch.view_as_real(pairs * freqs_cis.view(shape)).flatten(-2).type_as(x)
+
+
+def _rope_real(x, table):
+    """`_rope_complex` in real arithmetic, for torch.compile (Inductor generates no complex
+    kernels; it fuses this into one pointwise kernel). table: `rope_table` [T, K/2, 2]."""
+    import torch
+
+    pairs = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    shape = (1, x.shape[1]) + (1,) * (x.dim() - 3) + (x.shape[-1] // 2,)
+    cos, sin = table[..., 0].view(shape), table[..., 1].view(shape)
+    return torch.stack([x0 * cos - x1 * sin, x1 * cos + x0 * sin], dim=-1).flatten(-2).type_as(x)
+
+
+def fast_layer_weights(layer: dict, config: Any, to_torch: Callable[[Any], Any]) -> dict:
+    """One sandwich layer (a `SandwichBlock` state dict) in FastCore's layout: norm_1..norm_4 [D],
+    Wqkv [3D, D] (rows [q; k; v]), qk_bias [2, H, K] or None, proj, fc (rows [gate; up]) and
+    mlp_proj as [out, in] contiguous copies for `F.linear`; all `torch.nn.Parameter`s without
+    grad (static inputs to torch.compile and its CUDA graphs)."""
+    import torch
+
+    def param(tensor):
+        return torch.nn.Parameter(tensor, requires_grad=False)
+
+    def matrix(array):  # [in, out] -> [out, in], as nn.Linear stores it
+        return param(to_torch(array).t().contiguous())
+
+    h, k = config.n_heads, config.head_dim
+    bias = layer["attn"]["qk_bias"] if config.qk_bias else None
+    return {
+        **{f"norm_{n}": param(to_torch(layer[f"norm_{n}"]["weight"])) for n in (1, 2, 3, 4)},
+        "Wqkv": matrix(layer["attn"]["Wqkv"]["kernel"]),
+        # [2, 1, H, K] -> [2, H, K]: q's and k's bias, against qkv[:, :, :2]
+        "qk_bias": None if bias is None else param(to_torch(bias).reshape(2, h, k)),
+        "proj": matrix(layer["attn"]["proj"]["kernel"]),
+        "fc": matrix(layer["mlp"]["fc"]["kernel"]),
+        "mlp_proj": matrix(layer["mlp"]["proj"]["kernel"]),
+    }
+
+
+def fast_layer_list(layers: dict, config: Any, to_torch: Callable[[Any], Any]) -> list[dict]:
+    """`fast_layer_weights` of a `nnx.List` state, in layer order (as `layer_list`)."""
+    return [fast_layer_weights(layers[k], config, to_torch) for k in sorted(layers, key=int)]
+
+
+def fast_qkv(cfg: Any, layer: dict, x, rope, *, compiled: bool):
+    """The attention inputs of a FastCore-layout layer on x [B, T, D]: (q, k, v) [B, T, H, K],
+    q and k with qk_bias added, then rotated by `rope` (complex [T, K/2] eager, the real table
+    [T, K/2, 2] with `compiled`), v a view of the projection."""
+    import torch.nn.functional as F
+
+    b, t, d = x.shape
+    qkv = F.linear(F.rms_norm(x, (d,), layer["norm_1"], cfg.norm_eps), layer["Wqkv"])
+    qkv = qkv.view(b, t, 3, cfg.n_heads, cfg.head_dim)
+    qk, v = qkv[:, :, :2], qkv[:, :, 2]  # views
+    if layer["qk_bias"] is not None:
+        qk = qk + layer["qk_bias"]  # before RoPE; one add for q and k
+    qk = _rope_real(qk, rope) if compiled else _rope_complex(qk, rope)
+    return qk[:, :, 0], qk[:, :, 1], v
+
+
+def fast_out(cfg: Any, layer: dict, x, attn_BxTxD):
+    """The rest of the layer after attention: proj, norm_2 on the residual, the gated MLP
+    (gate = first half of fc) and norm_4 on the residual; x, attention output [B, T, D]."""
+    import torch.nn.functional as F
+
+    d, eps = x.shape[-1], cfg.norm_eps
+    x = F.rms_norm(x + F.linear(attn_BxTxD, layer["proj"]), (d,), layer["norm_2"], eps)
+    gate, up = F.linear(F.rms_norm(x, (d,), layer["norm_3"], eps), layer["fc"]).chunk(2, -1)
+    out = F.linear(F.silu(gate) * up, layer["mlp_proj"])
+    return F.rms_norm(x + out, (d,), layer["norm_4"], eps)
+
+
+def fast_layer(cfg: Any, layer: dict, x, start: int, k_slot, v_slot, rope, *, compiled: bool):
+    """`FastCore.layer` for any FastCore-layout layer (prelude, Core or coda); see there."""
+    import torch.nn.functional as F
+
+    b, t, d = x.shape
+    if t > 1 and start != 0:
+        raise ValueError(f"several new positions ({t}) need start=0, got start={start}")
+    q, key, v = fast_qkv(cfg, layer, x, rope, compiled=compiled)
+    k_slot[:, start : start + t].copy_(key)
+    v_slot[:, start : start + t].copy_(v)
+    if start == 0:  # a prefill: the new positions alone, causal
+        keys, values = key, v
+    else:  # a decode: every cached position [0, start + 1)
+        keys, values = k_slot[:, : start + t], v_slot[:, : start + t]
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), is_causal=t > 1
+    )
+    return fast_out(cfg, layer, x, out.transpose(1, 2).reshape(b, t, d))
+
+
+class FastCore:
+    """Adapter + Core layers as a PyTorch performance engineer writes them (see the module
+    docstring); the same math as `ReferenceCore` and `huginn_jax.layers`. Weights as
+    `fast_layer_weights` lays them out (copies of JAX's [in, out] arrays), adapter included."""
+
+    def __init__(self, params: dict, config: Any, to_torch: Callable[[Any], Any]):
+        """As `ReferenceCore`: params = `nnx.to_pure_dict(nnx.state(core))` (or of the whole
+        model: only `adapter` and `core_block` are read)."""
+        import torch
+
+        self.cfg = config
+        self.adapter = torch.nn.Parameter(
+            to_torch(params["adapter"]["kernel"]).t().contiguous(), requires_grad=False
+        )
+        self.layers = fast_layer_list(params["core_block"], config, to_torch)
+        self._rope_tables: dict[tuple[int, int], tuple[Any, Any]] = {}
+
+    def rope(self, start: int, tokens: int) -> tuple[Any, Any]:
+        """(`rope_table` [T, K/2, 2] float32, the same memory as complex64 [T, K/2]) for positions
+        [start, start + tokens), built at the first request and cached."""
+        import torch
+
+        key = (start, tokens)
+        if key not in self._rope_tables:
+            cfg = self.cfg
+            device = self.adapter.device
+            table = rope_table(start, tokens, cfg.head_dim, cfg.rope_base, device)
+            self._rope_tables[key] = (table, torch.view_as_complex(table))
+        return self._rope_tables[key]
+
+    def layer(self, layer: dict, x, start: int, k_slot, v_slot, rope, *, compiled: bool = False):
+        """One sandwich layer on x [B, T, D] at positions [start, start + T), writing its K/V into
+        the slot's caches [B, S, H, K] in place. rope: `rope(start, T)[1]` (complex) eager, or
+        `[0]` (real) with `compiled`. T > 1 needs start == 0 (a causal prefill)."""
+        return fast_layer(self.cfg, layer, x, start, k_slot, v_slot, rope, compiled=compiled)
+
+    def step(self, state, embedded, k_slots, v_slots, start: int, rope, *, compiled=False):
+        """One Core iteration: adapter(concat[state, embedded]) then every layer j, writing the
+        slots k_slots[j], v_slots[j] [B, S, H, K] (this iteration's: `slots`)."""
+        import torch
+        import torch.nn.functional as F
+
+        x = F.linear(torch.cat([state, embedded], dim=-1), self.adapter)
+        for j, layer in enumerate(self.layers):
+            x = self.layer(layer, x, start, k_slots[j], v_slots[j], rope, compiled=compiled)
+        return x
+
+    def slots(self, k_cache, v_cache, iteration: int) -> tuple[list[Any], list[Any]]:
+        """Iteration `iteration`'s K and V slots: per layer j, views [B, S, H, K] of the caches
+        [slots, B, S, H, K]. One tensor per layer (not one [L, ...] view), so that torch.compile
+        writes each slot in place (a stacked view made Inductor copy the whole slot back)."""
+        first = iteration * len(self.layers)
+        slots = range(first, first + len(self.layers))
+        return [k_cache[s] for s in slots], [v_cache[s] for s in slots]
+
+    def run_static(self, state, embedded, iterations: int, start: int, k_cache, v_cache):
+        """As `ReferenceCore.run_static`: `iterations` iterations over the static caches."""
+        rope = self.rope(start, state.shape[1])[1]
+        for i in range(iterations):
+            state = self.step(state, embedded, *self.slots(k_cache, v_cache, i), start, rope)
+        return state
+
+
+class CompiledCore(FastCore):
+    """FastCore's iteration compiled by `torch.compile(fullgraph=True, dynamic=False, mode=...)`.
+
+    The compiled unit is one iteration (adapter + layers), called r times per `run_static` with
+    that iteration's K/V slot views and the cached RoPE table as tensor arguments: the same
+    shapes and strides at every iteration, so it compiles once (`graphs_compiled` counts). The
+    start position is a Python int, specialised into the graph (one compile per value). With
+    mode "reduce-overhead", Inductor's CUDA-graph trees record each call; the slot views, the
+    embedded input and the table are marked static addresses (no copy into the graph's inputs
+    at replay; mutated inputs that are not static would make Inductor skip the CUDA graph), and
+    every `run_static` begins a new step (`torch.compiler.cudagraph_mark_step_begin`).
+    """
+
+    def __init__(
+        self, params: dict, config: Any, to_torch: Callable[[Any], Any], mode: str = "default"
+    ):
+        import torch
+
+        if mode not in COMPILE_MODES:
+            raise ValueError(f"compile mode {mode!r}: expected one of {', '.join(COMPILE_MODES)}")
+        super().__init__(params, config, to_torch)
+        self.mode = mode
+        # A fresh Dynamo state: compiled entries of earlier instances live on the same code
+        # object and would count toward its recompile limit (past it, Dynamo runs eager).
+        torch._dynamo.reset()
+        self._graphs_before = _unique_graphs()
+        self.compiled_step = torch.compile(
+            self._iteration, fullgraph=True, dynamic=False, mode=mode
+        )
+
+    def _iteration(self, state, embedded, k_slots, v_slots, table, start: int):
+        return self.step(state, embedded, k_slots, v_slots, start, table, compiled=True)
+
+    def graphs_compiled(self) -> int:
+        """Graphs Dynamo compiled since this instance was made (1 once warm: no recompiles)."""
+        return _unique_graphs() - self._graphs_before
+
+    def run_static(self, state, embedded, iterations: int, start: int, k_cache, v_cache):
+        import torch
+
+        table = self.rope(start, state.shape[1])[0]
+        static = self.mode == "reduce-overhead"
+        if static:
+            torch.compiler.cudagraph_mark_step_begin()
+            for tensor in (embedded, table):
+                torch._dynamo.mark_static_address(tensor)
+        for i in range(iterations):
+            k_slots, v_slots = self.slots(k_cache, v_cache, i)
+            if static:
+                for slot in (*k_slots, *v_slots):
+                    torch._dynamo.mark_static_address(slot)
+            state = self.compiled_step(state, embedded, k_slots, v_slots, table, start)
+        return state
+
+
+def _unique_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+CORES = {"reference": ReferenceCore, "fast": FastCore, "compiled": CompiledCore}
+
+
+def make_core(name: str, params: dict, config: Any, to_torch, **kwargs: Any):
+    """CORES[name](params, config, to_torch, **kwargs) (kwargs: `mode` of "compiled")."""
+    if name not in CORES:
+        raise ValueError(f"unknown core {name!r}; known: {', '.join(CORES)}")
+    return CORES[name](params, config, to_torch, **kwargs)
 
 
 def to_torch_fn(device: str, dtype):

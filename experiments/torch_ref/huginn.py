@@ -1,10 +1,12 @@
 """The whole Huginn model in PyTorch, for a decode loop side by side with the JAX one.
 
-embedding × embed_scale → prelude → Core loop (`core.TorchCore`: adapter on concat[state,
-embedded], state first) → ln_f → coda → ln_f → tied head, with the layers of `core.py` (RMSNorm
-and interleaved-pair RoPE in float32, qk_bias added before RoPE, gated SiLU MLP whose gate is the
-first half of fc). Generation as `huginn_jax.generate.greedy`: a fixed number of Core iterations,
-a zero initial state (init_scale 0), greedy argmax.
+embedding × embed_scale → prelude → Core loop (`core.ReferenceCore`, or the Core given: adapter
+on concat[state, embedded], state first) → ln_f → coda → ln_f → tied head, with the layers of
+`core.py` (RMSNorm and interleaved-pair RoPE in float32, qk_bias added before RoPE, gated SiLU
+MLP whose gate is the first half of fc). Generation as `huginn_jax.generate.greedy`: a fixed
+number of Core iterations, a zero initial state (init_scale 0), greedy argmax. `run_loop` runs
+any of the PyTorch generation loops that `experiments.generate_vs_torch` compares (LOOPS; the
+compiled one lives in `torch_ref.generation`).
 
 The KV cache is preallocated, K and V each [L, B, S, H, K] with the slots of
 `huginn_jax.kv_cache` ("full"): prelude layer j at j, Core (iteration i, layer j) at P + C·i + j,
@@ -22,31 +24,20 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from experiments.torch_ref.chain import capture_graph
-from experiments.torch_ref.core import TorchCore, layer_list, rms_norm
+from experiments.torch_ref.core import ReferenceCore, layer_list, make_core, rms_norm
 
 if TYPE_CHECKING:
     import torch
 
+    from experiments.torch_ref.core import FastCore
+
 _GRAPH_WARMUP = 2  # side-stream runs before a capture, as the CUDA-graph docs ask
-
-
-def _mm_f32_out(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether `torch.mm(..., out_dtype=torch.float32)` works for `dtype` operands here (CUDA in
-    recent torch; not on the CPU), i.e. a head with float32 logits without an upcast copy."""
-    import torch
-
-    if dtype == torch.float32:
-        return False
-    try:
-        a = torch.zeros(1, 8, dtype=dtype, device=device)
-        return torch.mm(a, a.T, out_dtype=torch.float32).dtype == torch.float32
-    except (TypeError, RuntimeError):  # unknown keyword (old torch) or no kernel for the device
-        return False
 
 
 class TorchHuginn:
@@ -55,14 +46,23 @@ class TorchHuginn:
     Call `setup_cache` first; `prefill`, `decode_step`, `forward` and `decode_graph` use it.
     """
 
-    def __init__(self, params: dict, config: Any, to_torch: Any):
+    def __init__(self, params: dict, config: Any, to_torch: Any, core: Any = "reference"):
         """params: `nnx.to_pure_dict(nnx.state(model))` (keys wte, prelude/{i}, adapter,
         core_block/{j}, coda/{i}, ln_f; int or str layer keys); config: its `HuginnConfig`;
-        to_torch: one JAX (or numpy) array → torch tensor (`core.to_torch_fn`)."""
+        to_torch: one JAX (or numpy) array → torch tensor (`core.to_torch_fn`); core: which
+        implementation runs the Core iterations, a name of `core.CORES` or a factory
+        (params, config, to_torch) → core; the prelude and coda always run ReferenceCore's code."""
         import torch
 
         self.cfg = config
-        self.core = TorchCore(params, config, to_torch)  # adapter + Core layers
+        self.core = ReferenceCore(params, config, to_torch)  # adapter + Core layers
+        # What runs the Core iterations (`run_static`); the prelude and coda use self.core.
+        if isinstance(core, str):
+            self.core_loop = (
+                self.core if core == "reference" else make_core(core, params, config, to_torch)
+            )
+        else:
+            self.core_loop = core(params, config, to_torch)
         self.wte = to_torch(params["wte"])  # [V, D]
         self.prelude = layer_list(params["prelude"], config, to_torch)
         self.coda = layer_list(params["coda"], config, to_torch)
@@ -72,9 +72,6 @@ class TorchHuginn:
         self.device, self.dtype = self.wte.device, self.wte.dtype
         # JAX rounds embed_scale to the weight dtype before multiplying; so does this 0-d tensor.
         self.embed_scale = torch.tensor(config.embed_scale, dtype=self.dtype, device=self.device)
-        # JAX's head accumulates and returns float32 (preferred_element_type); a bf16 output
-        # would round the logits and let argmax ties differ, so use an f32-output GEMM if any.
-        self.head_f32_out = _mm_f32_out(self.device, self.dtype)
         self.k_cache: torch.Tensor | None = None  # [L, B, S, H, K]
         self.v_cache: torch.Tensor | None = None
         self.max_steps = 0
@@ -111,7 +108,7 @@ class TorchHuginn:
                 f"(batch {batch}, max_len {max_len})"
             )
         if t > 1 and start != 0:
-            # core.TorchCore's attention is causal only for a fresh prefill from position 0.
+            # core.ReferenceCore's attention is causal only for a fresh prefill from position 0.
             raise ValueError(f"several new positions ({t}) need start=0, got start={start}")
 
     # ---------------------------------------------------------------- forward
@@ -137,9 +134,9 @@ class TorchHuginn:
         for j, layer in enumerate(self.prelude):
             x = self.core.block_static(layer, x, start, k[j], v[j])
         state = torch.zeros_like(x)  # init_scale 0
-        # Slicing the slot axis gives views: TorchCore writes straight into this cache.
+        # Slicing the slot axis gives views: the Core writes straight into this cache.
         core_k, core_v = k[prelude : prelude + core], v[prelude : prelude + core]
-        state = self.core.run_static(state, x, num_steps, start, core_k, core_v)
+        state = self.core_loop.run_static(state, x, num_steps, start, core_k, core_v)
         y = rms_norm(state, self.ln_f, eps)
         for j, layer in enumerate(self.coda):
             slot = coda_first + j
@@ -151,12 +148,10 @@ class TorchHuginn:
         return logits[:, -1] if last_only else logits
 
     def _head(self, x_NxD: torch.Tensor) -> torch.Tensor:
-        """Float32 logits [N, V] of x [N, D] through the (tied) head [D, V]."""
-        import torch
-
-        if self.head_f32_out:
-            return torch.mm(x_NxD, self.head, out_dtype=torch.float32)
-        return (x_NxD @ self.head).float()  # exact in float32; rounded logits in bf16
+        """Float32 logits [N, V] of x [N, D] through the (tied) head [D, V]: the product in the
+        weights' dtype, then float32, as `huginn_jax.model.run_coda` and the reference's bf16
+        lm_head compute it (so that bf16 logits round, and argmax ties break, alike)."""
+        return (x_NxD @ self.head).float()
 
     def prefill(self, ids_BxT: torch.Tensor, num_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompt ids [B, T] from position 0: (greedy next token [B] int64, logits [B, V]
@@ -212,15 +207,17 @@ class DecodeGraph:
 
 @dataclasses.dataclass(frozen=True)
 class TorchGeneration:
-    """What `generate_greedy` returns. Token 0 comes from the prefill, as in huginn_jax."""
+    """What `generate_greedy` (and `generation.generate_compiled`) return. Token 0 comes from the
+    prefill, as in huginn_jax."""
 
     tokens: np.ndarray  # [B, N] int64
     logits: np.ndarray  # [B, N, V] float32: what each token was drawn from
-    prefill_s: float
+    prefill_s: float  # the timed prefill, after `warmup` untimed ones
     latencies_s: list[float]  # N - 1 decode tokens: graph replay (or eager step) + synchronize
-    capture_s: list[float]  # per decode token: warm-up + capture (not in latencies_s); [] eager
-    graph: bool
-    head_f32_out: bool
+    capture_s: list[float]  # per decode token: warm-up + capture (not in latencies_s); [] else
+    graph: bool  # decode tokens replayed from CUDA graphs
+    setup_s: float = 0.0  # untimed: prefill warm-ups, compilation, warm-ups and captures
+    graphs_compiled: int | None = None  # Dynamo graphs (compiled loops only)
 
     @property
     def latency_median_s(self) -> float | None:
@@ -238,9 +235,10 @@ def generate_greedy(
 ) -> TorchGeneration:
     """Greedy generation of `max_new_tokens` tokens after prompt ids [B, T], timed per token.
 
-    A cache of T + max_new_tokens positions (as huginn_jax's default), an eager prefill, then one
-    step per token at positions T, T + 1, ...: with `graph` (CUDA), that position's DecodeGraph
-    is captured (untimed, `capture_s`) and then one replay is timed until
+    A cache of T + max_new_tokens positions (as huginn_jax's default); the eager prefill runs
+    `warmup` times untimed (the cache is rewritten with the same values), then once timed; then
+    one step per token at positions T, T + 1, ...: with `graph` (CUDA), that position's
+    DecodeGraph is captured (untimed, `capture_s`) and then one replay is timed until
     `torch.cuda.synchronize` returns; without, the eager `decode_step` is timed. The next token
     stays on the device (copied into the graph's input buffer); logits go to the host untimed.
     """
@@ -259,6 +257,11 @@ def generate_greedy(
     prompt = torch.as_tensor(np.asarray(prompt_ids_BxT), dtype=torch.int64, device=model.device)
     with torch.no_grad():  # no tensor here needs grad; this only skips autograd bookkeeping
         sync()
+        t0 = time.perf_counter()
+        for _ in range(warmup):
+            model.prefill(prompt, num_steps)
+        sync()
+        setup_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         token, logits = model.prefill(prompt, num_steps)
         sync()
@@ -294,5 +297,60 @@ def generate_greedy(
         latencies_s=latencies,
         capture_s=captures,
         graph=graph,
-        head_f32_out=model.head_f32_out,
+        setup_s=setup_s + sum(captures),
     )
+
+
+# -------------------------------------------------------------------- the loops compared
+
+LOOPS = ("torch_compile", "torch_graph", "torch_reference")
+
+
+def run_loop(
+    impl: str,
+    params: dict,
+    config: Any,
+    to_torch: Callable[[Any], Any],
+    prompt_ids_BxT: np.ndarray,
+    max_new_tokens: int,
+    num_steps: int,
+    *,
+    compile_mode: str = "default",
+    warmup: int = 2,
+    fast_core: FastCore | None = None,
+) -> TorchGeneration:
+    """One PyTorch generation loop of LOOPS over these weights, on fresh caches, whose caches
+    and compiled code are freed before it returns:
+    - torch_compile: `generation.CompiledHuginn` in `compile_mode` + `generate_compiled`;
+    - torch_graph: `TorchHuginn` with FastCore's Core, a CUDA graph captured per position
+      (`generate_greedy`; eager on the CPU);
+    - torch_reference: the same loop with ReferenceCore's Core (reference-faithful).
+    fast_core: a FastCore of the same weights, shared by torch_compile and torch_graph."""
+    import torch
+
+    from experiments.torch_ref.generation import CompiledHuginn, generate_compiled
+
+    if impl not in LOOPS:
+        raise ValueError(f"unknown torch loop {impl!r}; known: {', '.join(LOOPS)}")
+    args = (prompt_ids_BxT, max_new_tokens, num_steps)
+    if impl == "torch_compile":
+        model = CompiledHuginn(params, config, to_torch, mode=compile_mode, core=fast_core)
+        try:
+            return generate_compiled(model, *args, warmup=warmup)
+        finally:
+            model.k, model.v, model.units = [], [], {}  # the caches, and the cycle through self
+            torch._dynamo.reset()  # compiled code and Inductor's CUDA-graph pools
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    if impl == "torch_reference":
+        core: Any = "reference"
+    else:
+        core = "fast" if fast_core is None else (lambda *_: fast_core)
+    eager = TorchHuginn(params, config, to_torch, core=core)
+    cuda = eager.device.type == "cuda"
+    try:
+        return generate_greedy(eager, *args, graph=cuda, warmup=warmup)
+    finally:
+        eager.k_cache = eager.v_cache = None
+        if cuda:
+            torch.cuda.empty_cache()
