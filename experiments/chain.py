@@ -1,19 +1,29 @@
-"""Chapter 3 of the seeds: do shared weights reduce HBM traffic?
+"""Do shared weights reduce HBM traffic? A chain of dependent products, timed per framework.
 
 `steps` dependent products x <- x @ W_i, x [batch, d], W_i [d, d]. Layout "shared": one
 allocation used at every step; layout "copies": `steps` distinct allocations holding identical
 values. The two layouts must give bit-identical outputs; implementations must agree with a
-float32 numpy reference within the dtype's rounding.
+float32 numpy reference within the dtype's rounding, after one chain and after one call's chains.
 
     python -m experiments.chain --size=8MiB,72MiB,288MiB --hbm --trace_dir=out/trace
 
-Implementations (`--impls` takes these names or the families "xla" and "torch"):
-  xla            the chain jitted once; one dispatch per chain (default XLA flags)
+Implementations (`--impls` takes these names or the families "xla" and "torch"; each framework
+runs in its fastest known form, so that the "vs best" column compares best with best):
+  xla            the chain jitted once, plain `x @ w` in the chain's dtype (the dot accumulates
+                 in float32 inside, as cuBLAS does for PyTorch); one dispatch per chain
   xla_loop       N = --chains_per_call chains in one executable (fori_loop, output fed back)
   xla_nocb       as xla, command buffers (CUDA graphs) off; run in a child process (GPU only)
   xla_loop_nocb  as xla_loop, command buffers off (GPU only)
+  xla_f32dot, xla_loop_f32dot  as xla, xla_loop, but each product a dot with a float32 result,
+                 then a cast to the chain's dtype: the same math, yet XLA picks other kernels
+                 for it (see the kernels per chain with --trace_dir); only when named
+  xla_loop_unrolled  as xla_loop, but the N chains unrolled in Python inside the jitted function
+                 (no while loop), to see what the loop costs; N is capped so that one call holds
+                 at most UNROLLED_MAX_PRODUCTS products (compile time grows faster than N); only
+                 when named
   torch_eager    PyTorch, one chain per call (CUDA only)
   torch_graph    PyTorch, one captured chain replayed N times per call (CUDA only)
+  torch_compile  torch.compile (--torch_compile_mode), replayed as torch_graph (CUDA only)
   pallas         the resident persistent Pallas kernel (pallas_kernels.looped_matmul): all
                  steps of a chain in one launch, N chains per call as xla_loop; copies: the
                  step weights stacked [steps, d, d] (GPU, sm_90)
@@ -21,26 +31,30 @@ Implementations (`--impls` takes these names or the families "xla" and "torch"):
                  package's default); copies: the stacked resident kernel, as `pallas`
   pallas_splitk_nocb  as pallas_splitk, command buffers off (GPU only)
 
-N chains per call (--chains_per_call, default 100) spread a call's fixed cost over N chains:
-a JAX call dispatches, copies its inputs and is waited for once (on the H200 about 210-290 us,
-which at N = 20 added 8-11 us per chain to the split-K kernel's chains; PyTorch's graph replay
-costs less; results/2026-11-30-h200/chain_n{20,100}_session6.txt).
+N chains per call (--chains_per_call) spread a call's fixed cost over N chains: a JAX call
+dispatches, copies its inputs and is waited for once; PyTorch's graph replay costs less.
+--gemm=cublas turns XLA's Triton GEMMs off (every dot in cuBLAS), in this process and its
+children. The floor columns use the read-only streaming rate the project measured on the device
+(experiments.measure.ceilings); a device without one gets no floor. A failed check makes the
+program exit with status 1 after the results are written.
 
 Data path, one function per arrow: size string -> d (`parse_size`, `dim_for_size`) -> weights
 (`host_values`, `make_weights`) -> one jitted chain per implementation (`xla_runner`,
 `torch_ref.chain.runner`) -> timing helper (`measure.timing.time_fn`) -> optional ncu / trace
-pass (`hbm_pass`, `trace_pass`) -> results JSON -> table (`format_table`) and plot.
+pass (`hbm_pass`, `trace_pass`) -> results JSON -> checks, table (`chain_report`) and plot.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import re
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -49,13 +63,24 @@ import numpy as np
 from absl import app, flags, logging
 
 from experiments import cli
+from experiments.chain_report import (
+    ChainTrace,
+    Outputs,
+    add_checks,
+    add_vs_best,
+    failed_checks,
+    format_table,
+    format_traces,
+    size_label,
+)
 from experiments.cli import UserError
+from experiments.measure import ceilings as ceilings_lib
 from experiments.measure import ncu as ncu_lib
 from experiments.measure import results as results_lib
 from experiments.measure import timing
 from experiments.measure import trace as trace_lib
 from experiments.torch_ref import chain as torch_chain
-from huginn_jax.xla_flags import COMMAND_BUFFERS_OFF
+from huginn_jax.xla_flags import COMMAND_BUFFERS_OFF, GEMM_CHOICES, use_gemm
 
 FLAGS = flags.FLAGS
 
@@ -93,14 +118,43 @@ def define_flags() -> None:
         "trace_dir", None, "Write profiler traces here and print kernel breakdowns."
     )
     flags.DEFINE_integer("seed", 0, "Seed of the random weights and state.")
+    flags.DEFINE_enum(
+        "gemm",
+        "xla",
+        list(GEMM_CHOICES),
+        "Dots of the XLA impls: xla (XLA's own choice) or cublas (Triton GEMMs off).",
+    )
+    flags.DEFINE_enum(
+        "torch_compile_mode",
+        "default",
+        list(torch_chain.COMPILE_MODES),
+        "torch.compile mode of torch_compile.",
+    )
+    flags.DEFINE_string(
+        "ceilings",
+        "",
+        "Ceilings JSON for the floor columns; '' = results/<device>/ceilings.json if it exists.",
+    )
     flags.DEFINE_enum("child", None, ["timing", "ncu", "trace"], "Internal: run as a child.")
     flags.DEFINE_string("child_out", None, "Internal: directory where a child writes its results.")
 
 
-XLA_IMPLS = ("xla", "xla_loop", "xla_nocb", "xla_loop_nocb")
+# XLA impl (without _nocb) -> (form of one product, how a call repeats the chain).
+XLA_FORMS = {
+    "xla": ("plain", "once"),
+    "xla_loop": ("plain", "loop"),
+    "xla_f32dot": ("f32dot", "once"),
+    "xla_loop_f32dot": ("f32dot", "loop"),
+    "xla_loop_unrolled": ("plain", "unrolled"),
+}
+XLA_FAMILY = ("xla", "xla_loop", "xla_nocb", "xla_loop_nocb")
+XLA_IMPLS = XLA_FAMILY + ("xla_f32dot", "xla_loop_f32dot", "xla_loop_unrolled")
 PALLAS_IMPLS = ("pallas", "pallas_splitk", "pallas_splitk_nocb")
-FAMILIES = {"xla": XLA_IMPLS, "torch": torch_chain.IMPLS}
+FAMILIES = {"xla": XLA_FAMILY, "torch": torch_chain.IMPLS}
 KNOWN_IMPLS = XLA_IMPLS + torch_chain.IMPLS + PALLAS_IMPLS
+# xla_loop_unrolled: at most this many products (chains x steps) in one call; the compile time
+# of the unrolled function grows faster than linearly with them.
+UNROLLED_MAX_PRODUCTS = 800
 # Impls whose two layouts run different kernels: no bit-identity check between them.
 _SPLITK_NOT_COMPARABLE = (
     "copies run the resident kernel; split-K also adds its partial sums in a run-dependent "
@@ -110,8 +164,6 @@ LAYOUTS_NOT_COMPARABLE = {
     "pallas_splitk": _SPLITK_NOT_COMPARABLE,
     "pallas_splitk_nocb": _SPLITK_NOT_COMPARABLE,
 }
-# --trace_dir traces these in this process, and torch_eager in a child.
-TRACED_JAX_IMPLS = ("xla", *PALLAS_IMPLS)
 LAYOUTS = ("shared", "copies")
 DTYPES = {
     "bf16": "bfloat16",
@@ -121,11 +173,8 @@ DTYPES = {
     "fp32": "float32",
     "float32": "float32",
 }
-# Unit roundoff of the chain's dtype; fp32 uses 2^-20 because accumulation order dominates.
-UNIT_ROUNDOFF = {"bfloat16": 2.0**-8, "float16": 2.0**-11, "float32": 2.0**-20}
 CPU_DEFAULTS = {"warmup": 2, "repeats": 5, "chains_per_call": 4}
 WORKSPACE_BYTES = 256 * 2**20  # state, outputs, cuBLAS workspace, compiled code
-H200_MEASURED_BW = 4.25e12  # B/s, shared/DEVICE.md; used when huginn_jax.costs is missing
 _UNITS = {
     "": 1,
     "b": 1,
@@ -183,14 +232,6 @@ def _np_dtype(name: str) -> np.dtype:
     import jax.numpy as jnp
 
     return np.dtype(jnp.dtype(name))
-
-
-def size_label(n_bytes: int) -> str:
-    """75497472 -> '72MiB'; 32768 -> '32KiB' (largest binary unit that divides it)."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n_bytes >= scale and n_bytes % scale == 0:
-            return f"{n_bytes // scale}{unit}"
-    return f"{n_bytes / 2**20:.2f}MiB" if n_bytes >= 2**20 else f"{n_bytes}B"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,97 +297,126 @@ def buffer_pointers(ws: Sequence[Any]) -> list[int]:
 # ---------------------------------------------------------------- weights -> jitted chains
 
 
-def chain_fn(x: Any, *ws: Any) -> Any:
-    """x [batch, d] through every W in order, fp32 accumulation, state rounded to x's dtype."""
+def _precision(x: Any) -> Any:
+    """fp32 chains ask for true fp32 products: the default on GPUs may use TF32."""
     import jax
     import jax.numpy as jnp
 
-    # fp32 chains ask for true fp32: the default on GPUs may use TF32.
-    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    return jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+
+
+def chain_fn(x: Any, *ws: Any) -> Any:
+    """x [batch, d] through every W in order, each product `x @ w` in x's dtype (the dot
+    accumulates in float32 inside): the fastest form of the chain."""
+    import jax.numpy as jnp
+
     for w in ws:
-        x = jnp.dot(x, w, preferred_element_type=jnp.float32, precision=precision).astype(x.dtype)
+        x = jnp.dot(x, w, precision=_precision(x))
     return x
 
 
-def _loop_fn(x: Any, *ws: Any, n: int) -> Any:
+def chain_f32dot_fn(x: Any, *ws: Any) -> Any:
+    """The same math as `chain_fn`, each product a dot with a float32 result, then a cast to
+    x's dtype (xla_f32dot, xla_loop_f32dot): XLA compiles it to other kernels."""
+    import jax.numpy as jnp
+
+    dtype, precision = x.dtype, _precision(x)
+    for w in ws:
+        x = jnp.dot(x, w, preferred_element_type=jnp.float32, precision=precision).astype(dtype)
+    return x
+
+
+CHAIN_FORMS = {"plain": chain_fn, "f32dot": chain_f32dot_fn}
+
+
+def _loop_fn(x: Any, *ws: Any, n: int, form: str = "plain") -> Any:
     """n chains in one executable; each chain's output is the next one's input, so no chain
     can be hoisted out of the loop."""
     import jax
 
-    return jax.lax.fori_loop(0, n, lambda _, x: chain_fn(x, *ws), x)
+    return jax.lax.fori_loop(0, n, lambda _, x: CHAIN_FORMS[form](x, *ws), x)
+
+
+def _unrolled_fn(x: Any, *ws: Any, n: int, form: str = "plain") -> Any:
+    """As `_loop_fn`, with the n chains unrolled into one straight-line program (no while)."""
+    for _ in range(n):
+        x = CHAIN_FORMS[form](x, *ws)
+    return x
 
 
 @dataclasses.dataclass
 class Runner:
     """A prepared implementation: `fn()` runs `per_call` chains; `output()` gives float32
-    [batch, d] after `chains_in_output` chains from the initial state."""
+    [batch, d] after `chains_in_output` chains from the initial state, `one_chain()` after one
+    chain; `compile_seconds`: the first call, where it compiled the chain (else None)."""
 
     fn: Callable[[], Any]
     per_call: int
     sync: Callable[[], None] | None
     output: Callable[[], np.ndarray]
     chains_in_output: int
+    one_chain: Callable[[], np.ndarray]
+    compile_seconds: float | None = None
 
 
-_JIT_CACHE: dict[str, Any] = {}
-
-
-def _jitted(name: str) -> Any:
+@functools.cache
+def _jitted(form: str, repeat: str) -> Any:
+    """The jitted chain of one product form, repeated "once", in a "loop" or "unrolled"."""
     import jax
 
-    if name not in _JIT_CACHE:
-        _JIT_CACHE["chain"] = jax.jit(chain_fn)
-        _JIT_CACHE["loop"] = jax.jit(_loop_fn, static_argnames="n")
-    return _JIT_CACHE[name]
+    if repeat == "once":
+        return jax.jit(CHAIN_FORMS[form])
+    fn = {"loop": _loop_fn, "unrolled": _unrolled_fn}[repeat]
+    return jax.jit(functools.partial(fn, form=form), static_argnames="n")
+
+
+def unrolled_chains(n: int, steps: int) -> int:
+    """Chains per call of xla_loop_unrolled: n, capped at UNROLLED_MAX_PRODUCTS products."""
+    return max(1, min(n, UNROLLED_MAX_PRODUCTS // steps))
 
 
 def xla_runner(impl: str, x: Any, ws: Sequence[Any], *, n: int) -> Runner:
-    """xla / xla_nocb: one chain per call. xla_loop / xla_loop_nocb: n chains per call.
-    (The _nocb variants differ only in the XLA_FLAGS of the process that runs them.)"""
-    if impl in ("xla", "xla_nocb"):
-        f = _jitted("chain")
+    """The XLA impls (XLA_FORMS): one chain per call ("once") or n chains per call in a
+    fori_loop or unrolled (at most `unrolled_chains`). The _nocb variants differ only in the
+    XLA_FLAGS of the process that runs them. The first call is timed: the compile time when
+    it compiled (the other layout or size may have compiled the same executable before)."""
+    import jax
+
+    if impl.removesuffix("_nocb") not in XLA_FORMS:
+        raise ValueError(f"unknown xla impl {impl!r}")
+    form, repeat = XLA_FORMS[impl.removesuffix("_nocb")]
+    f = _jitted(form, repeat)
+    if repeat == "once":
+        per_call = 1
 
         def call() -> Any:
             return f(x, *ws)
 
-        per_call = 1
-    elif impl in ("xla_loop", "xla_loop_nocb"):
-        f = _jitted("loop")
+        def one() -> Any:
+            return call()
+
+    else:
+        per_call = unrolled_chains(n, len(ws)) if repeat == "unrolled" else n
 
         def call() -> Any:
-            return f(x, *ws, n=n)
+            return f(x, *ws, n=per_call)
 
-        per_call = n
-    else:
-        raise ValueError(f"unknown xla impl {impl!r}")
+        def one() -> Any:
+            return f(x, *ws, n=1)
+
+    cached = f._cache_size()
+    t0 = time.perf_counter()
+    jax.block_until_ready(call())
+    first_call = time.perf_counter() - t0
     return Runner(
         fn=call,
         per_call=per_call,
         sync=None,
         output=lambda: np.asarray(call()).astype(np.float32),
         chains_in_output=per_call,
+        one_chain=lambda: np.asarray(one()).astype(np.float32),
+        compile_seconds=first_call if f._cache_size() > cached else None,  # None: compiled before
     )
-
-
-def reference_chain(x_host: np.ndarray, w_host: np.ndarray, steps: int) -> np.ndarray:
-    """float32 numpy reference: fp32 products, state rounded to the input dtype at each step."""
-    dtype = x_host.dtype
-    w = w_host.astype(np.float32)
-    x = x_host.astype(np.float32)
-    for _ in range(steps):
-        x = (x @ w).astype(dtype).astype(np.float32)
-    return x
-
-
-def tolerance(dtype: str, total_steps: int) -> float:
-    """Allowed max|y - ref| / max|ref|: twice the unit roundoff times sqrt(steps), a random walk
-    of one rounding per step."""
-    return 2.0 * UNIT_ROUNDOFF[dtype] * math.sqrt(total_steps)
-
-
-def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
-    """Bit-for-bit equality of two float32 arrays (0.0 and -0.0 differ)."""
-    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
 # ---------------------------------------------------------------- flags -> options
@@ -367,6 +437,9 @@ class Options:
     plot_out: str
     hbm: bool
     trace_dir: str | None
+    gemm: str = "xla"
+    torch_compile_mode: str = "default"
+    ceilings: str = ""  # a ceilings JSON, or "" for the device's default file
 
 
 def expand_impls(names: Sequence[str], families: bool = True) -> tuple[str, ...]:
@@ -435,6 +508,9 @@ def options_from_flags() -> Options:
         warmup=FLAGS.warmup,
         repeats=FLAGS.repeats,
         chains_per_call=FLAGS.chains_per_call,
+        gemm=FLAGS.gemm,
+        torch_compile_mode=FLAGS.torch_compile_mode,
+        ceilings=FLAGS.ceilings,
     )
 
 
@@ -487,8 +563,9 @@ def check_memory(opts: Options, device: Any, holders: int) -> None:
 # ---------------------------------------------------------------- timing
 
 
-def measure(runner: Any, opts: Options) -> tuple[timing.Samples, np.ndarray]:
-    """Times a Runner (JAX or torch) with the one timing helper; returns samples and output."""
+def measure(runner: Any, opts: Options) -> tuple[timing.Samples, Outputs]:
+    """Times a Runner (JAX or torch) with the one timing helper; returns the samples and the
+    outputs after one call's chains and after one chain."""
     samples = timing.time_fn(
         runner.fn,
         warmup=opts.warmup,
@@ -496,25 +573,28 @@ def measure(runner: Any, opts: Options) -> tuple[timing.Samples, np.ndarray]:
         sync=runner.sync,
         per_call=runner.per_call,
     )
-    return samples, runner.output()
+    return samples, Outputs(runner.output(), runner.chains_in_output, runner.one_chain())
 
 
-def hbm_bandwidth(device_kind: str) -> tuple[float | None, str | None]:
-    """The measured HBM bandwidth (B/s) of a known device and where it comes from."""
-    if "H200" not in device_kind.upper():
-        return None, None
+def load_ceilings(device_kind: str, path: str) -> ceilings_lib.Ceilings | None:
+    """The device's measured ceilings (from `path`, or the device's default file when "");
+    None when the project has none for it. A file that cannot be used is a UserError."""
     try:
-        from huginn_jax import costs  # written alongside; optional here
-
-        return float(costs.get_device("h200_measured").hbm_bandwidth), "huginn_jax.costs"
-    except (ImportError, AttributeError, KeyError, ValueError):
-        return H200_MEASURED_BW, "shared/DEVICE.md"
+        return ceilings_lib.for_device(device_kind, path or None)
+    except ceilings_lib.CeilingsError as e:
+        raise UserError(f"--ceilings: {e}") from None
 
 
 def run_record(
-    cfg: ChainConfig, layout: str, impl: str, samples: timing.Samples, bw: float | None
+    cfg: ChainConfig,
+    layout: str,
+    impl: str,
+    samples: timing.Samples,
+    bw: float | None,
+    compile_seconds: float | None = None,
 ) -> dict[str, Any]:
-    """One row of the results: samples, medians, GB/s and % of the HBM floors."""
+    """One row of the results: samples, medians, GB/s, % of the HBM floors (`bw`: the measured
+    read-only streaming rate in B/s, or None) and the first call's time."""
     s = samples.summary_us()
     w = cfg.weight_bytes
     t = samples.median
@@ -527,9 +607,10 @@ def run_record(
         "chains_per_call": samples.per_call,
         **s,
         "gbps": cfg.steps * w / t / 1e9,
-        # floor: the time to read W once, or steps*W, at the device's measured bandwidth
+        # floor: the time to read W once, or steps*W, at the device's measured read rate
         "pct_floor_once": 100 * (w / bw) / t if bw else None,
         "pct_floor_steps": 100 * (cfg.steps * w / bw) / t if bw else None,
+        "compile_seconds": compile_seconds,
         "samples": samples.to_dict(),
         "hbm": None,
     }
@@ -566,6 +647,8 @@ def child_argv(
         f"--repeats={opts.repeats}",
         f"--chains_per_call={opts.chains_per_call}",
         f"--ncu_chains={opts.ncu_chains}",
+        f"--gemm={opts.gemm}",
+        f"--torch_compile_mode={opts.torch_compile_mode}",
         "--json_out=",
         "--plot_out=",
         *([f"--trace_dir={opts.trace_dir}"] if opts.trace_dir else []),
@@ -585,9 +668,10 @@ def child_env(impls: Sequence[str]) -> dict[str, str]:
 
 def run_timing_child(
     cfg: ChainConfig, opts: Options, impls: Sequence[str]
-) -> dict[tuple[str, str], tuple[timing.Samples, np.ndarray, int]]:
+) -> dict[tuple[str, str], tuple[timing.Samples, Outputs, float | None]]:
     """Times the _nocb impls in a child process whose XLA_FLAGS turn command buffers off;
-    per (layout, impl): samples, output, and the chains that output went through."""
+    per (layout, impl): samples, outputs (with the chains they went through), and the first
+    call's seconds."""
     with tempfile.TemporaryDirectory(prefix="chain-child-") as out:
         argv = child_argv(cfg, opts, "timing", opts.layouts, impls, out)
         proc = subprocess.run(
@@ -600,8 +684,12 @@ def run_timing_child(
         return {
             (r["layout"], r["impl"]): (
                 timing.Samples.from_dict(r["samples"]),
-                np.load(Path(out) / r["output_file"]),
-                int(r["chains_in_output"]),
+                Outputs(
+                    np.load(Path(out) / r["output_file"]),
+                    int(r["chains_in_output"]),
+                    np.load(Path(out) / r["one_chain_file"]),
+                ),
+                r["compile_seconds"],
             )
             for r in data["runs"]
         }
@@ -652,16 +740,19 @@ def child_main(opts: Options) -> None:
                 continue
             runner, release = build_runner(impl, layout, x_host, w_host, cfg, opts)
             if FLAGS.child == "timing":
-                samples, y = measure(runner, opts)
-                name = f"{layout}-{impl}.npy"
-                np.save(out / name, y)
+                samples, outputs = measure(runner, opts)
+                name = f"{layout}-{impl}"
+                np.save(out / f"{name}.npy", outputs.y)
+                np.save(out / f"{name}-one.npy", outputs.one_chain)
                 runs.append(
                     {
                         "layout": layout,
                         "impl": impl,
                         "samples": samples.to_dict(),
-                        "output_file": name,
-                        "chains_in_output": runner.chains_in_output,
+                        "output_file": f"{name}.npy",
+                        "one_chain_file": f"{name}-one.npy",
+                        "chains_in_output": outputs.chains,
+                        "compile_seconds": runner.compile_seconds,
                     }
                 )
             else:
@@ -692,7 +783,14 @@ def build_runner(
     """Weights in `layout` and a Runner for `impl`; plus a function that frees the weights."""
     if impl in torch_chain.IMPLS:
         ws = torch_chain.make_weights(w_host, cfg.steps, layout, cfg.dtype)
-        runner = torch_chain.runner(impl, x_host, ws, dtype_name=cfg.dtype, n=opts.chains_per_call)
+        runner = torch_chain.runner(
+            impl,
+            x_host,
+            ws,
+            dtype_name=cfg.dtype,
+            n=opts.chains_per_call,
+            compile_mode=opts.torch_compile_mode,
+        )
 
         def release() -> None:
             ws.clear()
@@ -744,6 +842,7 @@ def pallas_runner(x: Any, ws: list[Any], layout: str, variant: str, *, n: int) -
             return looped_matmul_copies(y, w)
 
     loop = jax.jit(lambda x, w: jax.lax.fori_loop(0, n, lambda _, y: one_chain(y, w), x))
+    once = jax.jit(one_chain)
 
     def call() -> Any:
         return loop(x, w)
@@ -754,27 +853,11 @@ def pallas_runner(x: Any, ws: list[Any], layout: str, variant: str, *, n: int) -
         sync=None,
         output=lambda: np.asarray(call()).astype(np.float32),
         chains_in_output=n,
+        one_chain=lambda: np.asarray(once(x, w)).astype(np.float32),
     )
 
 
 # ---------------------------------------------------------------- traces
-
-
-@dataclasses.dataclass(frozen=True)
-class ChainTrace:
-    """One impl's trace: the per-kernel rows, and the GPU's time per chain in µs (`span` from
-    the first kernel's start to the last one's end, `busy` in kernels, `gaps` idle between
-    them: launches, host work, waits)."""
-
-    rows: list[trace_lib.Row]
-    per_chain: dict[str, float]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"rows": [dataclasses.asdict(r) for r in self.rows], "per_chain": self.per_chain}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ChainTrace:
-        return cls([trace_lib.Row(**r) for r in d["rows"]], dict(d["per_chain"]))
 
 
 def trace_pass(
@@ -804,15 +887,6 @@ def trace_pass(
     return ChainTrace(rows, per_chain)
 
 
-def format_per_chain(traced: dict[str, ChainTrace]) -> str:
-    """One line per impl: the traced GPU time per chain, kernels and idle gaps between them."""
-    return "\n".join(
-        f"{impl}: GPU span {t.per_chain['span']:.1f} µs per chain = kernels "
-        f"{t.per_chain['busy']:.1f} + idle between them {t.per_chain['gaps']:.1f}"
-        for impl, t in traced.items()
-    )
-
-
 def run_trace_child(cfg: ChainConfig, opts: Options, impl: str) -> dict[str, ChainTrace]:
     """Traces `impl` for every layout in a child process: the torch profiler and JAX's both
     use CUPTI, and once torch's has run in a process, JAX's cannot subscribe there again."""
@@ -826,73 +900,6 @@ def run_trace_child(cfg: ChainConfig, opts: Options, impl: str) -> dict[str, Cha
             raise RuntimeError(f"trace child exited with {proc.returncode}: {tail}")
         traces = results_lib.read_json(Path(out) / "child.json")["traces"]
         return {t["layout"]: ChainTrace.from_dict(t) for t in traces}
-
-
-# ---------------------------------------------------------------- report
-
-
-def _fmt(value: float | None, spec: str) -> str:
-    return (
-        "-"
-        if value is None or (isinstance(value, float) and math.isnan(value))
-        else (format(value, spec))
-    )
-
-
-def _fmt_identical(identical: bool | None, impl: str) -> str:
-    if identical is None:
-        return "n/a" if impl in LAYOUTS_NOT_COMPARABLE else "-"
-    return "yes" if identical else "NO"
-
-
-def _us(value: float) -> str:
-    """Microseconds with one decimal below 1000, none above (keeps the columns aligned)."""
-    return f"{value:.1f}" if value < 1000 else f"{value:.0f}"
-
-
-def format_table(data: dict[str, Any]) -> str:
-    """The seeds' table, from the results dict: one row per size x layout x impl."""
-    steps = data["config"]["steps"]
-    by_key = {(r["weight_bytes"], r["layout"], r["impl"]): r for r in data["runs"]}
-    checks = {(c["weight_bytes"], c["layout"], c["impl"]): c for c in data["checks"]["agreement"]}
-    same = {(c["weight_bytes"], c["impl"]): c["identical"] for c in data["checks"]["layouts"]}
-    head = (
-        f"{'W':>9} {'d':>6} {'layout':<7} {'impl':<14} {'µs/chain':>9} {'p10-p90':>17} "
-        f"{'GB/s':>7} {'%floor W':>8} {f'%floor {steps}W':>10} {'shared x':>8} "
-        f"{'HBM xW':>7} {'L2 hit%':>7} {'=bits':>5} {'err/tol':>7}"
-    )
-    lines = [head, "-" * len(head)]
-    for r in data["runs"]:
-        key = (r["weight_bytes"], r["layout"], r["impl"])
-        copies = by_key.get((r["weight_bytes"], "copies", r["impl"]))
-        speedup = (
-            copies["median_us"] / r["median_us"] if r["layout"] == "shared" and copies else None
-        )
-        hbm = r.get("hbm") or {}
-        chk = checks.get(key)
-        ident = same.get((r["weight_bytes"], r["impl"])) if r["layout"] == "shared" else None
-        lines.append(
-            f"{size_label(r['weight_bytes']):>9} {r['d']:>6d} {r['layout']:<7} {r['impl']:<14} "
-            f"{_us(r['median_us']):>9} {_us(r['p10_us']):>8}-{_us(r['p90_us']):<8} "
-            f"{r['gbps']:>7.0f} "
-            f"{_fmt(r['pct_floor_once'], '.1f'):>8} {_fmt(r['pct_floor_steps'], '.1f'):>10} "
-            f"{_fmt(speedup, '.2f'):>8} {_fmt(hbm.get('read_x_w'), '.2f'):>7} "
-            f"{_fmt(hbm.get('l2_hit_pct'), '.1f'):>7} "
-            f"{_fmt_identical(ident, r['impl']):>5} "
-            f"{_fmt(chk['rel_err'] / chk['tol'] if chk else None, '.2f'):>7}"
-        )
-    bw = data["env"].get("hbm_bandwidth")
-    lines += [
-        f"µs/chain: median of {data['config']['repeats']} calls (p10-p90), per chain; "
-        f"GB/s = {steps}·W / time; %floor W ({steps}W) = time to read W ({steps}·W) at "
-        f"{_fmt(bw / 1e12 if bw else None, '.2f')} TB/s / time.",
-        "shared x = copies time / shared time; HBM xW = HBM bytes read per chain / W; "
-        "L2 hit% = lts__t_sector_hit_rate over the profiled chains.",
-        "=bits: shared and copies outputs bit-identical (n/a: the layouts run different kernels); "
-        "err/tol: max|y-ref| / max|ref| against the fp32 numpy reference, over its tolerance "
-        "(<= 1 passes).",
-    ]
-    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- main
@@ -943,6 +950,7 @@ def run(opts: Options, notes: list[str], note: Callable[[str], None]) -> dict[st
 
     device = jax.devices()[0]
     on_gpu = device.platform == "gpu"
+    ceilings = load_ceilings(device.device_kind, opts.ceilings)  # a bad file fails here
     impls = select_impls(opts, on_gpu, note)
     if not impls:
         raise UserError("no implementation can run here (see the notes above)")
@@ -953,10 +961,17 @@ def run(opts: Options, notes: list[str], note: Callable[[str], None]) -> dict[st
         note(ncu_lib.SKIP_LINE + ("" if on_gpu else " (no GPU here)"))
     holders = 1 + any(i in torch_chain.IMPLS for i in impls) + bool(nocb or ncu)
     check_memory(opts, device, holders)
+    unrolled = unrolled_chains(opts.chains_per_call, opts.configs[0].steps)
+    if "xla_loop_unrolled" in impls and unrolled < opts.chains_per_call:
+        note(f"xla_loop_unrolled: {unrolled} chains per call ({UNROLLED_MAX_PRODUCTS} products)")
 
     env = results_lib.environment({k: FLAGS[k].value for k in _OWN_FLAGS})
-    bw, bw_source = hbm_bandwidth(device.device_kind)
-    env.update(hbm_bandwidth=bw, hbm_bandwidth_source=bw_source)
+    default_file = ceilings_lib.default_path(device.device_kind)
+    env.update(
+        ceilings=ceilings.to_dict() if ceilings else None,
+        ceilings_source=ceilings.source if ceilings else f"none: no {default_file}",
+    )
+    bw = ceilings.read_bytes_per_s if ceilings else None
     data: dict[str, Any] = {
         "experiment": "chain",
         "config": {
@@ -970,10 +985,12 @@ def run(opts: Options, notes: list[str], note: Callable[[str], None]) -> dict[st
             "chains_per_call": opts.chains_per_call,
             "ncu_chains": opts.ncu_chains,
             "sizes_bytes": [c.size_bytes for c in opts.configs],
+            "gemm": opts.gemm,
+            "torch_compile_mode": opts.torch_compile_mode,
         },
         "env": env,
         "runs": [],
-        "checks": {"layouts": [], "agreement": []},
+        "checks": {"layouts": [], "agreement": [], "one_chain": []},
         "traces": [],
         "notes": notes,
     }
@@ -981,15 +998,16 @@ def run(opts: Options, notes: list[str], note: Callable[[str], None]) -> dict[st
     bar = tqdm(total=total, disable=total <= 1, leave=False, desc="chain", file=sys.stderr)
     for cfg in opts.configs:
         x_host, w_host = host_values(cfg)
-        outputs: dict[tuple[str, str], tuple[np.ndarray, int]] = {}
+        outputs: dict[tuple[str, str], Outputs] = {}
         for layout in opts.layouts:
             for impl in in_process:
                 bar.set_postfix_str(f"{size_label(cfg.weight_bytes)} {layout} {impl}")
                 runner, release = build_runner(impl, layout, x_host, w_host, cfg, opts)
-                samples, y = measure(runner, opts)
+                samples, outputs[(layout, impl)] = measure(runner, opts)
                 release()
-                data["runs"].append(run_record(cfg, layout, impl, samples, bw))
-                outputs[(layout, impl)] = (y, runner.chains_in_output)
+                data["runs"].append(
+                    run_record(cfg, layout, impl, samples, bw, runner.compile_seconds)
+                )
                 bar.update()
         if nocb:
             bar.set_postfix_str(f"{size_label(cfg.weight_bytes)} {', '.join(nocb)} (child)")
@@ -998,48 +1016,51 @@ def run(opts: Options, notes: list[str], note: Callable[[str], None]) -> dict[st
             except RuntimeError as e:
                 note(f"{', '.join(nocb)} at W={cfg.weight_bytes} B: {e}")
                 child = {}
-            for (layout, impl), (samples, y, chains) in sorted(child.items()):
-                data["runs"].append(run_record(cfg, layout, impl, samples, bw))
-                outputs[(layout, impl)] = (y, chains)
+            for (layout, impl), (samples, out, seconds) in sorted(
+                child.items(), key=lambda item: item[0]
+            ):
+                data["runs"].append(run_record(cfg, layout, impl, samples, bw, seconds))
+                outputs[(layout, impl)] = out
             bar.update(len(opts.layouts) * len(nocb))
-        add_checks(data, cfg, x_host, w_host, outputs)
+        add_checks(data, cfg, x_host, w_host, outputs, LAYOUTS_NOT_COMPARABLE)
+        add_vs_best(data["runs"])
         if ncu is not None:
             # Two children at most: default XLA flags, and command buffers off.
-            for group in ([i for i in impls if not i.endswith("_nocb")], nocb):
-                if not group:
-                    continue
-                bar.set_postfix_str(f"{size_label(cfg.weight_bytes)} ncu {', '.join(group)}")
-                try:
-                    summaries = hbm_pass(cfg, opts, group, ncu)
-                except (ncu_lib.NcuError, ValueError, OSError, subprocess.SubprocessError) as e:
-                    note(f"ncu at W={size_label(cfg.weight_bytes)} ({', '.join(group)}): {e}")
-                    continue
-                for rec in data["runs"]:
-                    summary = summaries.get((rec["layout"], rec["impl"]))
-                    if rec["weight_bytes"] == cfg.weight_bytes and summary is not None:
-                        rec["hbm"] = {
-                            **dataclasses.asdict(summary),
-                            "read_x_w": summary.bytes_read_per_chain / cfg.weight_bytes,
-                        }
+            for group in (in_process, nocb):
+                if group:
+                    bar.set_postfix_str(f"{size_label(cfg.weight_bytes)} ncu {', '.join(group)}")
+                    add_hbm(data, cfg, opts, group, ncu, note)
         if opts.trace_dir:
-            traced = trace_all(cfg, opts, impls, x_host, w_host, note)
-            for layout in opts.layouts:
-                tqdm.write(
-                    f"\nkernels per chain, W = {size_label(cfg.weight_bytes)}, {layout} "
-                    f"({opts.chains_per_call} chains traced, the profiler on):"
-                )
-                tqdm.write(trace_lib.side_by_side({i: t.rows for i, t in traced[layout].items()}))
-                tqdm.write(format_per_chain(traced[layout]))
-                w_bytes = cfg.weight_bytes
-                data["traces"].extend(
-                    {"weight_bytes": w_bytes, "layout": layout, "impl": impl, **t.to_dict()}
-                    for impl, t in traced[layout].items()
-                )
+            add_traces(data, cfg, trace_all(cfg, opts, impls, x_host, w_host, note), opts)
         if opts.json_out:  # what is done survives an interrupted sweep
             results_lib.write_json_atomic(opts.json_out, {**data, "complete": False})
     bar.close()
     data["complete"] = True
     return data
+
+
+def add_hbm(
+    data: dict[str, Any],
+    cfg: ChainConfig,
+    opts: Options,
+    impls: Sequence[str],
+    ncu: str,
+    note: Callable[[str], None],
+) -> None:
+    """HBM bytes read per chain (in units of W) and L2 hit rate of `impls`, from one ncu child,
+    into their run records of this size; a failed pass is a note."""
+    try:
+        summaries = hbm_pass(cfg, opts, impls, ncu)
+    except (ncu_lib.NcuError, ValueError, OSError, subprocess.SubprocessError) as e:
+        note(f"ncu at W={size_label(cfg.weight_bytes)} ({', '.join(impls)}): {e}")
+        return
+    for rec in data["runs"]:
+        summary = summaries.get((rec["layout"], rec["impl"]))
+        if rec["weight_bytes"] == cfg.weight_bytes and summary is not None:
+            rec["hbm"] = {
+                **dataclasses.asdict(summary),
+                "read_x_w": summary.bytes_read_per_chain / cfg.weight_bytes,
+            }
 
 
 def trace_all(
@@ -1050,84 +1071,44 @@ def trace_all(
     w_host: np.ndarray,
     note: Callable[[str], None],
 ) -> dict[str, dict[str, ChainTrace]]:
-    """layout -> impl -> trace, for xla and the Pallas kernels (in this process) and
-    torch_eager (in a child)."""
+    """layout -> impl -> trace of every impl: in this process, or in a child for the _nocb
+    impls (their XLA_FLAGS) and the torch impls (CUPTI, see `run_trace_child`)."""
     traced: dict[str, dict[str, ChainTrace]] = {layout: {} for layout in opts.layouts}
-    for impl in [i for i in impls if i in TRACED_JAX_IMPLS]:
+    for impl in impls:
+        if impl.endswith("_nocb") or impl in torch_chain.IMPLS:
+            try:
+                for layout, one in run_trace_child(cfg, opts, impl).items():
+                    traced[layout][impl] = one
+            except RuntimeError as e:
+                note(f"trace of {impl} at W={size_label(cfg.weight_bytes)}: {e}")
+            continue
         for layout in opts.layouts:
-            one = trace_pass(cfg, opts, layout, impl, x_host, w_host)
+            traced[layout][impl] = trace_pass(cfg, opts, layout, impl, x_host, w_host)
+    for layout, by_impl in traced.items():
+        for impl, one in by_impl.items():
             if not one.rows:
                 note(f"trace of {impl} {layout}: the profiler recorded no kernels")
-            traced[layout][impl] = one
-    if "torch_eager" in impls:
-        try:
-            for layout, one in run_trace_child(cfg, opts, "torch_eager").items():
-                traced[layout]["torch_eager"] = one
-        except RuntimeError as e:
-            note(f"trace of torch_eager at W={size_label(cfg.weight_bytes)}: {e}")
     return traced
 
 
-def add_checks(
-    data: dict[str, Any],
-    cfg: ChainConfig,
-    x_host: np.ndarray,
-    w_host: np.ndarray,
-    outputs: dict[tuple[str, str], tuple[np.ndarray, int]],
+def add_traces(
+    data: dict[str, Any], cfg: ChainConfig, traced: dict[str, dict[str, ChainTrace]], opts: Options
 ) -> None:
-    """Shared vs copies bit-identical per impl; every output vs the numpy reference."""
-    w = cfg.weight_bytes
-    for impl in sorted({i for _, i in outputs}):
-        if ("shared", impl) in outputs and ("copies", impl) in outputs:
-            check = {"weight_bytes": w, "impl": impl}
-            if impl in LAYOUTS_NOT_COMPARABLE:
-                check.update(identical=None, note=LAYOUTS_NOT_COMPARABLE[impl])
-            else:
-                check["identical"] = same_bits(
-                    outputs[("shared", impl)][0], outputs[("copies", impl)][0]
-                )
-            data["checks"]["layouts"].append(check)
-    refs: dict[int, np.ndarray] = {}
-    for (layout, impl), (y, chains) in outputs.items():
-        if chains not in refs:
-            refs[chains] = reference_chain(x_host, w_host, cfg.steps * chains)
-        ref = refs[chains]
-        err = float(np.max(np.abs(y - ref)))
-        rel = err / float(np.max(np.abs(ref)))
-        tol = tolerance(cfg.dtype, cfg.steps * chains)
-        data["checks"]["agreement"].append(
-            {
-                "weight_bytes": w,
-                "layout": layout,
-                "impl": impl,
-                "chains": chains,
-                "max_abs_err": err,
-                "rel_err": rel,
-                "tol": tol,
-                "ok": rel <= tol,
-            }
+    """Prints the kernels per chain of every traced impl and adds the traces to the results."""
+    from tqdm import tqdm
+
+    for layout, by_impl in traced.items():
+        tqdm.write(format_traces(cfg.weight_bytes, layout, by_impl, opts.chains_per_call))
+        data["traces"].extend(
+            {"weight_bytes": cfg.weight_bytes, "layout": layout, "impl": impl, **t.to_dict()}
+            for impl, t in by_impl.items()
         )
 
 
 _OWN_FLAGS = (
-    "size",
-    "d",
-    "steps",
-    "batch",
-    "dtype",
-    "layouts",
-    "impls",
-    "warmup",
-    "repeats",
-    "chains_per_call",
-    "ncu_chains",
-    "ncu_timeout",
-    "json_out",
-    "plot_out",
-    "hbm",
-    "trace_dir",
-    "seed",
-)
+    "size d steps batch dtype layouts impls warmup repeats chains_per_call ncu_chains ncu_timeout "
+    "json_out plot_out hbm trace_dir seed gemm torch_compile_mode ceilings"
+).split()
 
 
 def main(argv: Sequence[str]) -> None:
@@ -1139,6 +1120,7 @@ def main(argv: Sequence[str]) -> None:
         if len(argv) > 1:
             raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
         opts = options_from_flags()
+        use_gemm(opts.gemm)  # XLA reads XLA_FLAGS once; children inherit them and get --gemm
         if FLAGS.child:
             child_main(opts)
             return
@@ -1162,6 +1144,12 @@ def main(argv: Sequence[str]) -> None:
     print(format_table(data))
     print(f"json: {json_path or '(not written)'}")
     print(f"plot: {plot_path or '(not written)'}")
+    failures = failed_checks(data)
+    if failures:
+        for line in failures:
+            print(f"chain: check failed: {line}", file=sys.stderr)
+        print(f"chain: {len(failures)} check(s) failed (see the JSON's checks)", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

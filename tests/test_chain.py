@@ -1,4 +1,5 @@
-"""Tests of experiments.chain: size parsing, d rule, layouts, outputs, the CLI and bad input."""
+"""Tests of experiments.chain and its report: size parsing, d rule, layouts, the XLA and torch
+forms of the chain, checks, "vs best", the CLI and bad input."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import jax
 import numpy as np
 import pytest
 
-from experiments import chain
-from huginn_jax.xla_flags import COMMAND_BUFFERS_OFF
+from experiments import chain, chain_report
+from experiments.measure import plot
+from huginn_jax.xla_flags import COMMAND_BUFFERS_OFF, TRITON_GEMM_OFF
 
 REPO = Path(__file__).resolve().parent.parent
 MIB = 2**20
@@ -59,7 +61,7 @@ def test_parse_sizes_list():
 
 
 @pytest.mark.parametrize("size, d", [(8 * MIB, 2048), (72 * MIB, 6144), (288 * MIB, 12288)])
-def test_dim_for_size_seeds_sizes(size, d):
+def test_dim_for_size_standard_sizes(size, d):
     assert chain.dim_for_size(size) == d
     assert d * d * 2 == size
 
@@ -118,7 +120,7 @@ def _outputs(cfg, impl, n=3):
 @pytest.mark.parametrize("impl", ["xla", "xla_loop"])
 def test_layouts_give_bit_identical_outputs(impl):
     _, _, out = _outputs(small_config(), impl)
-    assert chain.same_bits(out["shared"], out["copies"])
+    assert chain_report.same_bits(out["shared"], out["copies"])
     assert np.all(np.isfinite(out["shared"])) and np.any(out["shared"] != 0)
 
 
@@ -127,59 +129,232 @@ def test_layouts_give_bit_identical_outputs(impl):
 def test_xla_matches_numpy_reference(dtype, impl, chains):
     cfg = small_config(d=192, steps=8, dtype=dtype)
     x, w, out = _outputs(cfg, impl, n=3)
-    ref = chain.reference_chain(x, w, cfg.steps * chains)
+    ref = chain_report.reference_chain(x, w, cfg.steps * chains)
     rel = np.max(np.abs(out["shared"] - ref)) / np.max(np.abs(ref))
-    assert rel <= chain.tolerance(dtype, cfg.steps * chains)
+    assert rel <= chain_report.tolerance(dtype, cfg.steps * chains)
     # the state stays O(1): scaled weights neither vanish nor blow up
     assert 0.05 < np.max(np.abs(ref)) < 100
 
 
 def test_same_bits_tells_signed_zeros_apart():
     a = np.array([0.0, 1.0], np.float32)
-    assert chain.same_bits(a, a.copy())
-    assert not chain.same_bits(a, np.array([-0.0, 1.0], np.float32))
+    assert chain_report.same_bits(a, a.copy())
+    assert not chain_report.same_bits(a, np.array([-0.0, 1.0], np.float32))
 
 
 def test_expand_impls():
-    assert chain.expand_impls(["xla"]) == chain.XLA_IMPLS
+    assert chain.expand_impls(["xla"]) == ("xla", "xla_loop", "xla_nocb", "xla_loop_nocb")
     assert chain.expand_impls(["xla"], families=False) == ("xla",)
-    assert chain.expand_impls(["torch", "xla_loop"]) == ("torch_eager", "torch_graph", "xla_loop")
+    assert chain.expand_impls(["torch", "xla_loop"]) == (
+        "torch_eager",
+        "torch_graph",
+        "torch_compile",
+        "xla_loop",
+    )
+    # the named variants run only when named
+    named = ("xla_f32dot", "xla_loop_f32dot", "xla_loop_unrolled")
+    assert chain.expand_impls(["xla", *named])[-3:] == named
     with pytest.raises(ValueError, match="unknown impl"):
         chain.expand_impls(["cuda_fortran"])
 
 
+def _run(w, layout, impl, median_us):
+    return {
+        "weight_bytes": w, "d": 2048, "layout": layout, "impl": impl, "median_us": median_us,
+        "p10_us": median_us - 1, "p90_us": median_us + 1, "gbps": 3355.4, "pct_floor_once": 10.0,
+        "pct_floor_steps": 80.0, "hbm": None,
+    }  # fmt: skip
+
+
+def _check(w, layout, impl, rel_err, tol=0.01, chains=1):
+    return {
+        "weight_bytes": w, "layout": layout, "impl": impl, "chains": chains, "rel_err": rel_err,
+        "tol": tol, "ok": rel_err <= tol,
+    }  # fmt: skip
+
+
 def test_format_table_from_results():
-    run = {
-        "weight_bytes": 8 * MIB,
-        "d": 2048,
-        "impl": "xla",
-        "median_us": 20.0,
-        "p10_us": 19.0,
-        "p90_us": 21.0,
-        "gbps": 3355.4,
-        "pct_floor_once": 10.0,
-        "pct_floor_steps": 80.0,
-    }
+    w = 8 * MIB
     data = {
         "config": {"steps": 8, "repeats": 50},
-        "env": {"hbm_bandwidth": 4.25e12},
+        "env": {"ceilings": {"read_bytes_per_s": 4.25e12, "source": "results/h200/ceilings.json"}},
         "runs": [
-            {**run, "layout": "shared", "hbm": {"read_x_w": 0.1, "l2_hit_pct": 99.0}},
-            {**run, "layout": "copies", "median_us": 30.0, "hbm": None},
+            {**_run(w, "shared", "xla", 20.0), "hbm": {"read_x_w": 0.1, "l2_hit_pct": 99.0}},
+            _run(w, "copies", "xla", 30.0),
         ],
         "checks": {
-            "layouts": [{"weight_bytes": 8 * MIB, "impl": "xla", "identical": True}],
-            "agreement": [
-                {"weight_bytes": 8 * MIB, "layout": "shared", "impl": "xla", "rel_err": 0.001,
-                 "tol": 0.01}
-            ],
+            "layouts": [{"weight_bytes": w, "impl": "xla", "identical": True}],
+            "agreement": [_check(w, "shared", "xla", 0.001)],
+            "one_chain": [_check(w, "shared", "xla", 0.005)],
         },
-    }  # fmt: skip
-    lines = chain.format_table(data).splitlines()
-    shared = next(line for line in lines if line.split()[2:3] == ["shared"])
+    }
+    table = chain.format_table(data)
+    shared = next(line for line in table.splitlines() if line.split()[2:3] == ["shared"])
     assert "8MiB" in shared and "1.50" in shared and "0.10" in shared and "99.0" in shared
-    assert "yes" in shared and "0.10" in shared
-    assert "4.25 TB/s" in chain.format_table(data)
+    assert "yes" in shared
+    assert shared.split()[-1] == "0.50"  # err/tol: the worse of one chain and one call
+    assert "4.25 TB/s" in table and "results/h200/ceilings.json" in table
+    del data["env"]["ceilings"]
+    assert "no ceilings measured" in chain.format_table(data)
+
+
+def test_vs_best_is_per_size_and_layout_and_in_the_table():
+    small, big = 8 * MIB, 72 * MIB
+    runs = [
+        _run(small, "shared", "xla", 100.0),
+        _run(small, "shared", "xla_loop", 80.0),
+        _run(small, "shared", "torch_graph", 40.0),
+        _run(small, "copies", "xla_loop", 50.0),
+        _run(small, "copies", "torch_graph", 100.0),
+        _run(small, "copies", "torch_eager", 200.0),
+        _run(big, "shared", "xla_loop", 200.0),
+        _run(big, "shared", "torch_graph", 180.0),
+        _run(big, "copies", "xla_loop", 210.0),  # no torch row: no rival
+    ]
+    chain_report.add_vs_best(runs)
+    vs = {(r["weight_bytes"], r["layout"], r["impl"]): r["vs_best"] for r in runs}
+    assert vs[(small, "shared", "xla")] == pytest.approx(0.4)  # torch_graph 40 / 100
+    assert vs[(small, "shared", "torch_graph")] == pytest.approx(2.0)  # xla_loop 80 / 40
+    assert vs[(small, "copies", "xla_loop")] == pytest.approx(2.0)  # torch_graph 100 / 50
+    assert vs[(small, "copies", "torch_eager")] == pytest.approx(0.25)  # xla_loop 50 / 200
+    assert vs[(big, "shared", "xla_loop")] == pytest.approx(0.9)
+    assert vs[(big, "copies", "xla_loop")] is None
+    assert runs[0]["best_rival"] == "torch_graph"
+    data = {
+        "config": {"steps": 8, "repeats": 5},
+        "env": {},
+        "runs": runs,
+        "checks": {"layouts": [], "agreement": [], "one_chain": []},
+    }
+    lines = chain.format_table(data).splitlines()
+    assert "vs best" in lines[0]
+    row = next(line for line in lines if " torch_eager " in line)
+    assert "0.25x" in row.split()
+    row = next(line for line in lines if "72MiB" in line and " copies " in line)
+    assert row.split()[6] == "-"  # W d layout impl µs p10-p90 vs-best
+
+
+def test_failed_checks_name_every_failure():
+    w = 8 * MIB
+    data = {
+        "checks": {
+            "layouts": [
+                {"weight_bytes": w, "impl": "xla", "identical": False},
+                {"weight_bytes": w, "impl": "pallas_splitk", "identical": None},
+            ],
+            "agreement": [_check(w, "shared", "xla_loop", 0.5, chains=100)],
+            "one_chain": [_check(w, "copies", "xla", 0.001), _check(w, "copies", "xla_loop", 0.02)],
+        }
+    }
+    lines = chain_report.failed_checks(data)
+    assert len(lines) == 3
+    assert "xla W=8MiB: shared and copies outputs differ" in lines[0]
+    assert "xla_loop copies" in lines[1] and "after 1 chain" in lines[1]
+    assert "xla_loop shared" in lines[2] and "after 100 chain" in lines[2]
+    for c in data["checks"]["agreement"] + data["checks"]["one_chain"]:
+        c["ok"] = True
+    data["checks"]["layouts"] = data["checks"]["layouts"][1:]
+    assert chain_report.failed_checks(data) == []
+
+
+# ---------------------------------------------------------------- XLA forms
+
+
+def _xla(impl, cfg, layout="shared", n=3):
+    x, w = chain.host_values(cfg)
+    ws = chain.make_weights(w, cfg.steps, layout)
+    return x, w, chain.xla_runner(impl, jax.device_put(x), ws, n=n)
+
+
+def test_plain_form_is_a_bf16_dot_and_f32dot_casts():
+    cfg = small_config(d=128, steps=4)
+    x, w = chain.host_values(cfg)
+    args = (x, *[w] * cfg.steps)
+    plain = jax.jit(chain.chain_fn).lower(*args).as_text()
+    f32dot = jax.jit(chain.chain_f32dot_fn).lower(*args).as_text()
+    assert plain.count("stablehlo.dot_general") == f32dot.count("stablehlo.dot_general") == 4
+    assert "stablehlo.convert" not in plain and "-> tensor<1x128xf32>" not in plain
+    assert f32dot.count("stablehlo.convert") == 4
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("impls", [("xla", "xla_f32dot"), ("xla_loop", "xla_loop_f32dot")])
+def test_plain_form_equals_f32dot_form_within_tolerance(dtype, impls):
+    cfg = small_config(d=256, steps=8, dtype=dtype)
+    outs = [_xla(impl, cfg)[2] for impl in impls]
+    chains = outs[0].chains_in_output
+    assert chains == outs[1].chains_in_output == (1 if impls[0] == "xla" else 3)
+    a, b = (r.output() for r in outs)
+    tol = chain_report.tolerance(dtype, cfg.steps * chains)
+    assert np.max(np.abs(a - b)) / np.max(np.abs(b)) <= tol
+    assert np.any(a != 0) and np.all(np.isfinite(a))
+
+
+def test_xla_loop_unrolled_matches_xla_loop():
+    cfg, n = small_config(d=192, steps=8), 5
+    x, w, loop = _xla("xla_loop", cfg, n=n)
+    unrolled = _xla("xla_loop_unrolled", cfg, n=n)[2]
+    assert loop.per_call == unrolled.per_call == unrolled.chains_in_output == n
+    a, b = loop.output(), unrolled.output()
+    ref = chain_report.reference_chain(x, w, cfg.steps * n)
+    tol = chain_report.tolerance(cfg.dtype, cfg.steps * n)
+    assert np.max(np.abs(a - b)) / np.max(np.abs(ref)) <= tol
+    assert np.max(np.abs(b - ref)) / np.max(np.abs(ref)) <= tol
+    # one straight-line program: no while loop, n x steps dots
+    ws = chain.make_weights(w, cfg.steps, "shared")
+    lowered = jax.jit(chain._unrolled_fn, static_argnames="n").lower(x, *ws, n=n).as_text()
+    assert "stablehlo.while" not in lowered
+    assert lowered.count("stablehlo.dot_general") == n * cfg.steps
+    looped = jax.jit(chain._loop_fn, static_argnames="n").lower(x, *ws, n=n).as_text()
+    assert "stablehlo.while" in looped
+
+
+def test_xla_loop_unrolled_caps_its_chains_per_call(monkeypatch):
+    assert chain.unrolled_chains(100, 8) == 100
+    assert chain.unrolled_chains(1000, 8) == chain.UNROLLED_MAX_PRODUCTS // 8
+    assert chain.unrolled_chains(10, 10_000) == 1
+    monkeypatch.setattr(chain, "UNROLLED_MAX_PRODUCTS", 12)
+    runner = _xla("xla_loop_unrolled", small_config(d=64, steps=4), n=10)[2]
+    assert runner.per_call == runner.chains_in_output == 3
+
+
+@pytest.mark.parametrize("impl", ["xla", "xla_loop", "xla_loop_f32dot", "xla_loop_unrolled"])
+def test_one_chain_output_is_one_chain(impl):
+    cfg, n = small_config(d=192, steps=8), 3
+    x, w, runner = _xla(impl, cfg, n=n)
+    one = runner.one_chain()
+    ref1 = chain_report.reference_chain(x, w, cfg.steps)
+    assert chain_report.agreement(one, ref1, cfg.dtype, cfg.steps)["ok"]
+    if runner.chains_in_output > 1:  # not the output of the whole call
+        ref_n = chain_report.reference_chain(x, w, cfg.steps * n)
+        assert not chain_report.agreement(one, ref_n, cfg.dtype, cfg.steps * n)["ok"]
+
+
+def test_compile_seconds_only_when_it_compiled():
+    cfg = small_config(d=320, steps=3)
+    first = _xla("xla_loop_f32dot", cfg, n=7)[2]
+    again = _xla("xla_loop_f32dot", cfg, layout="copies", n=7)[2]  # same shapes: cached
+    assert first.compile_seconds is not None and first.compile_seconds > 0
+    assert again.compile_seconds is None
+
+
+def test_gemm_and_torch_compile_mode_reach_the_children():
+    cfg = small_config()
+    opts = chain.Options(
+        configs=(cfg,), layouts=("shared",), impls=("xla_nocb",), warmup=1, repeats=1,
+        chains_per_call=1, ncu_chains=1, json_out="", plot_out="", hbm=False, trace_dir=None,
+        gemm="cublas", torch_compile_mode="max-autotune-no-cudagraphs",
+    )  # fmt: skip
+    argv = chain.child_argv(cfg, opts, "timing", ["shared"], ["xla_nocb"], "/tmp/x")
+    assert "--gemm=cublas" in argv and "--torch_compile_mode=max-autotune-no-cudagraphs" in argv
+
+
+def test_plot_gives_each_impl_a_colour_and_each_layout_a_style():
+    impls = list(chain.KNOWN_IMPLS)
+    colours = plot.impl_colours(impls)
+    assert len(set(colours.values())) == len(impls) > 10
+    shared, copies = plot.LAYOUT_STYLES["shared"], plot.LAYOUT_STYLES["copies"]
+    assert shared["ls"] != copies["ls"] and shared["marker"] != copies["marker"]
 
 
 # ---------------------------------------------------------------- the CLI
@@ -211,6 +386,9 @@ def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         (["--size=8MiB", "--layouts=shared,mirrored"], "--layouts"),
         (["--size=8MiB", "--impls=cuda_fortran"], "unknown impl"),
         (["--d=0"], "--d must be >= 1"),
+        (["--size=8MiB", "--gemm=tensor_cores"], "--gemm"),
+        (["--size=8MiB", "--torch_compile_mode=fast"], "--torch_compile_mode"),
+        (["--size=64KiB", "--ceilings=/nonexistent/ceilings.json"], "--ceilings"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(tmp_path, args, message):
@@ -254,8 +432,8 @@ def test_end_to_end_on_cpu(tmp_path):
     for r in data["runs"]:
         assert len(r["samples"]["seconds"]) == 3 and r["median_us"] > 0 and r["hbm"] is None
     assert all(c["identical"] for c in data["checks"]["layouts"])
-    assert all(c["ok"] for c in data["checks"]["agreement"])
-    assert {t["impl"] for t in data["traces"]} == {"xla"}
+    assert all(c["ok"] for c in data["checks"]["agreement"] + data["checks"]["one_chain"])
+    assert {t["impl"] for t in data["traces"]} == {"xla", "xla_loop"}
     for t in data["traces"]:  # the timeline per chain: span = kernels + idle between them
         span, busy, gaps = (t["per_chain"][k] for k in ("span", "busy", "gaps"))
         assert 0 < busy <= span and span == pytest.approx(busy + gaps)
@@ -295,10 +473,157 @@ def test_timing_child_reports_the_chains_its_output_went_through():
     child = chain.run_timing_child(cfg, opts, ["xla", "xla_loop"])
     x_host, w_host = chain.host_values(cfg)
     for impl, chains in (("xla", 1), ("xla_loop", n)):
-        _, y, reported = child[("shared", impl)]
-        assert reported == chains
-        ref = chain.reference_chain(x_host, w_host, cfg.steps * chains)
-        other = chain.reference_chain(x_host, w_host, cfg.steps * (n + 1 - chains))
-        tol = chain.tolerance(cfg.dtype, cfg.steps * chains)
-        assert np.max(np.abs(y - ref)) / np.max(np.abs(ref)) <= tol
-        assert np.max(np.abs(y - other)) / np.max(np.abs(other)) > tol
+        _, out, compile_seconds = child[("shared", impl)]
+        assert out.chains == chains and compile_seconds > 0
+        ref = chain_report.reference_chain(x_host, w_host, cfg.steps * chains)
+        other = chain_report.reference_chain(x_host, w_host, cfg.steps * (n + 1 - chains))
+        tol = chain_report.tolerance(cfg.dtype, cfg.steps * chains)
+        assert np.max(np.abs(out.y - ref)) / np.max(np.abs(ref)) <= tol
+        assert np.max(np.abs(out.y - other)) / np.max(np.abs(other)) > tol
+        ref1 = chain_report.reference_chain(x_host, w_host, cfg.steps)  # the child's one chain
+        assert chain_report.agreement(out.one_chain, ref1, cfg.dtype, cfg.steps)["ok"]
+
+
+def _ceilings_file(path: Path, device_kind: str, read_bytes_per_s: float) -> Path:
+    path.write_text(
+        json.dumps(
+            {
+                "environment": {"device_kind": device_kind},
+                "ceilings": {"read_bytes_per_s": read_bytes_per_s, "bf16_flops_per_s": 1e12},
+            }
+        )
+    )
+    return path
+
+
+def test_variants_end_to_end_with_one_chain_checks_ceilings_and_gemm(tmp_path):
+    impls = ("xla", "xla_loop", "xla_f32dot", "xla_loop_unrolled")
+    json_out = tmp_path / "chain.json"
+    bw = 2.0e11
+    ceilings = _ceilings_file(tmp_path / "ceilings.json", jax.devices()[0].device_kind, bw)
+    proc = run_cli(
+        f"--impls={','.join(impls)}", "--size=1MiB", f"--json_out={json_out}", "--plot_out=",
+        f"--ceilings={ceilings}", "--gemm=cublas",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(json_out.read_text())
+    keys = {(layout, impl) for layout in ("shared", "copies") for impl in impls}
+    assert {(r["layout"], r["impl"]) for r in data["runs"]} == keys
+    steps, n = data["config"]["steps"], data["config"]["chains_per_call"]
+    one = data["checks"]["one_chain"]
+    assert {(c["layout"], c["impl"]) for c in one} == keys
+    for c in one:
+        assert c["chains"] == 1 and c["ok"]
+        assert c["tol"] == pytest.approx(chain_report.tolerance("bfloat16", steps))
+    chains = {c["impl"]: c["chains"] for c in data["checks"]["agreement"]}
+    assert chains == {"xla": 1, "xla_loop": n, "xla_f32dot": 1, "xla_loop_unrolled": n}
+    assert all(c["ok"] for c in data["checks"]["agreement"])
+    assert all(c["identical"] for c in data["checks"]["layouts"])
+    # the floor comes from the ceilings file; no torch rows here, so no rival
+    assert data["env"]["ceilings"]["read_bytes_per_s"] == bw
+    assert data["env"]["ceilings_source"] == str(ceilings)
+    for r in data["runs"]:
+        t = r["median_us"] * 1e-6
+        assert r["pct_floor_once"] == pytest.approx(100 * r["weight_bytes"] / bw / t, rel=1e-3)
+        assert r["vs_best"] is None
+    compiled = {r["impl"] for r in data["runs"] if r["compile_seconds"]}
+    assert compiled == set(impls)  # compiled for the first layout, cached for the second
+    assert data["config"]["gemm"] == "cublas" and TRITON_GEMM_OFF in data["env"]["xla_flags"]
+    assert "0.20 TB/s" in proc.stdout and "vs best" in proc.stdout
+
+
+def test_ceilings_of_another_device_are_refused(tmp_path):
+    ceilings = _ceilings_file(tmp_path / "c.json", "NVIDIA H200", 4e12)
+    proc = run_cli("--size=64KiB", f"--ceilings={ceilings}", "--json_out=", "--plot_out=")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"chain: error: --ceilings: {ceilings}: measured on 'NVIDIA H200', this run is on "
+        f"{jax.devices()[0].device_kind!r}"
+    ]
+
+
+def test_a_failed_check_exits_1_after_writing_the_json(tmp_path):
+    # Every check fails when the tolerance is negative; the program must still write the JSON.
+    json_out = tmp_path / "chain.json"
+    script = (
+        "import sys; from absl import app; from experiments import chain, chain_report, cli; "
+        "chain_report.tolerance = lambda dtype, steps: -1.0; chain.define_flags(); "
+        "sys.argv = ['chain'] + sys.argv[1:]; "
+        "app.run(chain.main, flags_parser=cli.flags_parser('chain'))"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [sys.executable, "-c", script, "--size=64KiB", "--impls=xla_f32dot", "--layouts=shared",
+         f"--json_out={json_out}", "--plot_out="],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    data = json.loads(json_out.read_text())
+    assert data["complete"] and not any(c["ok"] for c in data["checks"]["one_chain"])
+    errors = proc.stderr.strip().splitlines()
+    assert "chain: check failed: xla_f32dot shared W=" in errors[0]
+    assert "after 1 chain" in errors[0]
+    assert errors[-1].startswith("chain: 2 check(s) failed")
+
+
+# ---------------------------------------------------------------- torch
+
+
+def test_torch_compile_is_one_graph_equal_to_eager():
+    torch = pytest.importorskip("torch")
+    from experiments.torch_ref import chain as torch_chain
+
+    assert torch_chain.IMPLS == ("torch_eager", "torch_graph", "torch_compile")
+    x = torch.randn(1, 128, dtype=torch.bfloat16)
+    w = torch.randn(128, 128, dtype=torch.bfloat16) / 11.3
+    copies = [w] + [w.clone() for _ in range(3)]
+    compiled = torch_chain.compile_chain("default", backend="aot_eager")  # Inductor: GPU test
+    for ws in ([w] * 4, copies):
+        assert torch.equal(compiled(x, *ws), torch_chain.chain(x, ws))
+    with pytest.raises(ValueError, match="mode"):
+        torch_chain.compile_chain("fastest")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead", "max-autotune-no-cudagraphs"])
+def test_torch_compile_runner_matches_the_reference(mode):
+    from experiments.torch_ref import chain as torch_chain
+
+    if not torch_chain.cuda_available():
+        pytest.skip("torch without CUDA")
+    cfg, n = small_config(d=256, steps=8), 3
+    x, w = chain.host_values(cfg)
+    ref = chain_report.reference_chain(x, w, cfg.steps)
+    outputs = {}
+    for layout in chain.LAYOUTS:
+        ws = torch_chain.make_weights(w, cfg.steps, layout, cfg.dtype)
+        runner = torch_chain.runner(
+            "torch_compile", x, ws, dtype_name=cfg.dtype, n=n, compile_mode=mode
+        )
+        assert runner.per_call == n and runner.compile_seconds > 0
+        runner.fn()
+        runner.sync()
+        outputs[layout] = runner.output()
+        assert chain_report.agreement(runner.one_chain(), ref, cfg.dtype, cfg.steps)["ok"]
+    assert chain_report.same_bits(outputs["shared"], outputs["copies"])
+
+
+@pytest.mark.gpu
+def test_torch_graph_runner_keeps_what_its_graph_reads():
+    """A captured graph holds raw pointers: the runner must keep x alive, or the allocator hands
+    its memory to the next tensor and later replays read that tensor instead."""
+    from experiments.torch_ref import chain as torch_chain
+
+    if not torch_chain.cuda_available():
+        pytest.skip("torch without CUDA")
+    import torch
+
+    cfg = small_config(d=256, steps=8)
+    x, w = chain.host_values(cfg)
+    ref = chain_report.reference_chain(x, w, cfg.steps)
+    ws = torch_chain.make_weights(w, cfg.steps, "shared", cfg.dtype)
+    runner = torch_chain.runner("torch_graph", x, ws, dtype_name=cfg.dtype, n=2)
+    clobber = [torch.full((1, 256), 7.0, device="cuda") for _ in range(64)]  # reuse freed blocks
+    for _ in range(2):
+        assert chain_report.agreement(runner.output(), ref, cfg.dtype, cfg.steps)["ok"]
+    del clobber

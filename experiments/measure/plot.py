@@ -1,8 +1,9 @@
 """Plot of the chain experiment, drawn from its results JSON only (never from in-memory state).
 
 Left: µs per chain (median, p10-p90 band) against weight size W. Right, when `--hbm` ran: HBM
-bytes read per chain in units of W. One line per implementation x layout; a vertical line at
-the device's L2 size; log x axis.
+bytes read per chain in units of W. Each implementation has its own colour and each layout its
+own marker and line style (shared: circles, solid; copies: squares, dashed), so that the two
+layouts of one implementation stay apart; a vertical line marks the device's L2 size; log axes.
 """
 
 from __future__ import annotations
@@ -17,10 +18,24 @@ import matplotlib
 matplotlib.use("Agg")  # no display on GPU machines or CI
 
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
+from matplotlib.ticker import FuncFormatter  # noqa: E402
 
 from experiments.measure import results as results_lib  # noqa: E402
 
 MIB = 1024**2
+# Layout -> how its lines look; a layout not listed here gets the last style.
+LAYOUT_STYLES = {
+    "shared": {"ls": "-", "marker": "o"},
+    "copies": {"ls": "--", "marker": "s", "markerfacecolor": "none"},
+}
+_OTHER_LAYOUT = {"ls": ":", "marker": "^"}
+
+
+def impl_colours(impls: list[str]) -> dict[str, object]:
+    """One distinct colour per implementation: tab10 up to 10 of them, tab20 up to 20."""
+    cmap = plt.get_cmap("tab10" if len(impls) <= 10 else "tab20")
+    return {impl: cmap(i % cmap.N) for i, impl in enumerate(sorted(impls))}
 
 
 def plot_chain(json_path: str | os.PathLike, out_path: str | os.PathLike) -> Path:
@@ -32,43 +47,56 @@ def plot_chain(json_path: str | os.PathLike, out_path: str | os.PathLike) -> Pat
         series[(run["impl"], run["layout"])].append(run)
     has_hbm = any(run.get("hbm") for run in runs)
 
-    fig, axes = plt.subplots(1, 2 if has_hbm else 1, figsize=(13 if has_hbm else 7, 4.5))
+    fig, axes = plt.subplots(1, 2 if has_hbm else 1, figsize=(14 if has_hbm else 8, 5))
     axes = list(axes) if has_hbm else [axes]
-    # One colour per implementation; solid = shared, dashed = copies.
-    impls = sorted({impl for impl, _ in series})
-    colour = {impl: f"C{i % 10}" for i, impl in enumerate(impls)}
+    colour = impl_colours(sorted({impl for impl, _ in series}))
+    order = list(LAYOUT_STYLES)
+    layouts = sorted({lo for _, lo in series}, key=lambda lo: (order + [lo]).index(lo))
     for (impl, layout), rows in sorted(series.items()):
         rows = sorted(rows, key=lambda r: r["weight_bytes"])
         x = [r["weight_bytes"] / MIB for r in rows]
-        style = dict(ls="-" if layout == "shared" else "--", marker="o", color=colour[impl])
-        axes[0].plot(x, [r["median_us"] for r in rows], label=f"{impl} {layout}", **style)
+        style = {**LAYOUT_STYLES.get(layout, _OTHER_LAYOUT), "color": colour[impl], "lw": 1.4}
+        axes[0].plot(x, [r["median_us"] for r in rows], **style)
         axes[0].fill_between(
             x,
             [r["p10_us"] for r in rows],
             [r["p90_us"] for r in rows],
             color=colour[impl],
-            alpha=0.12,
+            alpha=0.10,
+            lw=0,
         )
         hbm = [(xi, r["hbm"]["read_x_w"]) for xi, r in zip(x, rows, strict=True) if r.get("hbm")]
         if has_hbm and hbm:
-            axes[1].plot(*zip(*hbm, strict=True), label=f"{impl} {layout}", **style)
+            axes[1].plot(*zip(*hbm, strict=True), **style)
 
     env = data.get("env", {})
     l2 = env.get("l2_bytes")
     steps = data.get("config", {}).get("steps")
-    axes[0].set_ylabel("µs per chain (median, p10-p90)")
+    axes[0].set_ylabel("time per chain (µs, median; band p10-p90)")
     axes[0].set_yscale("log")
     if has_hbm:
-        axes[1].set_ylabel("HBM bytes read per chain / W")
+        axes[1].set_ylabel("HBM bytes read per chain (multiples of W)")
         if steps:
-            axes[1].axhline(steps, color="grey", lw=0.8, ls=":", label=f"{steps} x W")
+            axes[1].axhline(steps, color="grey", lw=0.8, ls=":")
     for ax in axes:
         ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         ax.set_xlabel("weight size W (MiB)")
         if l2:
-            ax.axvline(l2 / MIB, color="black", lw=1, ls="-.", label=f"L2 {l2 / MIB:.0f} MiB")
+            ax.axvline(l2 / MIB, color="black", lw=1, ls="-.")
+            ax.text(l2 / MIB, 0.98, " L2", transform=ax.get_xaxis_transform(), va="top", size=8)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+    # One legend: a colour per implementation, a marker and line style per layout, the L2 line.
+    handles = [Line2D([], [], color=c, lw=2, label=impl) for impl, c in colour.items()]
+    handles += [
+        Line2D([], [], color="dimgrey", **LAYOUT_STYLES.get(layout, _OTHER_LAYOUT), label=layout)
+        for layout in layouts
+    ]
+    if l2:
+        handles.append(Line2D([], [], color="black", lw=1, ls="-.", label=f"L2 {l2 / MIB:.0f} MiB"))
+    if has_hbm and steps:
+        handles.append(Line2D([], [], color="grey", lw=0.8, ls=":", label=f"{steps} x W"))
+    axes[-1].legend(handles=handles, fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.suptitle(f"chain of {steps} dependent x @ W on {env.get('device_kind', '?')}")
     fig.tight_layout()
 
@@ -79,7 +107,7 @@ def plot_chain(json_path: str | os.PathLike, out_path: str | os.PathLike) -> Pat
     )
     os.close(fd)
     try:
-        fig.savefig(tmp, dpi=120)
+        fig.savefig(tmp, dpi=120, bbox_inches="tight")
         os.replace(tmp, out_path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
