@@ -1,17 +1,24 @@
-"""The seeds' Appendix A: the adapter [M, 2h] @ [2h, h] in decode (M = 1) and prefill (M = 1024).
+"""The study's Appendix A: the adapter [M, 2h] @ [2h, h] in decode (M = 1) and prefill (M = 1024).
 
     python -m experiments.adapter --m=1,1024 --hbm
 
-For each M: time against the roofline (`huginn_jax.costs.matmul_cost`, measured ceilings), and
-with `--hbm` the HBM bytes read per call with L2 flushed before it (Nsight Compute's
-`--cache-control all`: in the Core, four layers run between two adapter calls) against the
-estimate, which counts one access per tensor read or written.
+For each M: time against the roofline (`huginn_jax.costs.matmul_cost` over the device's measured
+ceilings, experiments/measure/ceilings.py), "vs best" (the other framework's fastest time for the
+same case / this row's), and with `--hbm` the HBM bytes read per call with L2 flushed before it
+(Nsight Compute's `--cache-control all`: in the Core, four layers run between two adapter calls)
+against the estimate, which counts one access per tensor read or written.
 
-Two variants, as in the seeds: `matmul` (x @ W alone) and `concat` (concat([s, e]) @ W, what the
+Two variants, as in the study: `matmul` (x @ W alone) and `concat` (concat([s, e]) @ W, what the
 Core runs; the estimate then adds the concatenation's reads and write). Timing: `calls` adapter
-calls in one executable (XLA: `lax.fori_loop`, each input depending on the previous output;
-PyTorch: a CUDA graph of the same), median per call over repeats; the 106 MiB weight of
-huginn-0125 is larger than the H200's L2, so even warm calls read it from HBM.
+calls in one executable (XLA: `lax.fori_loop`, each product over its own input; PyTorch: the same
+products in one CUDA graph), median per call over repeats; the 106 MiB weight of huginn-0125 is
+larger than the H200's L2, so even warm calls read it from HBM. Implementations:
+  xla            the products in one jitted `lax.fori_loop`
+  torch_graph    the products in PyTorch eager, captured in one CUDA graph and replayed
+  torch_compile  the same function through torch.compile (`--torch_compile_mode`), replayed from
+                 a CUDA graph; compile time recorded apart (`compile_seconds`)
+The first and last product of every row are checked against a float64 product on the host; a
+row beyond attention_bench.TOLERANCE makes the program exit 1 after writing its results.
 """
 
 from __future__ import annotations
@@ -27,27 +34,36 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
+from experiments import attention_bench as bench  # noqa: E402
 from experiments import cli  # noqa: E402
 from experiments.cli import UserError  # noqa: E402
+from experiments.measure import compare, timing  # noqa: E402
 from experiments.measure import ncu as ncu_lib  # noqa: E402
 from experiments.measure import results as results_lib  # noqa: E402
-from experiments.measure import timing  # noqa: E402
-from experiments.torch_ref import chain as torch_chain  # noqa: E402 (imports no torch)
+from experiments.measure.ceilings import Ceilings  # noqa: E402
 from huginn_jax import costs  # noqa: E402
 from huginn_jax.config import HuginnConfig  # noqa: E402
 from huginn_jax.layers import truncated_normal  # noqa: E402
 
 FLAGS = flags.FLAGS
+IMPLS = ("xla", *bench.TORCH_IMPLS)
+VARIANTS = ("matmul", "concat")
+CASE_KEYS = ("m", "variant")  # the fields of one case: its rows are compared in "vs best"
+CHECKED = (0, -1)  # the products of a call checked against the float64 reference
 
 
 def define_flags() -> None:
     """Defines the flags; called only when this module runs as the program, so that tests
     and other programs can import it without clashing flag names."""
     flags.DEFINE_list("m", ["1", "1024"], "Rows M (1 = decode, 1024 = prefill at batch 1).")
-    flags.DEFINE_list("variants", ["matmul", "concat"], "matmul (x @ W) and/or concat.")
-    flags.DEFINE_list("impls", ["xla", "torch"], "xla and/or torch.")
+    flags.DEFINE_list("variants", list(VARIANTS), "matmul (x @ W) and/or concat.")
+    flags.DEFINE_list("impls", list(IMPLS), f"Any of {', '.join(IMPLS)}.")
+    flags.DEFINE_enum(
+        "torch_compile_mode", "default", bench.COMPILE_MODES, bench.TORCH_COMPILE_MODE_HELP
+    )
     flags.DEFINE_string("config", "huginn_0125", "Preset whose adapter is measured.")
     flags.DEFINE_integer("calls", 20, "Adapter calls per timed executable / graph.")
     flags.DEFINE_integer("warmup", 3, "Untimed repeats.")
@@ -55,6 +71,9 @@ def define_flags() -> None:
     flags.DEFINE_string("json_out", "out/adapter.json", "Results JSON ('' to skip).")
     flags.DEFINE_bool("hbm", False, "HBM bytes per call with L2 flushed (GPU + ncu).")
     flags.DEFINE_integer("seed", 0, "Seed of the weight and inputs.")
+    flags.DEFINE_string(
+        "ceilings", "", "Ceilings JSON the roofline uses ('': the device's default file)."
+    )
     flags.DEFINE_string("ncu_child", None, "Internal: impl:variant:m run under ncu.")
 
 
@@ -72,14 +91,36 @@ def estimate(cfg: HuginnConfig, m: int, variant: str) -> costs.OpCost:
     return op
 
 
-def stacked_inputs(cfg: HuginnConfig, m: int, calls: int):
+def roofline(est: costs.OpCost, ceilings: Ceilings) -> tuple[float, str]:
+    """Ideal seconds and what bounds them: the estimate's FLOPs at the bf16 GEMM rate or its
+    bytes at the read-only streaming rate, whichever takes longer."""
+    compute = est.flops / ceilings.bf16_flops_per_s
+    memory = est.hbm_bytes / ceilings.read_bytes_per_s
+    return max(compute, memory), "compute" if compute > memory else "memory"
+
+
+def stacked_inputs(cfg: HuginnConfig, m: int, calls: int, seed: int):
     """W [2h, h] (reference init) and `calls` different states and embeddings [calls, M, h]."""
-    keys = jax.random.split(jax.random.key(FLAGS.seed), 3)
+    keys = jax.random.split(jax.random.key(seed), 3)
     h = cfg.n_embd
     w = truncated_normal(keys[0], (2 * h, h), cfg.init_std, jnp.bfloat16)
     ss = jax.random.normal(keys[1], (calls, m, h), jnp.bfloat16)
     es = jax.random.normal(keys[2], (calls, m, h), jnp.bfloat16)
     return ss, es, w
+
+
+def reference(ss, es, w) -> np.ndarray:
+    """float64 products concat(s, e) @ W of the CHECKED calls on the host, [len(CHECKED), M, h]."""
+    x = jnp.concatenate([ss[jnp.array(CHECKED)], es[jnp.array(CHECKED)]], axis=-1)
+    x, w = (np.asarray(a.astype(jnp.float32), np.float64) for a in (x, w))
+    return x @ w
+
+
+def checked(out) -> np.ndarray:
+    """The CHECKED products of a JAX [calls, M, h] or torch tuple output, float64."""
+    if isinstance(out, jax.Array):
+        return np.stack([np.asarray(out[i].astype(jnp.float32), np.float64) for i in CHECKED])
+    return np.stack([out[i].float().cpu().numpy() for i in CHECKED]).astype(np.float64)
 
 
 @functools.partial(jax.jit, static_argnames=("variant",))
@@ -109,39 +150,41 @@ class XlaRunner:
         return xla_calls(*self.args, variant=self.variant)
 
 
-class TorchRunner:
-    """The same products in PyTorch, `calls` of them captured in one CUDA graph."""
+def torch_products(variant: str):
+    """The products of one call in PyTorch, a tuple of [M, h] out (what torch_graph captures and
+    torch_compile compiles). `matmul`: (xs, W) in; `concat`: (ss, es, W) in, each product over
+    torch.cat([s, e]), as the Core runs it."""
+    import torch
 
-    def __init__(self, ss, es, w, variant: str):
-        import torch
+    def matmul(xs, w):
+        return tuple(xs[i] @ w for i in range(xs.shape[0]))
 
-        self.sync = torch.cuda.synchronize
-        ss, es, w = (torch.from_dlpack(a) for a in (ss, es, w))
-        xs = torch.cat([ss, es], dim=-1)
-        ys = torch.empty(ss.shape[0], ss.shape[1], w.shape[1], dtype=w.dtype, device=w.device)
+    def concat(ss, es, w):
+        return tuple(torch.cat([ss[i], es[i]], dim=-1) @ w for i in range(ss.shape[0]))
 
-        def run():
-            for i in range(ss.shape[0]):
-                x = torch.cat([ss[i], es[i]], dim=-1) if variant == "concat" else xs[i]
-                torch.matmul(x, w, out=ys[i])
-            return ys
-
-        self.graph, self.out = torch_chain.capture_graph(run, warmup=1)
-
-    def __call__(self):
-        self.graph.replay()
-        return self.out
+    return concat if variant == "concat" else matmul
 
 
-def make_runner(impl: str, cfg: HuginnConfig, m: int, variant: str, calls: int):
-    ss, es, w = stacked_inputs(cfg, m, calls)
-    return (XlaRunner if impl == "xla" else TorchRunner)(ss, es, w, variant)
+def torch_args(variant: str, ss, es, w) -> tuple:
+    """torch tensors over the JAX arrays (no copy); for `matmul`, xs = cat(s, e) made once."""
+    import torch
+
+    ss, es, w = (torch.from_dlpack(a) for a in (ss, es, w))
+    return (ss, es, w) if variant == "concat" else (torch.cat([ss, es], dim=-1), w)
+
+
+def make_runner(impl: str, variant: str, ss, es, w, compile_mode: str = "default"):
+    if impl == "xla":
+        return XlaRunner(ss, es, w, variant)
+    args = torch_args(variant, ss, es, w)
+    return bench.TorchRunner(impl, torch_products(variant), args, mode=compile_mode)
 
 
 def ncu_child(spec: str) -> None:
     """Warm up, then ONE product inside the profiler range (ncu flushes L2 before it)."""
     impl, variant, m = spec.split(":")
-    runner = make_runner(impl, config(), int(m), variant, 1)
+    inputs = stacked_inputs(config(), int(m), 1, FLAGS.seed)
+    runner = make_runner(impl, variant, *inputs, FLAGS.torch_compile_mode)
     timing.wait(runner(), runner.sync)
     with ncu_lib.cuda_profiler_range():
         timing.wait(runner(), runner.sync)
@@ -155,6 +198,7 @@ def hbm_pass(impl: str, variant: str, m: int, ncu: str) -> dict:
         f"--ncu_child={impl}:{variant}:{m}",
         f"--config={FLAGS.config}",
         f"--seed={FLAGS.seed}",
+        f"--torch_compile_mode={FLAGS.torch_compile_mode}",
     ]
     with tempfile.TemporaryDirectory(prefix="adapter-ncu-") as out:
         text = ncu_lib.run_ncu(
@@ -175,7 +219,7 @@ def config() -> HuginnConfig:
 
 def parse_ms() -> list[int]:
     ms = cli.positive_ints("m", FLAGS.m)
-    for name, allowed in (("variants", ("matmul", "concat")), ("impls", ("xla", "torch"))):
+    for name, allowed in (("variants", VARIANTS), ("impls", IMPLS)):
         for value in FLAGS[name].value:
             if value not in allowed:
                 raise UserError(f"--{name}: unknown {value!r}; known: {', '.join(allowed)}")
@@ -184,69 +228,79 @@ def parse_ms() -> list[int]:
     return ms
 
 
-def run(ms: list[int]) -> list[dict]:
+def run(ms: list[int], ceilings: Ceilings | None) -> list[dict]:
     cfg = config()
-    device = jax.devices()[0]
-    on_gpu = device.platform == "gpu"
-    impls = list(FLAGS.impls)
-    if "torch" in impls and not on_gpu:
-        print("note: the torch adapter needs CUDA; skipped on this device")
-        impls.remove("torch")
-    ceiling = costs.get_device("h200_measured") if "H200" in device.device_kind else None
+    on_gpu = jax.devices()[0].platform == "gpu"
+    impls = bench.runnable(list(dict.fromkeys(FLAGS.impls)), bench.TORCH_IMPLS, on_gpu)
     ncu = ncu_lib.find_ncu() if FLAGS.hbm else None
     if FLAGS.hbm and (not on_gpu or ncu is None):
         print(ncu_lib.SKIP_LINE)
     records = []
     for m in ms:
+        ss, es, w = stacked_inputs(cfg, m, FLAGS.calls, FLAGS.seed)
+        ref = reference(ss, es, w)
         for variant in FLAGS.variants:
             est = estimate(cfg, m, variant)
             for impl in impls:
-                runner = make_runner(impl, cfg, m, variant, FLAGS.calls)
-                samples = timing.time_fn(
-                    runner,
+                rec = bench.time_one(
+                    {"impl": impl, "m": m, "variant": variant},
+                    functools.partial(
+                        make_runner, impl, variant, ss, es, w, FLAGS.torch_compile_mode
+                    ),
+                    checked,
+                    ref,
+                    per_call=FLAGS.calls,
                     warmup=FLAGS.warmup,
                     repeats=FLAGS.repeats,
-                    sync=runner.sync,
-                    per_call=FLAGS.calls,
                 )
-                t = samples.median
-                rec = {
-                    "m": m,
-                    "variant": variant,
-                    "impl": impl,
-                    "us_per_call": t * 1e6,
-                    "samples": samples.to_dict(),
-                    "estimate": dataclasses.asdict(est),
-                    "gbps": est.hbm_bytes / t / 1e9,
-                    "tflops": est.flops / t / 1e12,
-                }
-                if ceiling:
-                    ideal, bound = est.roofline(ceiling)
-                    rec.update(ideal_us=ideal * 1e6, bound=bound, pct_of_roofline=100 * ideal / t)
-                if ncu and on_gpu and FLAGS.hbm:
-                    try:
-                        hbm = hbm_pass(impl, variant, m, ncu)
-                        hbm["read_over_estimate"] = hbm["bytes_read_per_chain"] / est.hbm_read_bytes
-                        rec["hbm"] = hbm
-                    except (ncu_lib.NcuError, OSError) as e:
-                        print(f"note: ncu for {impl} {variant} M={m} failed: {e}")
+                if "error" not in rec:
+                    t = rec["us"] / 1e6
+                    rec.update(
+                        estimate=dataclasses.asdict(est),
+                        gbps=est.hbm_bytes / t / 1e9,
+                        tflops=est.flops / t / 1e12,
+                    )
+                    if ceilings:
+                        ideal, bound = roofline(est, ceilings)
+                        rec.update(
+                            ideal_us=ideal * 1e6, bound=bound, pct_of_roofline=100 * ideal / t
+                        )
+                    if ncu and on_gpu and FLAGS.hbm:
+                        try:
+                            hbm = hbm_pass(impl, variant, m, ncu)
+                            hbm["read_over_estimate"] = (
+                                hbm["bytes_read_per_chain"] / est.hbm_read_bytes
+                            )
+                            rec["hbm"] = hbm
+                        except (ncu_lib.NcuError, OSError) as e:
+                            print(f"note: ncu for {impl} {variant} M={m} failed: {e}")
                 records.append(rec)
+        del ss, es, w
+    bench.add_vs_best(records, CASE_KEYS)
     return records
 
 
 def format_table(records: list[dict]) -> str:
+    """One row per record; "-" where a value does not apply (no ceilings, no rival, no ncu)."""
+    width = max([len("impl"), *(len(r["impl"]) for r in records)]) + 1
     head = (
-        f"{'M':>6} {'variant':<8}{'impl':<7}{'us/call':>9}{'ideal us':>9}{'bound':>8}"
-        f"{'%roof':>7}{'GB/s':>7}{'TFLOP/s':>9}{'HBM rd/est':>11}"
+        f"{'M':>6} {'variant':<8}{'impl':<{width}}{'us/call':>9}{'ideal us':>9}{'bound':>8}"
+        f"{'%roof':>7}{'GB/s':>7}{'TFLOP/s':>9}{'vs best':>8}{'compile s':>10}{'rel err':>9}"
+        f"{'HBM rd/est':>11}"
     )
     lines = [head, "-" * len(head)]
     for r in records:
+        if "error" in r:
+            lines.append(f"{r['m']:>6} {r['variant']:<8}{r['impl']:<{width}}failed (see notes)")
+            continue
         ratio = (r.get("hbm") or {}).get("read_over_estimate")
+        ideal = f"{r['ideal_us']:.1f}" if "ideal_us" in r else "-"
+        pct = f"{r['pct_of_roofline']:.1f}" if "pct_of_roofline" in r else "-"
         lines.append(
-            f"{r['m']:>6} {r['variant']:<8}{r['impl']:<7}{r['us_per_call']:>9.1f}"
-            f"{r.get('ideal_us', float('nan')):>9.1f}{r.get('bound', '-'):>8}"
-            f"{r.get('pct_of_roofline', float('nan')):>7.1f}{r['gbps']:>7.0f}{r['tflops']:>9.1f}"
-            f"{(f'{ratio:.4f}' if ratio else '-'):>11}"
+            f"{r['m']:>6} {r['variant']:<8}{r['impl']:<{width}}{r['us']:>9.1f}{ideal:>9}"
+            f"{r.get('bound', '-'):>8}{pct:>7}{r['gbps']:>7.0f}{r['tflops']:>9.1f}"
+            f"{compare.format_vs_best(r.get('vs_best')):>8}{bench.compile_cell(r):>10}"
+            f"{r['rel_err_vs_f64']:>9.1e}{(f'{ratio:.4f}' if ratio else '-'):>11}"
         )
     return "\n".join(lines)
 
@@ -257,14 +311,25 @@ def main(argv: list[str]) -> None:
     if FLAGS.ncu_child:
         ncu_child(FLAGS.ncu_child)
         return
-    records = run(parse_ms())
+    ms = parse_ms()
+    device_kind = jax.devices()[0].device_kind
+    ceilings = bench.load_ceilings(device_kind, FLAGS.ceilings)
+    records = run(ms, ceilings)
     if FLAGS.json_out:
-        names = "m variants impls config calls warmup repeats json_out hbm seed".split()
-        path = results_lib.write_results(
-            FLAGS.json_out, cli.flag_values(names), {"records": records}
-        )
+        names = (
+            "m variants impls torch_compile_mode config calls warmup repeats json_out hbm seed "
+            "ceilings"
+        ).split()
+        payload = {
+            "records": records,
+            "ceilings": ceilings.to_dict() if ceilings else None,
+            "check_tolerance": bench.TOLERANCE,
+        }
+        path = results_lib.write_results(FLAGS.json_out, cli.flag_values(names), payload)
         print(f"results: {path}")
     print(format_table(records))
+    print(bench.ceilings_line(ceilings, device_kind))
+    bench.fail_on_check("adapter", records, CASE_KEYS)
 
 
 run_main = cli.main_runner("adapter", main)

@@ -1,52 +1,209 @@
-"""What the one-layer attention programs (`decode_attention`, `prefill_attention`) share: which
-implementations can run here, PyTorch's SDPA replayed from a CUDA graph, and building, checking
-and timing one implementation into a record."""
+"""What the comparison programs (`adapter`, `decode_attention`, `prefill_attention`) share: which
+implementations can run here, the PyTorch runners (eager replayed from a CUDA graph, and
+torch.compile), PyTorch's SDPA from the model's layout, the device ceilings, building, checking
+and timing one implementation into a record, the "vs best" column, and the exit status of a run
+with a row that failed its check.
+
+A PyTorch impl name is its runner, then for attention the SDPA backend: "torch_graph/flash",
+"torch_compile/cudnn"; every name that starts with "torch" counts as PyTorch in "vs best".
+"""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from experiments.measure import timing
+from experiments import cli
+from experiments.cli import UserError
+from experiments.measure import ceilings as ceilings_lib
+from experiments.measure import compare, timing
 from experiments.torch_ref import chain as torch_chain  # imports no torch
+
+TORCH_IMPLS = ("torch_graph", "torch_compile")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
+SDPA_BACKENDS = ("flash", "cudnn", "efficient", "math")
+DEFAULT_SDPA_BACKENDS = ("flash", "cudnn", "efficient")  # math: the unfused reference path
+TOLERANCE = 2e-2  # largest relative error (Frobenius) of a row that passes its check
+TORCH_COMPILE_MODE_HELP = (
+    "Mode of torch_compile: default and max-autotune-no-cudagraphs are replayed from a CUDA graph "
+    "captured here, reduce-overhead from Inductor's own CUDA graphs."
+)
+
+
+def base_impl(impl: str) -> str:
+    """The runner of an impl name: "torch_compile/flash" -> "torch_compile"."""
+    return impl.partition("/")[0]
 
 
 def runnable(impls: Sequence[str], gpu_only: Sequence[str], on_gpu: bool) -> list[str]:
     """`impls` less those that cannot run here (a note printed for each group left out)."""
     impls = list(impls)
-    if not on_gpu and any(i in gpu_only for i in impls):
-        print(f"note: {', '.join(i for i in impls if i in gpu_only)} need(s) CUDA; skipped")
-        impls = [i for i in impls if i not in gpu_only]
-    if "torch" in impls and not torch_chain.available():
-        print("note: PyTorch is not installed; torch skipped")
-        impls = [i for i in impls if i != "torch"]
+    if not on_gpu and any(base_impl(i) in gpu_only for i in impls):
+        skipped = [i for i in impls if base_impl(i) in gpu_only]
+        print(f"note: {', '.join(dict.fromkeys(map(base_impl, skipped)))} need(s) CUDA; skipped")
+        impls = [i for i in impls if i not in skipped]
+    if any(compare.framework(i) == "torch" for i in impls) and not torch_chain.available():
+        print("note: PyTorch is not installed; torch rows skipped")
+        impls = [i for i in impls if compare.framework(i) != "torch"]
     return impls
 
 
-class SdpaRunner:
-    """torch's scaled_dot_product_attention once per set on [B, H, S, K] views (no copy) of
-    [sets, B, S, H, K] JAX arrays, all sets in one CUDA graph; output [sets, B, H, T, K]."""
+def with_sdpa_backends(impls: Sequence[str], backends: Sequence[str]) -> list[str]:
+    """Each PyTorch impl once per SDPA backend ("torch_graph" -> "torch_graph/flash", ...)."""
+    return [
+        name
+        for impl in impls
+        for name in ([f"{impl}/{b}" for b in backends] if impl in TORCH_IMPLS else [impl])
+    ]
 
-    def __init__(self, q, k, v, *, causal: bool):
+
+def parse_sdpa_backends(values: Sequence[str]) -> list[str]:
+    unknown = [b for b in values if b not in SDPA_BACKENDS]
+    if unknown or not values:
+        raise UserError(
+            f"--sdpa_backends: unknown {unknown[0]!r}; known: {', '.join(SDPA_BACKENDS)}"
+            if unknown
+            else "--sdpa_backends: give at least one backend"
+        )
+    return list(dict.fromkeys(values))
+
+
+def load_ceilings(device_kind: str, path: str) -> ceilings_lib.Ceilings | None:
+    """The ceilings every % of floor is stated against: `path` when given (it must be of this
+    device), else the device's default file; None when the project has none for the device."""
+    try:
+        return ceilings_lib.for_device(device_kind, path or None)
+    except ceilings_lib.CeilingsError as e:
+        raise UserError(f"--ceilings: {e}") from None
+
+
+def ceilings_line(ceilings: ceilings_lib.Ceilings | None, device_kind: str) -> str:
+    """The table's last line: where the floors come from, or that there are none."""
+    if ceilings is None:
+        return f"no ceilings file for {device_kind!r}: no % of floor"
+    return (
+        f"floors: read {ceilings.read_bytes_per_s / 1e12:.2f} TB/s, bf16 GEMM "
+        f"{ceilings.bf16_flops_per_s / 1e12:.0f} TFLOP/s ({ceilings.source})"
+    )
+
+
+# --- PyTorch ------------------------------------------------------------------------------
+
+
+def sdpa_fn(*, causal: bool, backend: str) -> Callable[..., tuple]:
+    """One layer's attention per set, from and to the model's layout, as one function (what
+    torch_graph captures and torch_compile compiles): q [sets, B, T, H, K], k and v
+    [sets, B, S, H, K] in; a tuple of `sets` outputs [B, T, H, K], contiguous as the model's next
+    op reads them. SDPA reads [B, H, *, K] views (no copy) with only `backend` allowed; the
+    final `.contiguous()` costs nothing where the backend already wrote [B, T, H, K]."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    allowed = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "math": SDPBackend.MATH,
+    }[backend]
+
+    def attention_sets(q, k, v):
+        with sdpa_kernel(allowed):
+            return tuple(
+                F.scaled_dot_product_attention(
+                    q[i].transpose(1, 2), k[i].transpose(1, 2), v[i].transpose(1, 2),
+                    is_causal=causal,
+                ).transpose(1, 2).contiguous()
+                for i in range(q.shape[0])
+            )  # fmt: skip
+
+    return attention_sets
+
+
+def compile_timed(
+    fn: Callable[..., Any], args: Sequence[Any], mode: str, sync: Callable[[], None] | None = None
+) -> tuple[Callable[..., Any], float]:
+    """`torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)` for these static `args`,
+    and the seconds of its first call (tracing, compiling, one run; `sync` waits for the device).
+    Dynamo's caches are reset first: every compile is timed from the start, and the programs'
+    many shapes never reach its recompile limit (beyond which it would fall back to eager)."""
+    import torch
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)
+    start = time.perf_counter()
+    compiled(*args)
+    if sync is not None:
+        sync()
+    return compiled, time.perf_counter() - start
+
+
+class TorchRunner:
+    """`fn(*args)` (CUDA tensors in, a tuple of tensors out) as one PyTorch impl:
+      torch_graph    eager, captured once in a CUDA graph and replayed;
+      torch_compile  `compile_timed(fn, args, mode)` (its first call recorded apart, as
+                     `compile_seconds`), replayed from a CUDA graph captured here; for mode
+                     "reduce-overhead" called directly, as Inductor records its own CUDA graphs
+                     (the inputs marked static, so that no replay copies them first).
+    A call returns the output tuple, rewritten by the next call. The runner holds the inputs:
+    a graph reads them at their addresses, which torch would otherwise hand to the next
+    allocation (an input made here, such as a concatenation, has no other owner)."""
+
+    def __init__(self, impl: str, fn: Callable[..., tuple], args: Sequence[Any], *, mode: str):
         import torch
-        import torch.nn.functional as F
 
         self.sync = torch.cuda.synchronize
-        q, k, v = (torch.from_dlpack(x).transpose(2, 3) for x in (q, k, v))  # [sets,B,H,S,K]
-        out = torch.empty_like(q)
-
-        def run():
-            for i in range(q.shape[0]):
-                out[i] = F.scaled_dot_product_attention(q[i], k[i], v[i], is_causal=causal)
-            return out
-
-        self.graph, self.out = torch_chain.capture_graph(run, warmup=1)
+        self.compile_seconds: float | None = None
+        self.compile_mode: str | None = None
+        self.graph = None
+        self.args = tuple(args)
+        if impl == "torch_compile":
+            if mode == "reduce-overhead":
+                for arg in self.args:
+                    torch._dynamo.mark_static_address(arg)
+            fn, self.compile_seconds = compile_timed(fn, self.args, mode, self.sync)
+            self.compile_mode = mode
+            if mode == "reduce-overhead":
+                self.fn = fn
+                return
+        elif impl != "torch_graph":
+            raise ValueError(f"unknown torch impl {impl!r}")
+        self.fn = fn
+        self.graph, self.out = torch_chain.capture_graph(lambda: fn(*self.args), warmup=1)
 
     def __call__(self):
+        if self.graph is None:
+            import torch
+
+            torch.compiler.cudagraph_mark_step_begin()  # a new inference step: reuse the pool
+            return self.fn(*self.args)
         self.graph.replay()
         return self.out
+
+    def release(self) -> None:
+        """Frees the graphs (ours, or Inductor's with Dynamo's caches) and hands torch's cached
+        blocks back, for the JAX rows after it."""
+        self.graph = self.out = self.fn = self.args = None
+        if self.compile_mode is not None:
+            import torch
+
+            torch._dynamo.reset()
+        torch_chain.release()
+
+
+def sdpa_runner(impl: str, q, k, v, *, causal: bool, mode: str) -> TorchRunner:
+    """The runner of "torch_graph/BACKEND" or "torch_compile/BACKEND" over the JAX arrays q, k, v
+    [sets, B, *, H, K] (torch views of the same memory: no copy)."""
+    import torch
+
+    runner, _, backend = impl.partition("/")
+    args = tuple(torch.from_dlpack(x) for x in (q, k, v))
+    return TorchRunner(runner, sdpa_fn(causal=causal, backend=backend), args, mode=mode)
+
+
+# --- one row, the vs best column, the exit status ------------------------------------------
 
 
 def time_one(
@@ -60,10 +217,12 @@ def time_one(
     repeats: int,
 ) -> dict[str, Any]:
     """Builds one implementation's runner, checks `checked(output)` against `ref` and times it
-    (`per_call` attentions per call): `case` plus the median µs per attention, its p10-p90, the
-    relative error and the samples; or `case` plus "error" when it failed (a result too, e.g.
-    a kernel refusing a shape)."""
+    (`per_call` units per call): `case` plus the median µs per unit, its p10-p90, the relative
+    error, whether it is within TOLERANCE (`check_ok`), the samples and, for torch_compile, the
+    compile mode and seconds (outside the samples); or `case` plus "error" when it failed (a
+    result too, e.g. a kernel refusing a shape)."""
     label = " ".join(f"{k}={v}" for k, v in case.items())
+    runner = None
     try:
         runner = make_runner()
         out = checked(runner())
@@ -74,13 +233,49 @@ def time_one(
         message = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
         print(f"note: {label} failed: {message}")
         return {**case, "error": message}
+    finally:
+        if runner is not None and hasattr(runner, "release"):
+            runner.release()
     err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
-    print(f"{label}: {samples.median * 1e6:.1f} us, rel err {err:.1e}")
-    return {
+    ok = bool(err <= TOLERANCE)  # False for NaN too
+    print(
+        f"{label}: {samples.median * 1e6:.1f} us, rel err {err:.1e}"
+        + ("" if ok else f" FAILED (> {TOLERANCE:g})")
+    )
+    record = {
         **case,
         "us": samples.median * 1e6,
         "us_p10": samples.quantile(0.1) * 1e6,
         "us_p90": samples.quantile(0.9) * 1e6,
         "rel_err_vs_f64": err,
+        "check_ok": ok,
         "samples_s": samples.seconds,
     }
+    if getattr(runner, "compile_seconds", None) is not None:
+        record.update(compile_mode=runner.compile_mode, compile_seconds=runner.compile_seconds)
+    return record
+
+
+def add_vs_best(records: list[dict[str, Any]], case_keys: Sequence[str]) -> None:
+    """`vs_best` and `best_rival` on every record (compare.add_vs_best over the case's fields);
+    a row that failed its check or raised is no one's rival and has no vs_best."""
+    passed = [r for r in records if r.get("check_ok")]
+    compare.add_vs_best(passed, group_keys=case_keys, time_key="us")
+    for r in records:
+        if not r.get("check_ok"):
+            r["vs_best"], r["best_rival"] = None, None
+
+
+def compile_cell(record: dict[str, Any]) -> str:
+    seconds = record.get("compile_seconds")
+    return "-" if seconds is None else f"{seconds:.1f}"
+
+
+def fail_on_check(program: str, records: list[dict[str, Any]], case_keys: Sequence[str]) -> None:
+    """Exit status 1, after the results are written, when a row differs from the reference."""
+    failed = [r for r in records if r.get("check_ok") is False]
+    if failed:
+        rows = "; ".join(
+            f"{r['impl']} " + " ".join(f"{k}={r[k]}" for k in case_keys) for r in failed
+        )
+        cli.fail(program, f"rel err above {TOLERANCE:g} against the reference: {rows}", code=1)

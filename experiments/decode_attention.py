@@ -5,11 +5,14 @@ of a decode iteration that XLA runs furthest from the bandwidth limit (results/R
 
 Each call attends `slots` different caches in a loop (`lax.scan`; PyTorch: one CUDA graph), so
 that, as in the Core, no cache is still in L2 from the call before; the time per attention is the
-call's time / slots, compared with reading K and V once at the measured 4.25 TB/s. Caches are
-not flushed between calls (they do not fit in L2: 32 slots of 21.6 MB at B = 1, S = 1024).
+call's time / slots, compared with reading K and V once at the device's read-only streaming
+rate (experiments/measure/ceilings.py; none on a device without a ceilings file), and "vs best":
+the other framework's fastest time for the same case / this row's. Caches are not flushed
+between calls (they do not fit in L2: 32 slots of 21.6 MB at B = 1, S = 1024).
 
 Implementations, all over the same bf16 data (the first slots of every output checked against a
-float64 reference on the host):
+float64 reference on the host; a row beyond attention_bench.TOLERANCE makes the program exit 1
+after writing its results):
   xla             huginn_jax.layers.attend on the model's cache layout [B, S, H, K]
   xla_split       huginn_jax.layers.attend_decode_split: blocks of 128 positions (flash-decoding
                   in XLA), the model's decode_attention_impl="xla_split"
@@ -18,14 +21,18 @@ float64 reference on the host):
                   keys as a length), the model's decode_attention_impl="cudnn"
   pallas          pallas_kernels.decode_attention: split-KV kernel reading the stacked caches
                   in place, the model's decode_attention_impl="pallas"
-  torch           torch's scaled_dot_product_attention on [B, H, S, K] views of [B, S, H, K]
-                  (attention_bench.SdpaRunner)
+  torch_graph     torch's scaled_dot_product_attention on [B, H, S, K] views of [B, S, H, K],
+                  output back to [B, 1, H, K] (attention_bench.sdpa_fn), eager, captured in one
+                  CUDA graph; one row per SDPA backend (`--sdpa_backends`), e.g. torch_graph/flash
+  torch_compile   the same function through torch.compile (`--torch_compile_mode`), replayed
+                  from a CUDA graph; compile time recorded apart (`compile_seconds`)
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Sequence
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -37,8 +44,9 @@ from absl import app, flags  # noqa: E402
 from experiments import attention_bench as bench  # noqa: E402
 from experiments import cli  # noqa: E402
 from experiments.cli import UserError  # noqa: E402
+from experiments.measure import compare  # noqa: E402
 from experiments.measure import results as results_lib  # noqa: E402
-from huginn_jax import costs  # noqa: E402
+from experiments.measure.ceilings import Ceilings  # noqa: E402
 from huginn_jax.layers import (  # noqa: E402
     DECODE_BLOCK,
     MASKED_SCORE,
@@ -49,8 +57,9 @@ from huginn_jax.layers import (  # noqa: E402
 from pallas_kernels.decode_attention import decode_attention, pick_config  # noqa: E402
 
 FLAGS = flags.FLAGS
-IMPLS = ("xla", "xla_split", "xla_head_major", "cudnn", "pallas", "torch")
-GPU_ONLY = ("cudnn", "torch")
+IMPLS = ("xla", "xla_split", "xla_head_major", "cudnn", "pallas", *bench.TORCH_IMPLS)
+GPU_ONLY = ("cudnn", *bench.TORCH_IMPLS)
+CASE_KEYS = ("batch", "context")  # the fields of one case: its rows are compared in "vs best"
 
 
 def define_flags() -> None:
@@ -68,6 +77,14 @@ def define_flags() -> None:
         "Tunings for pallas, each PROGRAMS_PER_SM:BLOCK_S:NUM_WARPS:NUM_STAGES (a list: one row "
         "each, named pallas/...); empty: the kernel's frozen default.",
     )
+    flags.DEFINE_list(
+        "sdpa_backends",
+        list(bench.DEFAULT_SDPA_BACKENDS),
+        f"SDPA backends of the torch rows, one row each (any of {', '.join(bench.SDPA_BACKENDS)}).",
+    )
+    flags.DEFINE_enum(
+        "torch_compile_mode", "default", bench.COMPILE_MODES, bench.TORCH_COMPILE_MODE_HELP
+    )
     flags.DEFINE_integer("heads", 55, "Heads H (huginn-0125: 55).")
     flags.DEFINE_integer("head_dim", 96, "Head dimension K (huginn-0125: 96).")
     flags.DEFINE_integer("slots", 32, "Caches attended per call (no L2 reuse between them).")
@@ -75,6 +92,9 @@ def define_flags() -> None:
     flags.DEFINE_integer("repeats", 20, "Timed calls (median reported).")
     flags.DEFINE_integer("seed", 0, "Seed of queries and caches.")
     flags.DEFINE_string("json_out", "out/decode_attention.json", "Results JSON ('' to skip).")
+    flags.DEFINE_string(
+        "ceilings", "", "Ceilings JSON of the % of floor ('': the device's default file)."
+    )
 
 
 def inputs(slots: int, batch: int, context: int, heads: int, head_dim: int, seed: int):
@@ -134,9 +154,14 @@ def pallas_config(impl: str, batch: int, heads: int, max_len: int):
     )
 
 
-def expand_impls(impls: list[str], split_blocks: list[int], pallas_configs: list[str]):
+def expand_impls(
+    impls: list[str],
+    split_blocks: list[int],
+    pallas_configs: list[str],
+    sdpa_backends: Sequence[str] = bench.DEFAULT_SDPA_BACKENDS,
+):
     """xla_split once per block size (named with its block when there are several), pallas
-    once per tuning."""
+    once per tuning, each torch impl once per SDPA backend."""
     names = []
     for impl in impls:
         if impl == "xla_split" and split_blocks != [DECODE_BLOCK]:
@@ -145,7 +170,7 @@ def expand_impls(impls: list[str], split_blocks: list[int], pallas_configs: list
             names += [f"pallas/{tuning}" for tuning in pallas_configs]
         else:
             names.append(impl)
-    return names
+    return bench.with_sdpa_backends(names, sdpa_backends)
 
 
 @functools.partial(jax.jit, static_argnames=("impl",))
@@ -193,19 +218,24 @@ class XlaRunner:
         return attend_slots(*self.args, impl=self.impl)
 
 
-def to_numpy(out) -> np.ndarray:
+def checked_slots(out) -> np.ndarray:
+    """The first CHECKED_SLOTS outputs [CHECKED_SLOTS, B, 1, H, K] as float, from a JAX
+    [slots, B, 1, H, K] array or a torch tuple of [B, 1, H, K]."""
     if isinstance(out, jax.Array):
-        return np.asarray(out.astype(jnp.float32))
-    return out.float().transpose(2, 3).cpu().numpy()  # torch [slots,B,H,1,K] -> [slots,B,1,H,K]
+        return np.asarray(out[:CHECKED_SLOTS].astype(jnp.float32))
+    return np.stack([o.float().cpu().numpy() for o in out[:CHECKED_SLOTS]])
 
 
-def make_runner(impl: str, q, k, v):
-    return bench.SdpaRunner(q, k, v, causal=False) if impl == "torch" else XlaRunner(impl, q, k, v)
+def make_runner(impl: str, q, k, v, compile_mode: str = "default"):
+    if compare.framework(impl) == "torch":
+        return bench.sdpa_runner(impl, q, k, v, causal=False, mode=compile_mode)
+    return XlaRunner(impl, q, k, v)
 
 
-def run(batches: list[int], contexts: list[int], impls: list[str]) -> list[dict]:
+def run(
+    batches: list[int], contexts: list[int], impls: list[str], ceilings: Ceilings | None
+) -> list[dict]:
     impls = bench.runnable(impls, GPU_ONLY, jax.devices()[0].platform == "gpu")
-    floor_bw = costs.DEVICES["h200_measured"].hbm_bandwidth
     records = []
     for batch in batches:
         for context in contexts:
@@ -215,8 +245,8 @@ def run(batches: list[int], contexts: list[int], impls: list[str]) -> list[dict]
             for impl in impls:
                 record = bench.time_one(
                     {"impl": impl, "batch": batch, "context": context},
-                    functools.partial(make_runner, impl, q, k, v),
-                    lambda out: to_numpy(out)[:CHECKED_SLOTS],
+                    functools.partial(make_runner, impl, q, k, v, FLAGS.torch_compile_mode),
+                    checked_slots,
                     ref,
                     per_call=FLAGS.slots,
                     warmup=FLAGS.warmup,
@@ -224,30 +254,37 @@ def run(batches: list[int], contexts: list[int], impls: list[str]) -> list[dict]
                 )
                 if "error" not in record:
                     seconds = record["us"] / 1e6
-                    record.update(
-                        kv_bytes=kv_bytes,
-                        gb_per_s=kv_bytes / seconds / 1e9,
-                        pct_of_h200_bandwidth=100 * kv_bytes / seconds / floor_bw,
-                    )
+                    record.update(kv_bytes=kv_bytes, gb_per_s=kv_bytes / seconds / 1e9)
+                    if ceilings:
+                        record["pct_of_read_rate"] = (
+                            100 * kv_bytes / seconds / ceilings.read_bytes_per_s
+                        )
                 records.append(record)
             del q, k, v
+    bench.add_vs_best(records, CASE_KEYS)
     return records
 
 
 def format_table(records: list[dict]) -> str:
-    lines = [
-        f"{'impl':<16} {'B':>3} {'S':>5} {'µs':>8} {'p10-p90':>15} {'GB/s':>6} {'%4.25TB/s':>9} "
-        f"{'rel err':>8}",
-        "-" * 76,
-    ]
+    """One row per record; "-" where a value does not apply (no ceilings, no rival)."""
+    width = max([len("impl"), *(len(r["impl"]) for r in records)])
+    head = (
+        f"{'impl':<{width}} {'B':>3} {'S':>5} {'µs':>8} {'p10-p90':>15} {'GB/s':>6} {'%read':>6} "
+        f"{'vs best':>7} {'compile s':>9} {'rel err':>8}"
+    )
+    lines = [head, "-" * len(head)]
     for r in records:
         if "error" in r:
-            lines.append(f"{r['impl']:<16} {r['batch']:>3} {r['context']:>5} failed (see notes)")
+            lines.append(
+                f"{r['impl']:<{width}} {r['batch']:>3} {r['context']:>5} failed (see notes)"
+            )
             continue
         spread = f"{r['us_p10']:.1f}-{r['us_p90']:.1f}"
+        pct = f"{r['pct_of_read_rate']:.1f}" if "pct_of_read_rate" in r else "-"
         lines.append(
-            f"{r['impl']:<16} {r['batch']:>3} {r['context']:>5} {r['us']:>8.1f} {spread:>15} "
-            f"{r['gb_per_s']:>6.0f} {r['pct_of_h200_bandwidth']:>9.1f} {r['rel_err_vs_f64']:>8.1e}"
+            f"{r['impl']:<{width}} {r['batch']:>3} {r['context']:>5} {r['us']:>8.1f} {spread:>15} "
+            f"{r['gb_per_s']:>6.0f} {pct:>6} {compare.format_vs_best(r.get('vs_best')):>7} "
+            f"{bench.compile_cell(r):>9} {r['rel_err_vs_f64']:>8.1e}"
         )
     return "\n".join(lines)
 
@@ -272,18 +309,28 @@ def main(argv: list[str]) -> None:
             raise UserError(
                 f"--pallas_configs: {tuning!r} is not PROGRAMS_PER_SM:BLOCK_S:NUM_WARPS:NUM_STAGES"
             )
-    impls = expand_impls(list(dict.fromkeys(FLAGS.impls)), split_blocks, FLAGS.pallas_configs)
-    records = run(batches, contexts, impls)
+    sdpa_backends = bench.parse_sdpa_backends(FLAGS.sdpa_backends)
+    impls = expand_impls(
+        list(dict.fromkeys(FLAGS.impls)), split_blocks, FLAGS.pallas_configs, sdpa_backends
+    )
+    device_kind = jax.devices()[0].device_kind
+    ceilings = bench.load_ceilings(device_kind, FLAGS.ceilings)
+    records = run(batches, contexts, impls, ceilings)
     if FLAGS.json_out:
         names = (
-            "batch context impls split_blocks pallas_configs heads head_dim slots warmup repeats "
-            "seed json_out"
+            "batch context impls split_blocks pallas_configs sdpa_backends torch_compile_mode "
+            "heads head_dim slots warmup repeats seed json_out ceilings"
         ).split()
-        path = results_lib.write_results(
-            FLAGS.json_out, cli.flag_values(names), {"records": records}
-        )
+        payload = {
+            "records": records,
+            "ceilings": ceilings.to_dict() if ceilings else None,
+            "check_tolerance": bench.TOLERANCE,
+        }
+        path = results_lib.write_results(FLAGS.json_out, cli.flag_values(names), payload)
         print(f"results: {path}")
     print(format_table(records))
+    print(bench.ceilings_line(ceilings, device_kind))
+    bench.fail_on_check("decode_attention", records, CASE_KEYS)
 
 
 run_main = cli.main_runner("decode_attention", main)

@@ -4,15 +4,17 @@
 
 Each call runs `--sets` attentions over different inputs in a loop (`lax.scan`; PyTorch: one
 CUDA graph), so that the call's fixed cost is spread over them; the time per attention is the
-call's wall time / sets. FLOPs count the causal half only: 2 products x 2 x B x H x T^2 x K / 2.
-Inputs are not flushed from L2 between calls. The wall time is not the kernel's: on the H200 at
-T = 1024 (results/2026-11-30-h200/prefill_attention_trace_session8.txt) cuDNN's kernel took
-42.7 us per attention, its call 134.2 us per attention: 27.0 us of layout copies (memcpy128)
-around the custom call, which the Core does not have (its RoPE fusion writes the layout), and
-~0.34 ms of JAX call cost per call of 8. `--trace_dir` prints that breakdown per JAX impl.
+call's wall time / sets. FLOPs count the causal half only: 2 products x 2 x B x H x T^2 x K / 2;
+% of floor is against the device's measured bf16 GEMM rate (experiments/measure/ceilings.py;
+none on a device without a ceilings file), and "vs best" is the other framework's fastest time
+for the same case / this row's. Inputs are not flushed from L2 between calls. The wall time is
+not the kernel's: a JAX call also runs layout copies around a custom call (which the Core does
+not have: its RoPE fusion writes the layout) and pays the call's own cost; `--trace_dir` prints
+that breakdown per JAX impl (results/README.md, prefill attention with a trace).
 
 Implementations, all over the same bf16 data (the first set's first heads checked against a
-float64 reference on the host):
+float64 reference on the host; a row beyond attention_bench.TOLERANCE makes the program exit 1
+after writing its results):
   xla    huginn_jax.layers.attend: float32 scores, masked softmax (the model's default)
   cudnn  huginn_jax.layers.attend_cudnn(causal=True): cuDNN's fused causal kernel (the model's
          attention_impl="cudnn")
@@ -20,8 +22,12 @@ float64 reference on the host):
          through huginn_jax.layers.attend_mgpu_causal (the model's attention_impl="mgpu"): q
          pre-scaled, K padded 96 -> 128, T padded to a multiple of 256, float16 operands (this
          JAX's kernel fails on bf16); the casts and pads are timed with it, as the model pays them
-  torch  torch's scaled_dot_product_attention(is_causal=True) on [B, H, T, K] views
-         (attention_bench.SdpaRunner)
+  torch_graph    torch's scaled_dot_product_attention(is_causal=True) on [B, H, T, K] views of
+                 [B, T, H, K], output back to [B, T, H, K] (attention_bench.sdpa_fn), eager,
+                 captured in one CUDA graph; one row per SDPA backend (`--sdpa_backends`), e.g.
+                 torch_graph/flash
+  torch_compile  the same function through torch.compile (`--torch_compile_mode`), replayed
+                 from a CUDA graph; compile time recorded apart (`compile_seconds`)
 """
 
 from __future__ import annotations
@@ -41,14 +47,16 @@ from absl import app, flags  # noqa: E402
 from experiments import attention_bench as bench  # noqa: E402
 from experiments import cli  # noqa: E402
 from experiments.cli import UserError  # noqa: E402
+from experiments.measure import compare  # noqa: E402
 from experiments.measure import results as results_lib  # noqa: E402
 from experiments.measure import trace as trace_lib  # noqa: E402
-from huginn_jax import costs  # noqa: E402
+from experiments.measure.ceilings import Ceilings  # noqa: E402
 from huginn_jax.layers import attend, attend_cudnn, attend_mgpu_causal  # noqa: E402
 
 FLAGS = flags.FLAGS
-IMPLS = ("xla", "cudnn", "mgpu", "torch")
-GPU_ONLY = ("cudnn", "mgpu", "torch")
+IMPLS = ("xla", "cudnn", "mgpu", *bench.TORCH_IMPLS)
+GPU_ONLY = ("cudnn", "mgpu", *bench.TORCH_IMPLS)
+CASE_KEYS = ("batch", "tokens")  # the fields of one case: its rows are compared in "vs best"
 CHECKED_HEADS = 4  # heads of the first set checked against the float64 reference
 
 
@@ -56,6 +64,14 @@ def define_flags() -> None:
     flags.DEFINE_list("batch", ["1"], "Sequences (a list).")
     flags.DEFINE_list("tokens", ["1024", "4096"], "New positions T (a list).")
     flags.DEFINE_list("impls", list(IMPLS), f"Any of {', '.join(IMPLS)}.")
+    flags.DEFINE_list(
+        "sdpa_backends",
+        list(bench.DEFAULT_SDPA_BACKENDS),
+        f"SDPA backends of the torch rows, one row each (any of {', '.join(bench.SDPA_BACKENDS)}).",
+    )
+    flags.DEFINE_enum(
+        "torch_compile_mode", "default", bench.COMPILE_MODES, bench.TORCH_COMPILE_MODE_HELP
+    )
     flags.DEFINE_integer("heads", 55, "Heads H (huginn-0125: 55).")
     flags.DEFINE_integer("head_dim", 96, "Head dimension K (huginn-0125: 96).")
     flags.DEFINE_integer("sets", 8, "Attentions per call, each over its own inputs.")
@@ -63,6 +79,9 @@ def define_flags() -> None:
     flags.DEFINE_integer("repeats", 20, "Timed calls (median reported).")
     flags.DEFINE_integer("seed", 0, "Seed of the inputs.")
     flags.DEFINE_string("json_out", "out/prefill_attention.json", "Results JSON ('' to skip).")
+    flags.DEFINE_string(
+        "ceilings", "", "Ceilings JSON of the % of floor ('': the device's default file)."
+    )
     flags.DEFINE_string(
         "trace_dir",
         None,
@@ -125,20 +144,23 @@ class XlaRunner:
 
 
 def first_set_checked_heads(out) -> np.ndarray:
-    """[B, T, CHECKED_HEADS, K] float of set 0 from a JAX [sets,B,T,H,K] or torch
-    [sets,B,H,T,K] output."""
+    """[B, T, CHECKED_HEADS, K] float of set 0 from a JAX [sets, B, T, H, K] output or a torch
+    tuple of [B, T, H, K]."""
     if isinstance(out, jax.Array):
         return np.asarray(out[0, :, :, :CHECKED_HEADS].astype(jnp.float32), np.float64)
-    return out[0, :, :CHECKED_HEADS].float().transpose(1, 2).cpu().numpy().astype(np.float64)
+    return out[0][:, :, :CHECKED_HEADS].float().cpu().numpy().astype(np.float64)
 
 
-def make_runner(impl: str, q, k, v):
-    return bench.SdpaRunner(q, k, v, causal=True) if impl == "torch" else XlaRunner(impl, q, k, v)
+def make_runner(impl: str, q, k, v, compile_mode: str = "default"):
+    if compare.framework(impl) == "torch":
+        return bench.sdpa_runner(impl, q, k, v, causal=True, mode=compile_mode)
+    return XlaRunner(impl, q, k, v)
 
 
-def run(batches: list[int], token_counts: list[int], impls: list[str]) -> list[dict]:
+def run(
+    batches: list[int], token_counts: list[int], impls: list[str], ceilings: Ceilings | None
+) -> list[dict]:
     impls = bench.runnable(impls, GPU_ONLY, jax.devices()[0].platform == "gpu")
-    gemm_rate = costs.DEVICES["h200_measured"].peak_bf16_flops
     records = []
     for batch in batches:
         for tokens in token_counts:
@@ -148,7 +170,7 @@ def run(batches: list[int], token_counts: list[int], impls: list[str]) -> list[d
             for impl in impls:
                 record = bench.time_one(
                     {"impl": impl, "batch": batch, "tokens": tokens},
-                    functools.partial(make_runner, impl, q, k, v),
+                    functools.partial(make_runner, impl, q, k, v, FLAGS.torch_compile_mode),
                     first_set_checked_heads,
                     ref,
                     per_call=FLAGS.sets,
@@ -157,15 +179,16 @@ def run(batches: list[int], token_counts: list[int], impls: list[str]) -> list[d
                 )
                 if "error" not in record:
                     seconds = record["us"] / 1e6
-                    record.update(
-                        flops=flops,
-                        tflop_per_s=flops / seconds / 1e12,
-                        pct_of_gemm_rate=100 * flops / seconds / gemm_rate,
-                    )
-                    if FLAGS.trace_dir and impl != "torch":
+                    record.update(flops=flops, tflop_per_s=flops / seconds / 1e12)
+                    if ceilings:
+                        record["pct_of_gemm_rate"] = (
+                            100 * flops / seconds / ceilings.bf16_flops_per_s
+                        )
+                    if FLAGS.trace_dir and compare.framework(impl) == "jax":
                         record.update(trace_call(impl, q, k, v, f"{impl}-{batch}-{tokens}"))
                 records.append(record)
             del q, k, v
+    bench.add_vs_best(records, CASE_KEYS)
     return records
 
 
@@ -187,23 +210,30 @@ def trace_call(impl: str, q, k, v, label: str) -> dict:
 
 
 def format_table(records: list[dict]) -> str:
-    lines = [
-        f"{'impl':<8} {'B':>3} {'T':>5} {'µs':>9} {'p10-p90':>17} {'TFLOP/s':>8} {'%GEMM':>6} "
-        f"{'rel err':>8}",
-        "-" * 72,
-    ]
+    """One row per record; "-" where a value does not apply (no ceilings, no rival)."""
+    width = max([len("impl"), *(len(r["impl"]) for r in records)])
+    head = (
+        f"{'impl':<{width}} {'B':>3} {'T':>5} {'µs':>9} {'p10-p90':>17} {'TFLOP/s':>8} "
+        f"{'%GEMM':>6} {'vs best':>7} {'compile s':>9} {'rel err':>8}"
+    )
+    lines = [head, "-" * len(head)]
     for r in records:
         if "error" in r:
-            lines.append(f"{r['impl']:<8} {r['batch']:>3} {r['tokens']:>5} failed (see notes)")
+            lines.append(
+                f"{r['impl']:<{width}} {r['batch']:>3} {r['tokens']:>5} failed (see notes)"
+            )
             continue
         spread = f"{r['us_p10']:.1f}-{r['us_p90']:.1f}"
+        pct = f"{r['pct_of_gemm_rate']:.1f}" if "pct_of_gemm_rate" in r else "-"
         lines.append(
-            f"{r['impl']:<8} {r['batch']:>3} {r['tokens']:>5} {r['us']:>9.1f} {spread:>17} "
-            f"{r['tflop_per_s']:>8.1f} {r['pct_of_gemm_rate']:>6.1f} {r['rel_err_vs_f64']:>8.1e}"
+            f"{r['impl']:<{width}} {r['batch']:>3} {r['tokens']:>5} {r['us']:>9.1f} "
+            f"{spread:>17} {r['tflop_per_s']:>8.1f} {pct:>6} "
+            f"{compare.format_vs_best(r.get('vs_best')):>7} {bench.compile_cell(r):>9} "
+            f"{r['rel_err_vs_f64']:>8.1e}"
         )
     lines.append(
-        "TFLOP/s over the causal half (2 x 2 x B x H x T(T+1)/2 x K); %GEMM: of the measured "
-        "bf16 GEMM rate (huginn_jax.costs, h200_measured)."
+        "TFLOP/s over the causal half (2 x 2 x B x H x T(T+1)/2 x K); %GEMM: of the bf16 GEMM "
+        "rate of the ceilings below."
     )
     return "\n".join(lines)
 
@@ -221,15 +251,26 @@ def main(argv: list[str]) -> None:
             raise UserError(f"--{name} must be >= 1, got {FLAGS[name].value}")
     if FLAGS.warmup < 0:
         raise UserError(f"--warmup must be >= 0, got {FLAGS.warmup}")
-    records = run(batches, token_counts, list(dict.fromkeys(FLAGS.impls)))
+    sdpa_backends = bench.parse_sdpa_backends(FLAGS.sdpa_backends)
+    impls = bench.with_sdpa_backends(list(dict.fromkeys(FLAGS.impls)), sdpa_backends)
+    device_kind = jax.devices()[0].device_kind
+    ceilings = bench.load_ceilings(device_kind, FLAGS.ceilings)
+    records = run(batches, token_counts, impls, ceilings)
     if FLAGS.json_out:
-        names = "batch tokens impls heads head_dim sets warmup repeats seed json_out trace_dir"
-        names = names.split()
-        path = results_lib.write_results(
-            FLAGS.json_out, cli.flag_values(names), {"records": records}
-        )
+        names = (
+            "batch tokens impls sdpa_backends torch_compile_mode heads head_dim sets warmup "
+            "repeats seed json_out trace_dir ceilings"
+        ).split()
+        payload = {
+            "records": records,
+            "ceilings": ceilings.to_dict() if ceilings else None,
+            "check_tolerance": bench.TOLERANCE,
+        }
+        path = results_lib.write_results(FLAGS.json_out, cli.flag_values(names), payload)
         print(f"results: {path}")
     print(format_table(records))
+    print(bench.ceilings_line(ceilings, device_kind))
+    bench.fail_on_check("prefill_attention", records, CASE_KEYS)
 
 
 run_main = cli.main_runner("prefill_attention", main)

@@ -1,9 +1,11 @@
-"""experiments.prefill_attention: its float64 reference, FLOP count and CLI on CPU; on the GPU
+"""experiments.prefill_attention: its float64 reference, FLOP count, PyTorch's causal attention
+compiled whole, "vs best", the exit status of a failed check and the CLI on CPU; on the GPU
 (marked) every implementation against the reference at huginn-0125's head shape."""
 
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -11,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments import attention_bench as bench
 from experiments import prefill_attention as pa
 from huginn_jax.layers import attend
 
@@ -50,13 +53,94 @@ def test_cli_on_cpu_writes_json(tmp_path):
         f"--json_out={out}",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
-    impls = list(pa.IMPLS) if ON_GPU else ["xla"]
+    impls = bench.with_sdpa_backends(pa.IMPLS, bench.DEFAULT_SDPA_BACKENDS) if ON_GPU else ["xla"]
     if not ON_GPU:
         assert "need(s) CUDA; skipped" in proc.stdout
-    records = json.loads(out.read_text())["records"]
+    data = json.loads(out.read_text())
+    records = data["records"]
     assert [(r["impl"], r["batch"]) for r in records] == [(i, b) for b in (1, 2) for i in impls]
     assert all(r["us"] > 0 and r["tflop_per_s"] > 0 and r["rel_err_vs_f64"] < 2e-2 for r in records)
-    assert "TFLOP/s" in proc.stdout.splitlines()[-1]
+    assert all(r["check_ok"] for r in records)
+    lines = proc.stdout.splitlines()
+    if not ON_GPU:  # no ceilings file for a CPU, and JAX rows only: no % of floor, no vs best
+        assert data["ceilings"] is None and lines[-1] == "no ceilings file for 'cpu': no % of floor"
+        assert all("pct_of_gemm_rate" not in r and r["vs_best"] is None for r in records)
+        head = next(line for line in lines if line.startswith("impl "))
+        row = lines[lines.index(head) + 2]
+        for name in ("%GEMM", "vs best"):
+            column = slice(head.index(name), head.index(name) + len(name))
+            assert row[column].strip() == "-", (name, row)
+    assert "TFLOP/s" in lines[-2]
+
+
+def test_vs_best_and_a_failed_check_exit_1_after_the_table(capsys):
+    def row(impl, tokens, us, ok=True):
+        err = 1e-3 if ok else 0.5
+        return {"impl": impl, "batch": 1, "tokens": tokens, "us": us, "us_p10": us, "us_p90": us,
+                "tflop_per_s": 1.0, "rel_err_vs_f64": err, "check_ok": ok}  # fmt: skip
+
+    records = [
+        row("xla", 64, 30.0), row("cudnn", 64, 20.0), row("torch_graph/flash", 64, 25.0),
+        row("torch_compile/cudnn", 64, 10.0, ok=False),
+    ]  # fmt: skip
+    bench.add_vs_best(records, pa.CASE_KEYS)
+    assert [r["vs_best"] for r in records] == pytest.approx([25 / 30, 25 / 20, 20 / 25, None])
+    table = pa.format_table(records)
+    assert "0.83x" in table and "1.25x" in table and "0.80x" in table
+    bench.fail_on_check("prefill_attention", records[:3], pa.CASE_KEYS)  # all passed: returns
+    with pytest.raises(SystemExit) as exit_:
+        bench.fail_on_check("prefill_attention", records, pa.CASE_KEYS)
+    assert exit_.value.code == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "prefill_attention: rel err above 0.02 against the reference: "
+        "torch_compile/cudnn batch=1 tokens=64"
+    ]
+
+
+def test_time_one_checks_records_and_keeps_compile_time_out_of_the_samples():
+    class Runner:
+        sync = None
+        compile_seconds, compile_mode = 3.0, "default"
+
+        def __init__(self, value):
+            self.value, self.calls = value, 0
+
+        def __call__(self):
+            self.calls += 1
+            return jnp.full((2,), self.value)
+
+    def build_slowly():  # as TorchRunner compiles: in the constructor, before any sample
+        time.sleep(0.3)
+        return Runner(1.0)
+
+    ref = np.ones(2)
+    good = bench.time_one({"impl": "torch_compile/flash"}, build_slowly, np.asarray, ref,
+                          per_call=1, warmup=1, repeats=3)  # fmt: skip
+    assert good["check_ok"] and good["rel_err_vs_f64"] == 0 and len(good["samples_s"]) == 3
+    assert good["compile_seconds"] == 3.0 and max(good["samples_s"]) < 0.1
+    bad = bench.time_one({"impl": "xla"}, lambda: Runner(1.5), np.asarray, ref,
+                         per_call=1, warmup=0, repeats=1)  # fmt: skip
+    assert bad["check_ok"] is False and bad["rel_err_vs_f64"] == pytest.approx(0.5)
+
+
+def test_torch_causal_attention_compiles_whole_and_matches_the_reference():
+    """What torch_compile compiles, through Inductor on the CPU: one graph (fullgraph) over
+    every set, outputs in the model's layout [B, T, H, K], within tolerance of the reference."""
+    torch = pytest.importorskip("torch")
+    q, k, v = pa.inputs(2, 1, 24, pa.CHECKED_HEADS + 1, 8, seed=7)
+    args = [torch.from_dlpack(x) for x in (q, k, v)]
+    compiled, seconds = bench.compile_timed(
+        bench.sdpa_fn(causal=True, backend="flash"), args, "default"
+    )
+    out = compiled(*args)
+    assert seconds > 0 and len(out) == 2
+    assert tuple(out[0].shape) == (1, 24, pa.CHECKED_HEADS + 1, 8) and out[0].is_contiguous()
+    ref = pa.reference(q, k, v)
+    got = pa.first_set_checked_heads(out)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
+    # Without the causal mask the check fails.
+    wrong = pa.first_set_checked_heads(bench.sdpa_fn(causal=False, backend="math")(*args))
+    assert np.linalg.norm(wrong - ref) / np.linalg.norm(ref) > bench.TOLERANCE
 
 
 def test_cli_trace_dir_breaks_each_jax_call_down(tmp_path):
@@ -79,12 +163,27 @@ def test_cli_trace_dir_breaks_each_jax_call_down(tmp_path):
         ("--impls=flash", "unknown impl"),
         ("--tokens=0", "must be >= 1"),
         ("--sets=0", "--sets must be >= 1"),
+        ("--sdpa_backends=", "--sdpa_backends: give at least one backend"),
+        ("--torch_compile_mode=max-autotune", "torch_compile_mode"),
     ],
 )
 def test_cli_bad_flags_exit_2(tmp_path, flag, message):
     proc = run_cli(flag, f"--json_out={tmp_path / 'x.json'}")
     assert proc.returncode == 2 and message in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_ceilings_of_another_device_exit_2_with_one_line(tmp_path):
+    ceilings = tmp_path / "c.json"
+    ceilings.write_text(json.dumps({
+        "environment": {"device_kind": "NVIDIA B200"},
+        "ceilings": {"read_bytes_per_s": 7e12, "bf16_flops_per_s": 2e15},
+    }))  # fmt: skip
+    proc = run_cli("--tokens=64", f"--ceilings={ceilings}", f"--json_out={tmp_path / 'x.json'}")
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if "'tpu'" not in line]
+    assert len(lines) == 1 and lines[0].startswith("prefill_attention: --ceilings: ")
+    assert "'NVIDIA B200'" in lines[0] and not (tmp_path / "x.json").exists()
 
 
 @pytest.mark.gpu
@@ -96,3 +195,22 @@ def test_impls_match_the_reference_gpu(impl, tokens):
     out = pa.first_set_checked_heads(pa.XlaRunner(impl, q, k, v)())
     ref = pa.reference(q, k, v)
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize(
+    "impl, mode, backend",
+    [(impl, "default", backend) for impl in bench.TORCH_IMPLS
+     for backend in bench.DEFAULT_SDPA_BACKENDS]
+    + [("torch_compile", "reduce-overhead", "cudnn")],
+)  # fmt: skip
+def test_torch_rows_match_the_reference_gpu(impl, mode, backend):
+    q, k, v = pa.inputs(2, 1, 1024, 55, 96, seed=8)
+    ref = pa.reference(q, k, v)
+    runner = pa.make_runner(f"{impl}/{backend}", q, k, v, mode)
+    for _ in range(3):  # replays rewrite the same outputs
+        out = pa.first_set_checked_heads(runner())
+        assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
+    assert (runner.compile_seconds is None) == (impl == "torch_graph")
+    runner.release()
