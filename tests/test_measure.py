@@ -16,31 +16,98 @@ DATA = Path(__file__).parent / "data"
 # ---------------------------------------------------------------- timing
 
 
-def test_time_fn_counts_calls_and_divides_by_per_call():
-    calls = []
-    synced = []
-    samples = timing.time_fn(
-        lambda: calls.append(1), warmup=2, repeats=5, sync=lambda: synced.append(1), per_call=4
-    )
-    assert len(calls) == 7 and len(synced) == 7
-    assert len(samples.seconds) == 5 and samples.per_call == 4 and samples.warmup == 2
-    assert min(samples.seconds) <= samples.p10 <= samples.median <= samples.p90
+class FakeClock:
+    """perf_counter for experiments.measure.timing: time moves only when `advance` says."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    fake = FakeClock()
+    monkeypatch.setattr(timing, "time", fake)
+    return fake
+
+
+def test_time_fn_times_call_and_sync_divided_by_per_call(clock):
+    """Warm-up calls take 100 s each and are not timed; timed call i takes i s and the sync
+    0.5 s after it; 4 units per call: samples (i + 0.5) / 4."""
+    durations = iter([100.0, 100.0, 1.0, 2.0, 3.0, 4.0, 5.0])
+    events = []
+
+    def fn():
+        events.append("call")
+        clock.advance(next(durations))
+
+    def sync():
+        events.append("sync")
+        clock.advance(0.5)
+
+    samples = timing.time_fn(fn, warmup=2, repeats=5, sync=sync, per_call=4)
+    assert events == ["call", "sync"] * 7
+    assert samples.seconds == [0.375, 0.625, 0.875, 1.125, 1.375]
+    assert samples.per_call == 4 and samples.warmup == 2
+    assert samples.median == 0.875
+    assert samples.p10 == pytest.approx(0.475) and samples.p90 == pytest.approx(1.275)
     assert timing.Samples.from_dict(samples.to_dict()) == samples
 
 
-def test_time_fn_blocks_on_jax_results():
-    import jax.numpy as jnp
+def test_time_fn_waits_on_what_fn_returns_inside_the_timed_interval(clock, monkeypatch):
+    """Without `sync`, the result of each call is passed to jax.block_until_ready, and the wait
+    (2 s here) is part of the sample."""
+    import jax
 
-    samples = timing.time_fn(lambda: jnp.ones(4) * 2, warmup=0, repeats=2)
-    assert all(s > 0 for s in samples.seconds)
+    waited = []
+
+    def block_until_ready(out):
+        waited.append(out)
+        clock.advance(2.0)
+        return out
+
+    monkeypatch.setattr(jax, "block_until_ready", block_until_ready)
+    results = iter(range(10))
+
+    def fn():
+        clock.advance(1.0)
+        return next(results)
+
+    samples = timing.time_fn(fn, warmup=1, repeats=3)
+    assert waited == [0, 1, 2, 3]
+    assert samples.seconds == [3.0, 3.0, 3.0]
+
+
+def test_time_fn_measures_real_time():
+    """A call that sleeps 20 ms: every sample is at least that (sleep never returns early) and
+    not much more."""
+    import time
+
+    samples = timing.time_fn(lambda: time.sleep(0.02), warmup=1, repeats=5, sync=lambda: None)
+    assert all(0.02 <= s < 0.02 + 0.05 for s in samples.seconds), samples.seconds
+    halves = timing.time_fn(
+        lambda: time.sleep(0.02), warmup=0, repeats=3, sync=lambda: None, per_call=2
+    )
+    assert all(0.01 <= s < 0.01 + 0.025 for s in halves.seconds), halves.seconds
 
 
 def test_samples_quantiles():
     s = timing.Samples(seconds=[4.0, 1.0, 3.0, 2.0, 5.0], warmup=0)
     assert s.median == 3.0
     assert s.quantile(0.0) == 1.0 and s.quantile(1.0) == 5.0
-    assert s.p10 == pytest.approx(1.4)
-    assert s.summary_us()["median_us"] == pytest.approx(3e6)
+    # sorted [1, 2, 3, 4, 5]: q = 0.1 sits at position 0.4, q = 0.9 at 3.6, q = 0.25 at 1.0
+    assert s.p10 == pytest.approx(1.4) and s.p90 == pytest.approx(4.6)
+    assert s.quantile(0.25) == 2.0
+    assert s.summary_us() == pytest.approx(
+        {"median_us": 3e6, "p10_us": 1.4e6, "p90_us": 4.6e6, "min_us": 1e6, "max_us": 5e6}
+    )
+    even = timing.Samples(seconds=[1.0, 2.0, 4.0, 8.0], warmup=0)
+    assert even.median == 3.0 and even.quantile(0.5) == 3.0
 
 
 @pytest.mark.parametrize("kw", [{"warmup": -1}, {"repeats": 0}, {"per_call": 0}])
@@ -76,24 +143,55 @@ def test_parse_ncu_csv_synthetic_sample():
 
 
 def test_parse_ncu_csv_h200_range_sample():
-    """Recorded on an H200: app-range replay, 4 ranges (shared/copies x xla/torch_graph)."""
+    """Recorded on an H200: app-range replay, 4 ranges (shared/copies x xla/torch_graph).
+    Expected values read off the file: each range's dram__bytes_read.sum, .._write.sum and
+    hit rate, divided by its chains (10, 20, 10, 20)."""
     ranges = ncu.parse_ncu_csv((DATA / "ncu_h200_range.csv").read_text())
-    assert [r.name for r in ranges] == ["range"] * 4
+    assert [r.id for r in ranges] == [0, 1, 2, 3] and [r.name for r in ranges] == ["range"] * 4
+    chains = (10, 20, 10, 20)
+    read = (6_041_031_936, 12_080_898_560, 6_040_857_088, 12_080_893_184)
+    write = (30_295_808, 2_258_688, 17_081_088, 2_322_432)
+    hit = (1.77, 2.55, 1.77, 2.56)
+    for r, n, rd, wr, h in zip(ranges, chains, read, write, hit, strict=True):
+        s = ncu.summarize([r], n)
+        assert s.bytes_read_per_chain == rd / n and s.bytes_write_per_chain == wr / n
+        assert s.l2_hit_pct == pytest.approx(h) and s.l2_hit_weighting == "sectors"
+    assert ranges[1].metrics[ncu.L2_SECTORS] == 582_015_822
+    # 72 MiB > 60 MiB L2: every layout reads W (6144^2 bf16) about 8 times per chain of 8 steps
     w = 6144 * 6144 * 2
-    # 72 MiB > 60 MiB L2: every layout reads about 8 W per chain (10 or 20 chains per range)
-    for r, chains in zip(ranges, (10, 20, 10, 20), strict=True):
-        per_chain = ncu.summarize([r], chains).bytes_read_per_chain
-        assert 7.5 < per_chain / w < 8.5
+    assert [round(rd / n / w, 3) for rd, n in zip(read, chains, strict=True)] == [
+        8.002,
+        8.001,
+        8.001,
+        8.001,
+    ]
 
 
 def test_parse_ncu_csv_h200_kernel_sample():
-    """Recorded on an H200: kernel replay, 2 chains x 16 kernels (XLA's multiply + reduce)."""
+    """Recorded on an H200: kernel replay, 2 chains x 16 kernels (XLA's multiply + reduce).
+    Expected values counted in the file with awk, not with the parser: 32 IDs; names per chain
+    loop_multiply_fusion_7 x1, _6 x7, input_reduce_fusion_1 x7, input_reduce_fusion x1; DRAM
+    read 402,939,392 B and written 14,781,184 B in all; hit rates weighted by sectors 49.0573 %."""
     kernels = ncu.parse_ncu_csv((DATA / "ncu_h200_kernel.csv").read_text())
-    assert len(kernels) == 32
-    assert {k.name for k in kernels} >= {"loop_multiply_fusion_6", "input_reduce_fusion_1"}
+    assert [k.id for k in kernels] == list(range(32))
+    names = [k.name for k in kernels]
+    assert {n: names.count(n) for n in set(names)} == {
+        "loop_multiply_fusion_7": 2,
+        "loop_multiply_fusion_6": 14,
+        "input_reduce_fusion_1": 14,
+        "input_reduce_fusion": 2,
+    }
+    assert kernels[0].metrics == {
+        ncu.DRAM_READ: 8_396_032,
+        ncu.DRAM_WRITE: 904_704,
+        ncu.L2_HIT: 69.56,
+        ncu.L2_SECTORS: 1_219_006,
+    }
     s = ncu.summarize(kernels, chains=2)
-    assert s.bytes_read_per_chain > 8 * 2048 * 2048 * 2  # at least W per step
-    assert 0 <= s.l2_hit_pct <= 100
+    assert s.results == 32 and s.chains == 2
+    assert s.bytes_read_per_chain == 402_939_392 / 2
+    assert s.bytes_write_per_chain == 14_781_184 / 2
+    assert s.l2_hit_weighting == "sectors" and s.l2_hit_pct == pytest.approx(49.0573467, abs=1e-6)
 
 
 def test_parse_ncu_csv_without_header_fails():
@@ -123,40 +221,94 @@ def test_ncu_command_profiles_only_the_ranges():
     assert "--profile-from-start off" in kernel
 
 
-def test_find_ncu_returns_an_executable_or_none():
-    path = ncu.find_ncu()
-    assert path is None or Path(path).exists()
+def _executable(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\n")
+    path.chmod(0o755)
+    return path
+
+
+def test_find_ncu_takes_path_first(tmp_path, monkeypatch):
+    ncu_on_path = _executable(tmp_path / "bin" / "ncu")
+    monkeypatch.setenv("PATH", str(ncu_on_path.parent))
+    assert ncu.find_ncu() == str(ncu_on_path)
+
+
+def test_find_ncu_then_the_newest_executable_install_else_none(tmp_path, monkeypatch):
+    """Not on PATH, no /usr/local/cuda/bin/ncu: the newest /opt/nvidia/nsight-compute/*/ncu
+    that is an executable file (a newer one that is not executable is passed over)."""
+    import os
+    import types
+
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    installs = tmp_path / "nsight-compute"
+    _executable(installs / "2024.1.0" / "ncu")
+    _executable(installs / "2025.3.1" / "ncu")
+    (installs / "2026.1.0").mkdir()
+    (installs / "2026.1.0" / "ncu").write_text("not executable")
+    patterns = []
+
+    def fake_glob(pattern):
+        patterns.append(pattern)
+        return [str(p) for p in installs.glob("*/ncu")]
+
+    monkeypatch.setattr(ncu, "glob", types.SimpleNamespace(glob=fake_glob))
+    no_cuda_bin = types.SimpleNamespace(
+        path=types.SimpleNamespace(
+            isfile=lambda p: p != "/usr/local/cuda/bin/ncu" and os.path.isfile(p)
+        ),
+        access=os.access,
+        X_OK=os.X_OK,
+    )
+    monkeypatch.setattr(ncu, "os", no_cuda_bin)
+    assert ncu.find_ncu() == str(installs / "2025.3.1" / "ncu")
+    assert patterns == ["/opt/nvidia/nsight-compute/*/ncu"]
+    (installs / "2025.3.1" / "ncu").chmod(0o644)
+    (installs / "2024.1.0" / "ncu").unlink()
+    assert ncu.find_ncu() is None
 
 
 # ---------------------------------------------------------------- trace
 
 
 def test_parse_trace_cpu_sample():
-    """Recorded on CPU: 3 chains of 4 steps (d=64) of the jitted chain, one dispatch each."""
+    """Recorded on CPU: 3 chains of 4 steps (d=64) of the jitted chain, one dispatch each.
+    Expected values counted in the file: 13 XLA ops with an "hlo_op" argument, 3 events each
+    ("end: ..." events left out); dot.4 takes 3.463 µs over its 3 events, the longest op
+    (wrapped_convert) 30.255 µs."""
     rows = trace.parse_trace(DATA / "chain_cpu.trace.json.gz", chains=3)
     names = {r.name for r in rows}
-    assert {"dot.4", "dot.5", "dot.6", "dot.7"} <= names
+    assert len(rows) == 13 and {"dot.4", "dot.5", "dot.6", "dot.7"} <= names
     assert not any(n.startswith("end: ") or n.startswith("ThunkExecutor") for n in names)
     assert all(r.launches == 3 for r in rows)
     for r in rows:
         assert r.us_per_chain == pytest.approx(r.total_us / 3)
     assert rows == sorted(rows, key=lambda r: -r.total_us)
+    assert rows[0].name == "wrapped_convert" and rows[0].total_us == pytest.approx(30.255)
+    dot4 = next(r for r in rows if r.name == "dot.4")
+    assert dot4.total_us == pytest.approx(3.463) and dot4.us_per_chain == pytest.approx(3.463 / 3)
 
 
 def test_parse_trace_gpu_samples():
-    """Recorded on the H200: 20 chains of 8 steps, W = 72 MiB, shared, profiler on."""
+    """Recorded on the H200: 20 chains of 8 steps, W = 72 MiB, shared, profiler on. Expected
+    values counted in the file: the events of thread "Stream #14(Compute)" of process
+    "/device:GPU:0", summed by name (dot_17: 3016.366 µs, dot_16: 423.649, reduce: 223.490);
+    the torch trace: 160 events of "cat": "kernel", 3392.973 µs."""
     rows = trace.parse_trace(DATA / "chain_h200.trace.json.gz", chains=20)
     # XLA: 8 products per chain, each a GEMM fusion (one of them a different fusion) + reduce
-    assert {r.name: r.launches for r in rows} == {
-        "gemm_fusion_dot_17": 140,
-        "gemm_fusion_dot_16": 20,
-        "loop_reduce_fusion": 160,
-    }
+    assert [(r.name, r.launches) for r in rows] == [
+        ("gemm_fusion_dot_17", 140),
+        ("gemm_fusion_dot_16", 20),
+        ("loop_reduce_fusion", 160),
+    ]
+    totals = [3016.366, 423.649, 223.490]
+    assert [r.total_us for r in rows] == pytest.approx(totals)
+    assert [r.us_per_chain for r in rows] == pytest.approx([t / 20 for t in totals])
     assert not any("Pjit" in r.name for r in rows)  # host-side events are not kernels
-    assert sum(r.us_per_chain for r in rows) == pytest.approx(183.2, abs=0.1)
     # torch eager (its profiler's Chrome trace): one cuBLAS kernel per product
     torch_rows = trace.parse_trace(DATA / "chain_h200_torch.trace.json.gz", chains=20)
-    assert [(r.launches, round(r.us_per_chain, 1)) for r in torch_rows] == [(160, 169.6)]
+    assert [(r.launches, r.total_us) for r in torch_rows] == [(160, pytest.approx(3392.973))]
+    assert torch_rows[0].us_per_chain == pytest.approx(3392.973 / 20)
     assert torch_rows[0].name.startswith("nvjet_sm90")
 
 
@@ -168,11 +320,15 @@ def test_timeline_splits_the_span_into_busy_time_and_gaps():
     assert trace.timeline(made) == trace.Timeline(span=13.0, busy=6.0)
     assert trace.timeline(made).gaps == 7.0
     assert trace.timeline([]) == trace.Timeline(0.0, 0.0)
+    # overlapping and touching intervals: [0, 4) [2, 5) [5, 6) merge to [0, 6); [8, 9) alone
+    merged = [{"ts": t, "dur": d} for t, d in ((2, 3), (0, 4), (5, 1), (8, 1))]
+    assert trace.timeline(merged) == trace.Timeline(span=9.0, busy=7.0)
+    # The recorded trace: 320 kernels over 4395.371 µs, 3663.505 µs summed, 3562.314 µs covered
+    # (counted on a 1 ns grid: consecutive kernels overlap by their timestamps).
     events = trace.kernel_events(trace.load_trace(DATA / "chain_h200.trace.json.gz"))
     spent = trace.timeline(events)
-    total = sum(e["dur"] for e in events)
-    assert 0.9 * total < spent.busy <= total
-    assert spent.span > spent.busy
+    assert len(events) == 320 and sum(e["dur"] for e in events) == pytest.approx(3663.505)
+    assert spent.span == pytest.approx(4395.371) and spent.busy == pytest.approx(3562.314)
     assert trace.per_unit(trace.timeline(made), 2) == {"span": 6.5, "busy": 3.0, "gaps": 3.5}
     assert trace.per_unit_line(trace.per_unit(trace.timeline(made), 2), "chain") == (
         "traced span 6.5 µs per chain: 3.0 busy, 3.5 between kernels"
@@ -244,10 +400,18 @@ def test_profile_jax_on_cpu(tmp_path):
     import jax.numpy as jnp
 
     x = jnp.ones((4, 4))
-    path = trace.profile_jax(lambda: (x @ x).block_until_ready(), tmp_path)
-    rows = trace.parse_trace(path, chains=1)
+    (x @ x).block_until_ready()  # compiled before the trace
+
+    def twice():
+        (x @ x).block_until_ready()
+        (x @ x).block_until_ready()
+
+    path = trace.profile_jax(twice, tmp_path)
+    rows = trace.parse_trace(path, chains=2)
     assert list(tmp_path.rglob("*.xplane.pb"))
-    assert isinstance(rows, list)
+    # On CPU the rows are XLA ops: the product's one op, run once per call.
+    assert [(r.name.split(".")[0], r.launches) for r in rows] == [("dot_general", 2)]
+    assert rows[0].us_per_chain == pytest.approx(rows[0].total_us / 2) and rows[0].total_us > 0
     assert trace.latest_trace_file(tmp_path).name.endswith(".trace.json.gz")
     with pytest.raises(FileNotFoundError, match="no"):
         trace.latest_trace_file(tmp_path / "empty")
