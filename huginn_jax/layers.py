@@ -64,10 +64,9 @@ def apply_rope(x_BxTxHxK: jax.Array, positions_T: jax.Array, base: float) -> jax
     cos = jnp.cos(angles_TxK2)[None, :, None, :]
     sin = jnp.sin(angles_TxK2)[None, :, None, :]
     pairs = x_BxTxHxK.astype(jnp.float32).reshape(*x_BxTxHxK.shape[:-1], head_dim // 2, 2)
-    # (x0 cos - x1 sin, x1 cos + x0 sin) as pairs * cos + swapped pairs * (-sin, sin), elementwise.
-    # Written with jnp.stack, each of q and k was a concatenate fusion of 14.4 us on the H200 at
-    # T = 1024 (with v's slice, 37 us per layer); now XLA makes one 15.9 us loop fusion of the
-    # three (results/2026-11-30-h200/core_trace_*xla_cudnn-prefill-1-1024-8_session8).
+    # (x0 cos - x1 sin, x1 cos + x0 sin) as pairs * cos + swapped pairs * (-sin, sin), elementwise:
+    # XLA makes one loop fusion of q's, k's and v's slices, where jnp.stack made a concatenate
+    # fusion per operand (docs/core_layers.md).
     signed_sin = sin[..., None] * jnp.array([-1.0, 1.0], jnp.float32)
     rotated = pairs * cos[..., None] + pairs[..., ::-1] * signed_sin
     return rotated.reshape(x_BxTxHxK.shape).astype(x_BxTxHxK.dtype)
@@ -144,10 +143,8 @@ def attend_mgpu_causal(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK) -> jax.Array:
     return out[:, :tokens, :, :head_dim].astype(q_BxTxHxK.dtype)
 
 
-# Cache positions per block of attend_decode_split. On the H200 one layer alone ran fastest with
-# 256 (results/2026-11-30-h200/decode_attention.txt), but in the Core's scan 256 cost 2.949 ms
-# per iteration at batch 8 x 1024 against 1.897 with 128, and no less elsewhere
-# (core_sweep_pallas.txt vs core_sweep_attention_impls.txt): XLA fuses the two differently.
+# Cache positions per block of attend_decode_split: 128 is faster than 256 inside the Core's
+# scan, though not for one layer alone, as XLA fuses the two differently (docs/core_layers.md).
 DECODE_BLOCK = 128
 
 

@@ -189,7 +189,7 @@ def run_coda(model: Huginn, state, start, cache: KVCache | None, *, last_only: b
     head = model.wte[...].T if model.config.tie_embeddings else model.lm_head[...]
     # In the weights' dtype, then float32 (as the reference's bf16 lm_head): asking XLA for a
     # float32 product of bf16 operands made its GPU build convert the whole [V, D] matrix to
-    # float32 at every call (1.38 GB of temp at huginn-0125 size; tools/step_buffers.py).
+    # float32 at every call (docs/core_layers.md).
     logits = jnp.matmul(x, head, precision=dot_precision(head.dtype)).astype(jnp.float32)
     return logits, latents, cache
 

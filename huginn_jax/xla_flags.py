@@ -1,17 +1,14 @@
 """XLA flags that a program chooses before JAX starts its backend.
 
-`use_gemm("cublas")` turns XLA's Triton GEMM fusions off, so that every dot runs in cuBLAS. On the
-H200 (2026-11-30, results/2026-11-30-h200/) XLA's Triton split-K GEMM for the 5280 x 5280
-attention projection padded that weight to [5312, 5280] at every Core iteration of every layer
-(138 us of a 1.34 ms decode iteration); with cuBLAS the iteration took 1.14 ms and the prefill
-iteration 5.99 ms instead of 6.24 ms. "xla" keeps XLA's own choice.
+`use_gemm("cublas")` turns XLA's Triton GEMM fusions off, so that every dot runs in cuBLAS; "xla"
+keeps XLA's own choice. Why cuBLAS is the programs' default: XLA's Triton split-K GEMM for the
+5280 x 5280 attention projection pads that weight at every Core iteration of every layer.
 
 `use_command_buffers(False)` turns XLA's command buffers (CUDA graphs) off, so that every kernel
-is launched on its own. In a traced Core call (r = 8, decode) the first launch of the while
-body's graph took 352 us on the host (later ones ~100 us), the GPU idle meanwhile
-(`results/2026-11-30-h200/core_trace_xla_rows-decode-1-1024-8_session7.json.gz`); yet without
-command buffers the decode iteration was 3-4 % slower (more time between kernels), so
-experiments.core keeps them on by default (`core_{cb,nocb}_decode_session8.txt`).
+is launched on its own. experiments.core keeps them on by default: the Core's decode iteration
+is faster with them, although the first launch of a graph costs host time.
+
+The measurements behind both defaults: docs/xla_flags.md.
 """
 
 from __future__ import annotations

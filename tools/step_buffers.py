@@ -1,8 +1,8 @@
 """What fills a generation step's XLA temp memory: compiles the prefill and decode steps of a
 preset against abstract weights and cache (nothing allocated), prints `memory_analysis()` and the
 largest values XLA placed in temp buffers (from its dumped buffer assignment), then the temp of
-the logits head written three ways. On the H200 this found the float32 copy of the embedding
-that the head used to make (results/2026-11-30-h200/step_buffers*.txt).
+the logits head written three ways: it shows whether the head makes a float32 copy of the
+embedding (docs/core_layers.md).
 
     python3 tools/step_buffers.py --config=huginn_0125 --prompt_len=1024 --cache_len=1056
 """

@@ -5,7 +5,8 @@ The parent re-runs a child Python command under
 (compilation, autotuning and first-touch kernels run unprofiled), synchronises, opens the
 profiler range with `cuda_profiler_range()` (cuProfilerStart/Stop on the primary context that JAX
 and PyTorch share), runs the measured chains, synchronises and closes it. Only kernels inside
-that range are profiled. `--cache-control none` keeps L2 warm between kernels, as in the seeds.
+that range are profiled. `--cache-control none` keeps L2 warm between kernels, as in the
+profiling study.
 
 `parse_ncu_csv` reads ncu's `--csv` long format (one row per kernel x metric); `summarize` turns
 rows into HBM bytes per chain and an L2 hit rate.
@@ -129,20 +130,21 @@ def ncu_command(
 ) -> list[str]:
     """The ncu command line that profiles only the child's cuProfilerStart/Stop ranges.
 
-    replay_mode "app-range" (default, as in the seeds): each range runs natively, kernels back
-    to back, and gives one result with the counters summed over the range; a metric set that
-    needs several passes relaunches the child once per pass. "kernel": one result per kernel,
-    but ncu serialises the kernels and does its own work between them (on an H200 an 8 MiB W,
-    which fits in L2, was still read from HBM at every step), so use it for per-kernel detail,
-    not for the traffic of back-to-back chains.
+    replay_mode "app-range" (default, as in the profiling study): each range runs natively,
+    kernels back to back, and gives one result with the counters summed over the range; a metric
+    set that needs several passes relaunches the child once per pass. "kernel": one result per
+    kernel, but ncu serialises the kernels and does its own work between them, so a weight that
+    fits in L2 is read from HBM again at every step: use it for per-kernel detail, not for the
+    traffic of back-to-back chains.
 
-    cache_control "none" keeps L2 warm, as in the seeds' chain; "all" flushes every cache before
-    each profiled range (the seeds' adapter measurement: L2 cleared before the call).
+    cache_control "none" keeps L2 warm, as in the profiling study's chain; "all" flushes every
+    cache before each profiled range (the study's adapter measurement: L2 cleared before the
+    call).
 
     Only the child itself is profiled ("application-only"): XLA runs ptxas as a subprocess for
     every kernel it compiles and autotunes, and with ncu injected into each of them (the default
-    "all") the children of experiments.chain and experiments.core did not finish within minutes
-    on the H200 (2026-11-30).
+    "all") the children of experiments.chain and experiments.core take too long to finish.
+    What the H200 showed for both choices: docs/profiling_tools.md.
     """
     # Range replay takes its ranges from cuProfilerStart/Stop; kernel replay needs to be told.
     start = ["--profile-from-start", "off"] if replay_mode == "kernel" else []

@@ -5,9 +5,9 @@ XProf / TensorBoard) and `*.trace.json.gz` (Chrome trace-event JSON) that `parse
 On GPU the kernels are complete ("ph": "X") events on the stream threads ("Stream #N...") of a
 process named "/device:GPU:N"; on CPU, where there are no kernels, the XLA ops the CPU runtime
 executed (events carrying an "hlo_op" argument) are used instead. Durations ("dur") are in µs.
-Command buffers: with jax 0.11.2 on the H200 XLA still launched its command buffers as CUDA
-graphs while the profiler ran (`cuGraphLaunch` on the host rows, the graphs' kernels one by one
-on the stream rows; results/2026-11-30-h200/chain_timeline_24MiB_session6.txt).
+Command buffers: XLA (jax 0.11.2) still launches its command buffers as CUDA graphs while the
+profiler runs, `cuGraphLaunch` on the host rows and the graphs' kernels one by one on the stream
+rows, so the per-kernel table covers them (docs/profiling_tools.md).
 """
 
 from __future__ import annotations

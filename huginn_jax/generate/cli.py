@@ -167,7 +167,9 @@ def _versions() -> dict[str, str | None]:
 
 
 def _bounds(F, gen: Generation, model: Huginn, prompt_len: int) -> dict[str, Any]:
-    """% of the roofline's bandwidth, and the issue's latency and memory bounds."""
+    """% of the roofline's bandwidth, and two bounds: the median latency at most 5 % above
+    r x (one Core iteration) + prelude + coda and head, each timed alone; the peak memory at
+    most 10 % above weights + cache."""
     out: dict[str, Any] = {}
     stats = gen.stats
     device = costs.get_device(F.roofline_device)

@@ -3,8 +3,8 @@
 One new position per sequence attends over the first `visible` positions of one cache slot.
 The kernel takes the whole cache [slots, B, S, H * K] (a free reshape of the model's
 [slots, B, S, H, K]) and the slot as a scalar, so no slot is sliced out: XLA materializes a
-dynamic slice of the cache as a copy for any custom call (cuDNN's attention paid ~45 us per Core
-iteration for it), while `pallas_call` here reads the cache buffer in place.
+dynamic slice of the cache as a copy for any custom call (cuDNN's attention pays that copy at
+every Core iteration), while `pallas_call` here reads the cache buffer in place.
 
 Split-KV ("flash-decoding"): program (b, h, split) walks positions
 [split * chunk, min((split + 1) * chunk, visible)) in blocks of `block_s` rows of K and V
@@ -14,10 +14,8 @@ combined in XLA: out = sum_j acc_j e^(m_j - M) / sum_j l_j e^(m_j - M), M = max_
 Traffic: K and V of the visible positions read once from HBM (2 * visible * K * itemsize bytes
 per (b, h)); q, the per-split partials and the output are negligible. Positions past `visible`
 are not read at all. On chip: a block's K and V tiles, [block_s, next_pow2(K)] float32 each, in
-registers. Measured on the H200 (results/2026-11-30-h200/): 2.6 TB/s at B = 8, S = 4096 alone,
-12.2 us per layer (1.77 TB/s) inside the Core at B = 1, S = 1025; PyTorch's SDPA reaches
-3.4-3.8 TB/s on the same data. Not measured, candidates for a faster version: rows of 96 values
-are loaded as 128 with a mask; the loads are pipelined by Triton only within a split.
+registers. Triton pipelines the loads only within a split. Streaming rates against PyTorch's
+SDPA: docs/decode_attention.md.
 """
 
 from __future__ import annotations

@@ -36,11 +36,10 @@ class GemvConfig:
     use_dot: bool = False
 
 
-# Frozen defaults, the fastest of the configs tried per GEMV on the H200
-# (results/2026-11-30-h200/gemv_tune_session7.json; pallas_kernels.fused_gemv.tune): partial
-# sums 128 x 64 tiles, split-K for 4 programs per SM (attention proj 16.6 us = 3.36 TB/s);
-# whole rows 64 columns per program, 256-row tiles for Wqkv (43.2 us, 3.87 TB/s), 64-row tiles
-# for the two tiles of the SiLU product (98.8 us, 3.83 TB/s).
+# Frozen defaults, the fastest configs per output kind on the H200 (pallas_kernels.fused_gemv.tune;
+# times in docs/fused_gemv.md): partial sums 128 x 64 tiles, split-K for 4 programs per SM;
+# whole rows 64 columns per program, 256-row tiles (Wqkv); 64-row tiles for the two tiles of the
+# SiLU product.
 PROGRAMS_PER_SM = 4
 PARTIALS_TUNING = {"block_n": 128, "block_k": 64, "num_stages": 3, "use_dot": True}
 ROW_TUNING = {"block_n": 64, "block_k": 256, "num_stages": 3, "use_dot": True}

@@ -16,11 +16,7 @@ products summed over the rows once after the loop, or (`use_dot`) on the tensor 
 row 0 of a [16, block_k] operand, which lets Triton pipeline the tile loads over `num_stages`.
 Traffic: W once (K * N * itemsize); x and the outputs are KBs. On chip: the tiles and float32
 accumulators ([block_k, block_n] each, or [16, block_n] with `use_dot`), in registers.
-Measured on the H200 inside the Core's decode (results/2026-11-30-h200/, seventh session):
-3.3-4.1 TB/s per product (attention proj 3.34, Wqkv 3.90, mlp proj 4.06), 3.85 TB/s over an
-iteration's 17 products, where cuBLAS's GEMVs with their reductions average 3.98; `use_dot` was
-1.5-7x faster than the elementwise products. Not tried: TMA loads and a Mosaic GPU version, which
-could lift the streaming rate.
+`use_dot` is the faster form on the H200; streaming rates against cuBLAS: docs/fused_gemv.md.
 """
 
 from __future__ import annotations

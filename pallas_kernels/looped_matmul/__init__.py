@@ -6,10 +6,11 @@ Public entry points (jitted, shapes and `steps`/`config`/`interpret` static):
 Each step accumulates in float32 and rounds the state to bf16, as the unfused chain
 (`reference.py`) does. Two kernels, chosen by the config's type:
 - `LoopedMatmulConfig` -> `kernel.py` ("resident"): blocks own whole columns, weight resident in
-  shared memory or streamed; also runs stacked weights. Measured on the H200.
+  shared memory or streamed; also runs stacked weights.
 - `SplitKConfig` -> `splitk_kernel.py` ("splitk", the default): 2-D split over all SMs, weight
-  in registers + shared memory + L2, f32 partial sums reduced by TMA. Measured on the H200.
-See each kernel's module docstring for its design and traffic per step.
+  in registers + shared memory + L2, f32 partial sums reduced by TMA.
+See each kernel's module docstring for its design and traffic per step, and
+docs/looped_matmul.md for the measurements behind both.
 """
 
 from __future__ import annotations
@@ -39,10 +40,9 @@ from pallas_kernels.looped_matmul.splitk_config import (
 )
 from pallas_kernels.looped_matmul.splitk_kernel import looped_matmul_splitk
 
-# The kernel `config=None` runs: split-K, correct and faster than the resident kernel at every
-# measured shape on the H200 (2026-11-30, M=1, 8 steps, CUPTI: 34 vs 50 us at d=2048, 46 vs
-# 110 at 3520, 182 vs 242 at 6144, 633 vs 856 at 12288); the resident kernel where no split-K
-# tiling fits (e.g. M=64 at d=6144) and for stacked weights.
+# The kernel `config=None` runs: split-K, faster than the resident kernel at every measured
+# shape (docs/looped_matmul.md); the resident kernel where no split-K tiling fits (e.g. M=64 at
+# d=6144) and for stacked weights.
 DEFAULT_VARIANT = "splitk"
 VARIANTS = ("resident", "splitk")
 

@@ -4,22 +4,20 @@ Every worker (warpgroup) arrives with one `red.release.gpu.add` of 1 on a zeroed
 and waits until it reads `workers * epoch`. Arrival is the same in every variant; the wait
 differs in who polls the counter and with which load (`POLLS`):
 
-- `all_threads`: every thread spins on `pl.semaphore_read` (`ld.acquire.sys`): the form seen
-  working inside `pl.loop` on the H200 (../shared/DEVICE.md); 4 loads per worker per round.
+- `all_threads`: every thread spins on `pl.semaphore_read` (`ld.acquire.sys`); 4 loads per
+  worker per round. The resident kernel's poll.
 - `leader`: warpgroup 0 of a block spins as above, then releases warpgroup 1 through a
   shared-memory barrier (half the polling load, one mbarrier hop more).
 - `wait` (the default): `plgpu.semaphore_wait(decrement=False, memory_scope="gpu")`: one
-  thread spins on `ld.relaxed.gpu`, then `fence.acquire.gpu` and a warpgroup barrier.
-  ../shared/DEVICE.md reports it hanging inside `pl.loop`; here (jax 0.11.2, H200) it ran 65
-  epochs inside `pl.loop` and every split-K kernel of the GPU tests.
+  thread spins on `ld.relaxed.gpu`, then `fence.acquire.gpu` and a warpgroup barrier. The
+  cheapest of the four on the H200; it runs inside `pl.loop` (the probe and every split-K
+  kernel of the GPU tests do).
 - `one_thread`: the same protocol written here with `inline_mgpu`: one thread per worker spins
   on `ld.acquire.gpu` (one L2 round trip per poll, no system-scope ordering), then a warpgroup
   barrier.
 
-Measured on the H200 (`python -m pallas_kernels.looped_matmul.smoke --suite barrier`, CUPTI,
-results/2026-11-30-h200/pallas_barrier_session5.log), us per barrier with 132 blocks of 1 / 2
-warpgroups: all_threads 1.1 / 2.3, leader - / 1.7, wait 0.8 / 1.0, one_thread 0.9 / 1.1; per
-split-K step at d=2048: 4.0, 3.5, 2.9, 3.0 us.
+The cost of each poll per barrier and per split-K step: docs/looped_matmul.md
+(`python -m pallas_kernels.looped_matmul.smoke --suite barrier` measures it).
 
 The barrier is only correct when every block is resident at once (grid <= SM count, one block
 per SM), which the kernels' configs check. Interpret mode has no global semaphores.

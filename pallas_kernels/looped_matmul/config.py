@@ -19,7 +19,7 @@ import math
 
 import jax
 
-# H200 (sm_90) facts, from /work/shared/DEVICE.md.
+# H200 (sm_90): SM count and opt-in shared memory per block; DeviceInfo's defaults off-GPU.
 H200_NUM_SMS = 132
 H200_SMEM_BYTES = 232_448  # opt-in shared memory per block (227 KiB)
 
@@ -68,8 +68,8 @@ class LoopedMatmulConfig:
     x_stages: int = 4
     wgmma_lag: int = 1  # wgmma groups left in flight before a chunk's slots are refilled
     # Lower bound on n_pad (16, 32 or 64). A wider state means a wider swizzle for the weight
-    # chunks too (TMA rows of n_pad*2 bytes): on the H200, M=64 (128-B swizzle) ran d=6144 in
-    # 175 us where M=1 (32-B swizzle) took 240 us, so padding small M further may pay.
+    # chunks too (TMA rows of n_pad*2 bytes), which ran faster on the H200, so padding small M
+    # further may pay (docs/looped_matmul.md).
     min_n_pad: int = 16
 
     def __post_init__(self) -> None:

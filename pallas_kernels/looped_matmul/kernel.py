@@ -20,9 +20,8 @@ TMA store of state^T[cols, :] into one of two global buffers (step s writes buff
 reads buffer (s-1) % 2, so a write never races a read of the previous step), wait for the
 store, then a grid barrier: a global semaphore used as an epoch counter (every block adds 1,
 then waits until it reads num_blocks * (steps done); `barrier.GridBarrier`). This kernel polls
-with every thread (`all_threads`, the form its GPU tests ran with); the split-K kernel's default
-`wait` measured 0.8 vs 1.1 us per barrier with one warpgroup per block (barrier.py) but has not
-run in this kernel.
+with every thread (`all_threads`, the poll its GPU tests cover); the split-K kernel's cheaper
+default `wait` is untested here (docs/looped_matmul.md).
 
 Traffic per step, whole grid (W = d*d*2 bytes, R = resident fraction of each slice):
 - shared memory: reads W bytes of weight (every chunk once, resident or ring) plus
@@ -36,13 +35,10 @@ On-chip capacity assumed: one block per SM, <= 132 blocks, 227 KiB of shared mem
 (232,448 B opt-in), i.e. about 29 MiB of resident weight over the whole H200 at best, and the
 streamed remainder (<= ~45 MiB) held by the 60 MiB L2 between steps.
 
-Measured on the H200 (2026-11-30, jax 0.11.2, M=1, 8 steps, picked configs, CUPTI kernel time;
-all results within rel. Frobenius 5e-3 of the reference): d=2048 (8 MiB) 49 us; d=3520 (24 MiB)
-110 us; d=6144 (72 MiB) 240 us (M=64: 175 us); d=12288 (288 MiB) 856 us vs 578 us for XLA's 8
-dots. With 64-column blocks only 96 SMs work at d=6144 and 16% of each slice is resident, so
-the streamed 60 MiB/step does not stay in L2: this version does not reach the targets there.
-Successor for one weight and small M: `splitk_kernel.py` (2-D split over all SMs, weight in
-registers + shared memory, one state round trip per step); its docstring has the design numbers.
+Use: stacked weights, and shapes where no split-K tiling fits. For one weight and small M the
+split-K kernel (`splitk_kernel.py`: 2-D split over all SMs, weight in registers + shared memory,
+one state round trip per step) is faster; docs/looped_matmul.md has both kernels' times and why
+this one misses the 72 MiB target.
 """
 
 from __future__ import annotations

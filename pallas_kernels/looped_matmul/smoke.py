@@ -12,11 +12,12 @@ one case leaves the others running (its output and traceback are printed). A cas
 `RESULT {json}` line; the parent prints a compact table of them last. The default suite times
 the resident and split-K kernels side by side (d in 2048, 3520, 6144, 12288; M in 1, 8, 64;
 8 steps) against XLA's unrolled chain of 8 dots, then split-K variants at 72 MiB. Kernel times
-are CUPTI device times (median over --reps calls, all kernels of a call summed), as the issue's
-numbers. If the first split-K case times out, the other split-K cases are skipped (a barrier
-bug would hang them all); --budget stops launching cases before the 10-minute device limit.
+are CUPTI device times (median over --reps calls, all kernels of a call summed), as the numbers
+in docs/looped_matmul.md. If a split-K or barrier case times out, the later ones with the same
+barrier poll are skipped (a barrier bug would hang them all); --budget stops launching cases
+that could end after that many seconds.
 
-HBM bytes of one case (issue target: <= 1.25 x W per chain at 72 MiB):
+HBM bytes of one case (target: <= 1.25 x W per chain at 72 MiB):
     ncu --clock-control none --cache-control none --metrics dram__bytes_read.sum,\
 lts__t_sector_hit_rate.pct python -m pallas_kernels.looped_matmul.smoke --case \
 splitk_d6144_m1 --reps 2
@@ -39,9 +40,11 @@ from pallas_kernels.device_time import cupti_us, wall_us
 TABLE_D = (6144, 3520, 2048, 12288)  # the 72 MiB target first
 TABLE_M = (1, 8, 64)
 TABLE_STEPS = 8
-# PyTorch CUDA-graph replay of the unfused chain, M=1, 8 steps (measured on the H200, us).
+# PyTorch CUDA-graph replay of the unfused chain, M=1, 8 steps (us, measured on the H200;
+# docs/looped_matmul.md, "Targets").
 TORCH_GRAPH_US = {2048: 42.5, 3520: 72.1, 6144: 183.0, 12288: 575.0}
-# Issue targets for M=1, 8 steps (us); 288 MiB: no slower than XLA.
+# Targets for M=1, 8 steps (us): 2.5x and 3x faster than PyTorch at 24 and 72 MiB; 288 MiB: no
+# slower than XLA (docs/looped_matmul.md, "Targets").
 TARGET_US = {3520: 72.1 / 2.5, 6144: 183.0 / 3}
 
 # name: variant, m, d, steps, optional config overrides, stacked
@@ -99,7 +102,7 @@ def _table_cases() -> dict[str, dict[str, Any]]:
                 )
     six = dict(variant="splitk", m=1, d=6144, steps=TABLE_STEPS)
     variants = {
-        "regs9": dict(reg_units=9, smem_units=8, ring=3),  # the pick of session 3
+        "regs9": dict(reg_units=9, smem_units=8, ring=3),  # 34 MiB on chip, 38 MiB streamed
         "smem8": dict(reg_units=0, smem_units=8, ring=3),
         "regs11": dict(reg_units=11),  # spill probe: slower than the pick => ptxas spilled
         "lag2": dict(wgmma_lag=2),
@@ -121,7 +124,7 @@ def _table_cases() -> dict[str, dict[str, Any]]:
             variant="splitk", m=1, d=d, steps=TABLE_STEPS, cfg=dict(zigzag=True, **over)
         )
     cases["splitk_d4992_m1"] = dict(variant="splitk", m=1, d=4992, steps=TABLE_STEPS)
-    cases["splitk_d12288_m1_regs8_ring6"] = dict(  # the pick of session 3 (HBM-bound)
+    cases["splitk_d12288_m1_regs8_ring6"] = dict(  # register units + a 6-slot ring (HBM-bound)
         variant="splitk",
         m=1,
         d=12288,

@@ -39,14 +39,13 @@ MAX_REGS_PER_THREAD = 255
 # loop counters, barrier phases, the f32 -> bf16 state conversion). An estimate: ptxas decides;
 # the smoke run reports spills as slowness, and `reg_units` can be lowered per config.
 REG_RESERVE = 64
-# validate() only rejects plans above 255 with this smaller reserve (a CUDA proxy of the
-# register-operand loop compiled with ptxas 13.0: 11 units + a 24-register accumulator took
-# 248 registers without spills, 13 units spilled and serialized the wgmmas).
+# validate() only rejects plans above 255 with this smaller reserve (from a ptxas proxy of the
+# register-operand loop: docs/looped_matmul.md, "Register budget").
 REG_RESERVE_MIN = 40
 # The picker keeps its estimate below this (margin under the 255 limit against spills).
 PICK_MAX_REGS = 240
-# Ring slots per worker when most of the slice is streamed (H200, 8 steps: d=12288 with 9 slots
-# and no register units ran 583.6 us, with 6 slots and 8 register units 630.4 us).
+# Ring slots per worker when most of the slice is streamed (tuned on the H200:
+# docs/looped_matmul.md).
 DEEP_RING = 9
 MAX_BARRIERS_PER_ARRAY = 32
 SYNCS = ("grid", "flags")
@@ -280,14 +279,12 @@ def fill_on_chip(
     """Fills base's split: registers first (up to PICK_MAX_REGS), then shared memory.
 
     When the slice does not fit on chip, no register units: the streamed bytes set the step's
-    time and the register-operand units measured slower on the H200 (8 steps, d=6144: 164.1 us
-    with 0 register units vs 176.7 with 9; d=12288: see DEEP_RING). The ring keeps `base.ring`
-    slots, or DEEP_RING when more than 3/4 of the slice is streamed anyway (HBM-bound shapes
-    want bytes in flight more than a few resident units). Streamed slices read their chunks in
-    zigzag order where the whole state is staged (H200, 8 steps: d=6144 132.5 us vs 161.9,
-    HBM reads 1.65 x W vs 3.56 x W with 9 register units; d=12288 539.1 vs 576.8; d=4992 with
-    a shallower ring to stage the state: 88.3 vs 85.1, so not there). Returns None when not
-    even the state buffers fit.
+    time, and register-operand units were slower there. The ring keeps `base.ring` slots, or
+    DEEP_RING when more than 3/4 of the slice is streamed anyway (HBM-bound shapes want bytes in
+    flight more than a few resident units). Streamed slices read their chunks in zigzag order
+    where the whole state is staged anyway (it needs that; staging it only for zigzag did not
+    pay). The measurements behind each rule: docs/looped_matmul.md. Returns None when not even
+    the state buffers fit.
     """
     device = device or DeviceInfo()
     cfg = _fill(base, m, d, device)
@@ -329,21 +326,16 @@ def pick_splitk_config(m: int, d: int, *, device: DeviceInfo | None = None) -> S
 
     Candidates: warpgroups in (2, 1), tiles in 1..12, k_split dividing d/64, with every block
     resident (<= SM count) and the state buffers fitting next to a 3-unit ring. Raises
-    ValueError when none fits. Ragged K ranges are not picked: at d=3520 (no even split over
-    2 warpgroups per SM) 2 x 110 workers of 15 units ran 43.1 us against 42.0 for the
-    1 x 121 workers of 25 units picked here (8 steps; the wgmma issue time per step fell
-    from 3609 to 2004 cycles, the barrier and the exchange grew by more;
-    results/2026-11-30-h200/pallas_ragged_session6.log). Nor are per-group flags
-    (sync="flags"): 8 steps at 8 / 24 / 72 MiB took 25.2 / 44.1 / 130.9 us against the grid
-    barrier's 26.2 / 43.9 / 133.8, CUPTI counting a third kernel per call with flags
-    (pallas_flags_session6.log).
+    ValueError when none fits. Neither ragged K ranges nor per-group flags (sync="flags") are
+    picked: neither was clearly faster on the H200 (docs/looped_matmul.md, "Variants not
+    picked").
     """
     return _pick_splitk(m, d, device or DeviceInfo())
 
 
 @functools.cache
 def _pick_splitk(m: int, d: int, device: DeviceInfo) -> SplitKConfig:
-    """pick_splitk_config's search (~0.5-2 s of Python at huginn sizes), once per (M, d, device):
+    """pick_splitk_config's search (seconds of Python at huginn sizes), once per (M, d, device):
     every jit trace of the public wrapper and every test or smoke case asks again."""
     n_pad = n_pad_splitk(m)
     if d <= 0 or d % UNIT:

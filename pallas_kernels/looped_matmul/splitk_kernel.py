@@ -1,12 +1,12 @@
 """Split-K persistent looped matmul, Mosaic GPU: weight in registers + shared memory + L2.
 
-Why. The resident kernel (`kernel.py`) gives each block whole columns (all of K), so at d=6144
-only d/64 = 96 SMs work, 16 % of each slice fits in shared memory and ~60 MiB per step are
-re-read from an L2 that cannot hold them (ncu: 8.0 x W from HBM per 8-step chain); every block
-also re-reads the whole state through a 4-deep ring (4+ L2 round trips per step). This kernel
-(1) splits the weight in 2-D (column groups x K ranges) over all 132 SMs, (2) keeps the first
-units of each slice in registers as loop-invariant wgmma A fragments, the next ones in shared
-memory, streams only the rest, and (3) loads the state of a step in one round trip.
+x <- x @ w, `steps` times, in one launch, for one weight w [d, d] bf16 and a small state
+x [M, d] bf16 (M <= 64). The weight is split in 2-D (column groups x K ranges) over up to all
+SMs; each worker keeps the first units of its slice in registers (loop-invariant wgmma A
+fragments), the next ones in shared memory, and streams only the rest from L2; a step loads its
+input state in one round trip. Why: blocks that own whole columns (`kernel.py`) leave SMs idle
+at large d, keep little of the weight on chip and re-read the state several times per step.
+Measurements, tuned picks and rejected variants: docs/looped_matmul.md.
 
 Math, transposed as in `kernel.py`: out^T[cols, n] += w[k, cols]^T @ x^T[k, n], the weight is
 the wgmma A operand (M = 64 output columns per instruction) and the state the B operand
@@ -15,8 +15,8 @@ with a 128-byte swizzle and A is its transposed view; in registers it is loaded 
 ldmatrix.trans into the WGMMA layout (16 registers per thread) before the step loop and reused
 by every step. B is x[n_pad, 64 k] (K-major, 128-byte swizzle), built every step from f32.
 
-Partition. Worker = warpgroup; `warpgroups` (1 or 2) per block, blocks <= 132 (grid barrier).
-Worker w: column group c = w // k_split (block_cols = 64 * tiles columns), K range
+Partition. Worker = warpgroup; `warpgroups` (1 or 2) per block, blocks <= SM count (grid
+barrier). Worker w: column group c = w // k_split (block_cols = 64 * tiles columns), K range
 j = w % k_split (k_chunks chunks of 64 rows from `cfg.chunk_start(d, j)`; with a ragged split
 the first `cfg.short_ranges(d)` ranges own one chunk less and zero the state of their last
 chunk, which belongs to the next range). Units are numbered k chunk major, tile minor; the
@@ -50,53 +50,17 @@ Traffic per step, whole grid (W = 2 d^2 bytes, workers = G_c * k_split, n = n_pa
 - L2 -> SM: streamed units * 8 KiB * workers (the weight not on chip), f32 state
   G_c * d * n * 4, reduce-adds k_split * d * n * 4, zeroing d * n * 4.
 - HBM: the first step reads W once; later steps re-read whatever part of the streamed
-  weight the L2 did not keep (see Measured).
+  weight the L2 did not keep.
 
-On-chip capacity assumed (H200): 132 SMs with 227 KiB of shared memory and 256 KiB of
-registers each; for weights ~195 KiB/SM of registers (2 wg x 128 threads x (255 - ~60 other)
-x 4 B) and ~140 KiB/SM of shared memory after the state buffers and a ring, ~45 MiB in all; an
-L2 of 60 MiB nominal that keeps 24 MiB but not 48 MiB of a weight read cyclically (chain
-experiment: 0.00 vs 4.5 x W re-read from HBM per 8 steps).
-
-Measured (H200, M = 1, 8 steps, CUPTI kernel time, results/2026-11-30-h200/, session 5). The
-first design's estimates (L2 -> SM ~7 TB/s, exchange ~2.5 us, 72 MiB chain ~75 us) were wrong
-where the L2 does not keep the streamed part. Picks and times:
-- d=2048 (8 MiB): 256 workers [128 x 128] = 4 units, all in registers: 26.2 us (PyTorch's
-  graph-replayed chain 41.8 us). A step costs 2.9 us, of which ~1.0 us is the grid barrier and
-  1.2 us the rest without it (`pallas_steps_session5.log`).
-- d=3520 (24 MiB): 121 workers (1 wg per block) [320 x 320] = 25 units: 9 regs + 16 smem,
-  nothing streamed: 44.4 us. A step costs 4.8 us; 3.6 us without the barrier: the on-chip
-  work of 100 m64n8k16 wgmmas per worker, the state conversion and the reduce-add exchange.
-- d=6144 (72 MiB): 256 workers [384 x 384] = 36 units: 0 regs + 2 smem + 34 streamed (ring 9,
-  zigzag): 132.5 us. With 9 register units + 8 smem (34 MiB on chip, 38 MiB streamed) the L2
-  kept too little of the streamed part: HBM reads 3.56 x W per chain, 177.8 us; zigzag cut
-  that to 1.65 x W (66.5 % L2 hits) at 148.3 us; register units were slower in every variant.
-- d=12288 (288 MiB): 256 workers [768 x 768] = 144 units, all streamed (ring 9, zigzag):
-  539.1 us, HBM-bound (XLA's chain 577.8 us in the same run).
-State traffic per step at d=6144 (n=8): f32 reads G_c * d * 32 B = 3.1 MB, reduce-adds 3.1 MB
-(vs 18.9 MB of bf16 state reads in the resident kernel, where each of 96 blocks read all of it).
-
-Where a step goes (SM cycles per step, median over workers; `smoke --profile_dir`, phases.py,
-`pallas_phases_session6.log`): 24 MiB 8239 = wgmma issue 3485 (100 m64n8k16 per warpgroup at
-~35 cycles each; at 8 MiB, 2 warpgroups per SM, ~37 each per warpgroup, so ~18 per SM), grid
-barrier 2334, state TMA wait + bf16 conversion 1000, reduce-add issue + completion 808, the
-rest ~600. 72 MiB (pick, 4 steps profiled) 30890 = wgmma issue and waits 15008, ring waits
-7856, barrier 3799, the rest ~4300; its chain re-reads (4.57 - 1) x W from HBM, ~38 MB per step
-(9 us at 4.25 TB/s). Streaming the whole 24 MiB from L2 instead of keeping it on chip adds
-3.2 us per step (`pallas_l2_session6.log`).
-
-Registers. 2 warpgroups x 128 threads x <= 255 = the whole 64K file. A unit costs 16 registers
-per thread (4 ldmatrix.x4.trans at load time), the accumulator tiles * n_pad / 2. The picker
-keeps 16 * reg_units + accumulator + 64 <= 240. Evidence (CPU, ptxas 13.0 for sm_90a, a CUDA
-proxy: loop-invariant register A fragments feeding wgmma m64n8k16 inside a step loop with a
-24-register accumulator): 9 units -> 224 registers, 11 -> 248, no spills; 13 -> spills and
-"wgmma serialized due to insufficient register resources". Mosaic's own code needs more
-registers than the proxy; the smoke run's regs6 / regs11 variants bracket the pick.
+Registers. 2 warpgroups x 128 threads x <= 255 registers = the whole 64K file. A register unit
+costs 16 registers per thread (4 ldmatrix.x4.trans at load time), the accumulator
+tiles * n_pad / 2; the picker keeps 16 * reg_units + accumulator + 64 <= 240
+(splitk_config.PICK_MAX_REGS).
 
 Tests: on CPU, lowering for sm_90 of every picked config (the module holds 4 register-A wgmmas
 and 4 ldmatrix.trans per register unit, the TMA reduce-adds, the barrier ops) and GPU interpret
 mode vs reference.py for barrier-free configs (one worker and several steps, zigzag included;
-several workers and one step, with the reduce-add emulated); on the H200, the picks and variants
+several workers and one step, with the reduce-add emulated); on a GPU, the picks and variants
 against the reference (tests/test_looped_matmul.py, `-m gpu`).
 """
 
