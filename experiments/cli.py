@@ -26,19 +26,21 @@ def positive_ints(name: str, values: list[str]) -> list[int]:
 
 
 def check_writable(path: str) -> None:
-    """UserError unless a file can be created at `path` (its folder exists or can be made, and
-    is writable): checked before a measurement, not after it."""
-    import os
+    """UserError unless a file can be created at `path`: its folder is made if missing and a
+    temporary file is created there and removed (a real try, not a permission guess). Checked
+    before a measurement, not after it."""
+    import tempfile
     from pathlib import Path
 
-    folder = Path(path).resolve().parent
-    existing = folder
-    while not existing.exists():
-        existing = existing.parent
-    if Path(path).is_dir():
+    target = Path(path)
+    if target.is_dir():
         raise UserError(f"{path}: is a directory, not a file path")
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"{path}: cannot write there ({existing} is not a writable directory)")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=target.parent, prefix=f".{target.name}."):
+            pass
+    except OSError as e:
+        raise UserError(f"{path}: cannot write there ({e.strerror or e})") from None
 
 
 def flag_values(names) -> dict:

@@ -46,10 +46,14 @@ _own_flags: list[str] = []
 
 
 def define(define_flags: Callable[[], None]) -> list[str]:
-    """Calls `define_flags()` and records the names of the flags it added (the program's own)."""
+    """Calls `define_flags()`, records the names of the flags it added (the program's own) and
+    makes them key flags of the main module, so that `--help` lists them wherever they were
+    defined (absl lists only the main module's flags)."""
     before = set(flags.FLAGS)
     define_flags()
     _own_flags[:] = sorted(set(flags.FLAGS) - before)
+    for name in _own_flags:
+        flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS[name])
     return list(_own_flags)
 
 

@@ -1,5 +1,6 @@
-"""Tests of experiments.chain and its report: size parsing, d rule, layouts, the XLA and torch
-forms of the chain, checks, "vs best", the CLI and bad input."""
+"""Tests of the experiments.chain package (options, runners, children, sweep, report): size
+parsing, d rule, layouts, the XLA and torch forms of the chain, checks, "vs best", the CLI and bad
+input."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from experiments import chain, chain_report
+from experiments.chain import children, options, report, runners, sweep
 from experiments.measure import plot
 from huginn_jax.xla_flags import COMMAND_BUFFERS_OFF, TRITON_GEMM_OFF
 
@@ -21,8 +22,8 @@ REPO = Path(__file__).resolve().parent.parent
 MIB = 2**20
 
 
-def small_config(d: int = 128, steps: int = 4, dtype: str = "bfloat16") -> chain.ChainConfig:
-    return chain.ChainConfig(d=d, steps=steps, batch=1, dtype=dtype, seed=0, size_bytes=0)
+def small_config(d: int = 128, steps: int = 4, dtype: str = "bfloat16") -> options.ChainConfig:
+    return options.ChainConfig(d=d, steps=steps, batch=1, dtype=dtype, seed=0, size_bytes=0)
 
 
 # ---------------------------------------------------------------- size string -> d
@@ -45,39 +46,49 @@ def small_config(d: int = 128, steps: int = 4, dtype: str = "bfloat16") -> chain
     ],
 )
 def test_parse_size_good(text, expected):
-    assert chain.parse_size(text) == expected
+    assert options.parse_size(text) == expected
 
 
 @pytest.mark.parametrize("text", ["banana", "", "0", "0MiB", "-8MiB", "8 XiB", "MiB", "8M", "1e3"])
 def test_parse_size_bad(text):
     with pytest.raises(ValueError, match="invalid size"):
-        chain.parse_size(text)
+        options.parse_size(text)
 
 
 def test_parse_sizes_list():
-    assert chain.parse_sizes("8MiB,72MiB, 288MiB") == [8 * MIB, 72 * MIB, 288 * MIB]
+    assert options.parse_sizes("8MiB,72MiB, 288MiB") == [8 * MIB, 72 * MIB, 288 * MIB]
     with pytest.raises(ValueError):
-        chain.parse_sizes("8MiB,,72MiB")
+        options.parse_sizes("8MiB,,72MiB")
 
 
 @pytest.mark.parametrize("size, d", [(8 * MIB, 2048), (72 * MIB, 6144), (288 * MIB, 12288)])
 def test_dim_for_size_standard_sizes(size, d):
-    assert chain.dim_for_size(size) == d
+    assert options.dim_for_size(size) == d
     assert d * d * 2 == size
 
 
 def test_dim_for_size_rounds_to_multiple_of_64():
-    assert chain.dim_for_size(32 * 2**10) == 128
-    assert chain.dim_for_size(100 * MIB) % 64 == 0
-    assert chain.dim_for_size(4 * 2048 * 2048, dtype_bytes=4) == 2048
+    assert options.dim_for_size(32 * 2**10) == 128
+    assert options.dim_for_size(100 * MIB) % 64 == 0
+    assert options.dim_for_size(4 * 2048 * 2048, dtype_bytes=4) == 2048
     with pytest.raises(ValueError, match="too small"):
-        chain.dim_for_size(100)
+        options.dim_for_size(100)
 
 
 def test_size_label():
-    assert chain.size_label(72 * MIB) == "72MiB"
-    assert chain.size_label(32 * 2**10) == "32KiB"
-    assert chain.size_label(2**30) == "1GiB"
+    assert report.size_label(72 * MIB) == "72MiB"
+    assert report.size_label(32 * 2**10) == "32KiB"
+    assert report.size_label(2**30) == "1GiB"
+
+
+def test_plot_goes_next_to_the_json_unless_named():
+    assert options.plot_path("out/chain.json", None) == "out/chain.png"
+    assert options.plot_path("/tmp/r/run1.json", None) == "/tmp/r/run1.png"
+    assert options.plot_path("/tmp/r/run1", None) == "/tmp/r/run1.png"
+    assert options.plot_path("/tmp/r/odd.png", None) == "/tmp/r/odd.png.png"  # never the JSON
+    assert options.plot_path("", None) == ""  # no JSON, no plot
+    assert options.plot_path("/tmp/r/run1.json", "/tmp/p.png") == "/tmp/p.png"
+    assert options.plot_path("/tmp/r/run1.json", "") == ""
 
 
 # ---------------------------------------------------------------- weights
@@ -85,20 +96,20 @@ def test_size_label():
 
 def test_copies_are_distinct_buffers_and_shared_is_one():
     cfg = small_config()
-    _, w = chain.host_values(cfg)
-    shared = chain.make_weights(w, cfg.steps, "shared")
-    copies = chain.make_weights(w, cfg.steps, "copies")
-    assert len(set(chain.buffer_pointers(shared))) == 1
+    _, w = runners.host_values(cfg)
+    shared = runners.make_weights(w, cfg.steps, "shared")
+    copies = runners.make_weights(w, cfg.steps, "copies")
+    assert len(set(runners.buffer_pointers(shared))) == 1
     assert all(s is shared[0] for s in shared)
-    assert len(set(chain.buffer_pointers(copies))) == cfg.steps
+    assert len(set(runners.buffer_pointers(copies))) == cfg.steps
     for c in copies:
         assert np.array_equal(np.asarray(c).view(np.uint16), w.view(np.uint16))
 
 
 def test_host_values_are_deterministic_and_not_zero():
     cfg = small_config(d=64)
-    x1, w1 = chain.host_values(cfg)
-    x2, w2 = chain.host_values(cfg)
+    x1, w1 = runners.host_values(cfg)
+    x2, w2 = runners.host_values(cfg)
     assert x1.shape == (1, 64) and w1.shape == (64, 64) and w1.dtype == cfg.np_dtype
     assert np.array_equal(w1.view(np.uint16), w2.view(np.uint16))
     assert np.array_equal(x1.view(np.uint16), x2.view(np.uint16))
@@ -109,18 +120,18 @@ def test_host_values_are_deterministic_and_not_zero():
 
 
 def _outputs(cfg, impl, n=3):
-    x, w = chain.host_values(cfg)
+    x, w = runners.host_values(cfg)
     out = {}
-    for layout in chain.LAYOUTS:
-        ws = chain.make_weights(w, cfg.steps, layout)
-        out[layout] = chain.xla_runner(impl, jax.device_put(x), ws, n=n).output()
+    for layout in options.LAYOUTS:
+        ws = runners.make_weights(w, cfg.steps, layout)
+        out[layout] = runners.xla_runner(impl, jax.device_put(x), ws, n=n).output()
     return x, w, out
 
 
 @pytest.mark.parametrize("impl", ["xla", "xla_loop"])
 def test_layouts_give_bit_identical_outputs(impl):
     _, _, out = _outputs(small_config(), impl)
-    assert chain_report.same_bits(out["shared"], out["copies"])
+    assert report.same_bits(out["shared"], out["copies"])
     assert np.all(np.isfinite(out["shared"])) and np.any(out["shared"] != 0)
 
 
@@ -129,23 +140,23 @@ def test_layouts_give_bit_identical_outputs(impl):
 def test_xla_matches_numpy_reference(dtype, impl, chains):
     cfg = small_config(d=192, steps=8, dtype=dtype)
     x, w, out = _outputs(cfg, impl, n=3)
-    ref = chain_report.reference_chain(x, w, cfg.steps * chains)
+    ref = report.reference_chain(x, w, cfg.steps * chains)
     rel = np.max(np.abs(out["shared"] - ref)) / np.max(np.abs(ref))
-    assert rel <= chain_report.tolerance(dtype, cfg.steps * chains)
+    assert rel <= report.tolerance(dtype, cfg.steps * chains)
     # the state stays O(1): scaled weights neither vanish nor blow up
     assert 0.05 < np.max(np.abs(ref)) < 100
 
 
 def test_same_bits_tells_signed_zeros_apart():
     a = np.array([0.0, 1.0], np.float32)
-    assert chain_report.same_bits(a, a.copy())
-    assert not chain_report.same_bits(a, np.array([-0.0, 1.0], np.float32))
+    assert report.same_bits(a, a.copy())
+    assert not report.same_bits(a, np.array([-0.0, 1.0], np.float32))
 
 
 def test_expand_impls():
-    assert chain.expand_impls(["xla"]) == ("xla", "xla_loop", "xla_nocb", "xla_loop_nocb")
-    assert chain.expand_impls(["xla"], families=False) == ("xla",)
-    assert chain.expand_impls(["torch", "xla_loop"]) == (
+    assert options.expand_impls(["xla"]) == ("xla", "xla_loop", "xla_nocb", "xla_loop_nocb")
+    assert options.expand_impls(["xla"], families=False) == ("xla",)
+    assert options.expand_impls(["torch", "xla_loop"]) == (
         "torch_eager",
         "torch_graph",
         "torch_compile",
@@ -153,9 +164,9 @@ def test_expand_impls():
     )
     # the named variants run only when named
     named = ("xla_f32dot", "xla_loop_f32dot", "xla_loop_unrolled")
-    assert chain.expand_impls(["xla", *named])[-3:] == named
+    assert options.expand_impls(["xla", *named])[-3:] == named
     with pytest.raises(ValueError, match="unknown impl"):
-        chain.expand_impls(["cuda_fortran"])
+        options.expand_impls(["cuda_fortran"])
 
 
 def _run(w, layout, impl, median_us):
@@ -188,14 +199,14 @@ def test_format_table_from_results():
             "one_chain": [_check(w, "shared", "xla", 0.005)],
         },
     }
-    table = chain.format_table(data)
+    table = report.format_table(data)
     shared = next(line for line in table.splitlines() if line.split()[2:3] == ["shared"])
     assert "8MiB" in shared and "1.50" in shared and "0.10" in shared and "99.0" in shared
     assert "yes" in shared
     assert shared.split()[-1] == "0.50"  # err/tol: the worse of one chain and one call
     assert "4.25 TB/s" in table and "results/h200/ceilings.json" in table
     del data["env"]["ceilings"]
-    assert "no ceilings measured" in chain.format_table(data)
+    assert "no ceilings measured" in report.format_table(data)
 
 
 def test_vs_best_is_per_size_and_layout_and_in_the_table():
@@ -211,7 +222,7 @@ def test_vs_best_is_per_size_and_layout_and_in_the_table():
         _run(big, "shared", "torch_graph", 180.0),
         _run(big, "copies", "xla_loop", 210.0),  # no torch row: no rival
     ]
-    chain_report.add_vs_best(runs)
+    report.add_vs_best(runs)
     vs = {(r["weight_bytes"], r["layout"], r["impl"]): r["vs_best"] for r in runs}
     assert vs[(small, "shared", "xla")] == pytest.approx(0.4)  # torch_graph 40 / 100
     assert vs[(small, "shared", "torch_graph")] == pytest.approx(2.0)  # xla_loop 80 / 40
@@ -226,7 +237,7 @@ def test_vs_best_is_per_size_and_layout_and_in_the_table():
         "runs": runs,
         "checks": {"layouts": [], "agreement": [], "one_chain": []},
     }
-    lines = chain.format_table(data).splitlines()
+    lines = report.format_table(data).splitlines()
     assert "vs best" in lines[0]
     row = next(line for line in lines if " torch_eager " in line)
     assert "0.25x" in row.split()
@@ -246,7 +257,7 @@ def test_failed_checks_name_every_failure():
             "one_chain": [_check(w, "copies", "xla", 0.001), _check(w, "copies", "xla_loop", 0.02)],
         }
     }
-    lines = chain_report.failed_checks(data)
+    lines = report.failed_checks(data)
     assert len(lines) == 3
     assert "xla W=8MiB: shared and copies outputs differ" in lines[0]
     assert "xla_loop copies" in lines[1] and "after 1 chain" in lines[1]
@@ -254,24 +265,24 @@ def test_failed_checks_name_every_failure():
     for c in data["checks"]["agreement"] + data["checks"]["one_chain"]:
         c["ok"] = True
     data["checks"]["layouts"] = data["checks"]["layouts"][1:]
-    assert chain_report.failed_checks(data) == []
+    assert report.failed_checks(data) == []
 
 
 # ---------------------------------------------------------------- XLA forms
 
 
 def _xla(impl, cfg, layout="shared", n=3):
-    x, w = chain.host_values(cfg)
-    ws = chain.make_weights(w, cfg.steps, layout)
-    return x, w, chain.xla_runner(impl, jax.device_put(x), ws, n=n)
+    x, w = runners.host_values(cfg)
+    ws = runners.make_weights(w, cfg.steps, layout)
+    return x, w, runners.xla_runner(impl, jax.device_put(x), ws, n=n)
 
 
 def test_plain_form_is_a_bf16_dot_and_f32dot_casts():
     cfg = small_config(d=128, steps=4)
-    x, w = chain.host_values(cfg)
+    x, w = runners.host_values(cfg)
     args = (x, *[w] * cfg.steps)
-    plain = jax.jit(chain.chain_fn).lower(*args).as_text()
-    f32dot = jax.jit(chain.chain_f32dot_fn).lower(*args).as_text()
+    plain = jax.jit(runners.chain_fn).lower(*args).as_text()
+    f32dot = jax.jit(runners.chain_f32dot_fn).lower(*args).as_text()
     assert plain.count("stablehlo.dot_general") == f32dot.count("stablehlo.dot_general") == 4
     assert "stablehlo.convert" not in plain and "-> tensor<1x128xf32>" not in plain
     assert f32dot.count("stablehlo.convert") == 4
@@ -285,7 +296,7 @@ def test_plain_form_equals_f32dot_form_within_tolerance(dtype, impls):
     chains = outs[0].chains_in_output
     assert chains == outs[1].chains_in_output == (1 if impls[0] == "xla" else 3)
     a, b = (r.output() for r in outs)
-    tol = chain_report.tolerance(dtype, cfg.steps * chains)
+    tol = report.tolerance(dtype, cfg.steps * chains)
     assert np.max(np.abs(a - b)) / np.max(np.abs(b)) <= tol
     assert np.any(a != 0) and np.all(np.isfinite(a))
 
@@ -296,24 +307,24 @@ def test_xla_loop_unrolled_matches_xla_loop():
     unrolled = _xla("xla_loop_unrolled", cfg, n=n)[2]
     assert loop.per_call == unrolled.per_call == unrolled.chains_in_output == n
     a, b = loop.output(), unrolled.output()
-    ref = chain_report.reference_chain(x, w, cfg.steps * n)
-    tol = chain_report.tolerance(cfg.dtype, cfg.steps * n)
+    ref = report.reference_chain(x, w, cfg.steps * n)
+    tol = report.tolerance(cfg.dtype, cfg.steps * n)
     assert np.max(np.abs(a - b)) / np.max(np.abs(ref)) <= tol
     assert np.max(np.abs(b - ref)) / np.max(np.abs(ref)) <= tol
     # one straight-line program: no while loop, n x steps dots
-    ws = chain.make_weights(w, cfg.steps, "shared")
-    lowered = jax.jit(chain._unrolled_fn, static_argnames="n").lower(x, *ws, n=n).as_text()
+    ws = runners.make_weights(w, cfg.steps, "shared")
+    lowered = jax.jit(runners._unrolled_fn, static_argnames="n").lower(x, *ws, n=n).as_text()
     assert "stablehlo.while" not in lowered
     assert lowered.count("stablehlo.dot_general") == n * cfg.steps
-    looped = jax.jit(chain._loop_fn, static_argnames="n").lower(x, *ws, n=n).as_text()
+    looped = jax.jit(runners._loop_fn, static_argnames="n").lower(x, *ws, n=n).as_text()
     assert "stablehlo.while" in looped
 
 
 def test_xla_loop_unrolled_caps_its_chains_per_call(monkeypatch):
-    assert chain.unrolled_chains(100, 8) == 100
-    assert chain.unrolled_chains(1000, 8) == chain.UNROLLED_MAX_PRODUCTS // 8
-    assert chain.unrolled_chains(10, 10_000) == 1
-    monkeypatch.setattr(chain, "UNROLLED_MAX_PRODUCTS", 12)
+    assert runners.unrolled_chains(100, 8) == 100
+    assert runners.unrolled_chains(1000, 8) == runners.UNROLLED_MAX_PRODUCTS // 8
+    assert runners.unrolled_chains(10, 10_000) == 1
+    monkeypatch.setattr(runners, "UNROLLED_MAX_PRODUCTS", 12)
     runner = _xla("xla_loop_unrolled", small_config(d=64, steps=4), n=10)[2]
     assert runner.per_call == runner.chains_in_output == 3
 
@@ -323,11 +334,11 @@ def test_one_chain_output_is_one_chain(impl):
     cfg, n = small_config(d=192, steps=8), 3
     x, w, runner = _xla(impl, cfg, n=n)
     one = runner.one_chain()
-    ref1 = chain_report.reference_chain(x, w, cfg.steps)
-    assert chain_report.agreement(one, ref1, cfg.dtype, cfg.steps)["ok"]
+    ref1 = report.reference_chain(x, w, cfg.steps)
+    assert report.agreement(one, ref1, cfg.dtype, cfg.steps)["ok"]
     if runner.chains_in_output > 1:  # not the output of the whole call
-        ref_n = chain_report.reference_chain(x, w, cfg.steps * n)
-        assert not chain_report.agreement(one, ref_n, cfg.dtype, cfg.steps * n)["ok"]
+        ref_n = report.reference_chain(x, w, cfg.steps * n)
+        assert not report.agreement(one, ref_n, cfg.dtype, cfg.steps * n)["ok"]
 
 
 def test_compile_seconds_only_when_it_compiled():
@@ -340,17 +351,17 @@ def test_compile_seconds_only_when_it_compiled():
 
 def test_gemm_and_torch_compile_mode_reach_the_children():
     cfg = small_config()
-    opts = chain.Options(
+    opts = options.Options(
         configs=(cfg,), layouts=("shared",), impls=("xla_nocb",), warmup=1, repeats=1,
         chains_per_call=1, ncu_chains=1, json_out="", plot_out="", hbm=False, trace_dir=None,
         gemm="cublas", torch_compile_mode="max-autotune-no-cudagraphs",
     )  # fmt: skip
-    argv = chain.child_argv(cfg, opts, "timing", ["shared"], ["xla_nocb"], "/tmp/x")
+    argv = children.child_argv(cfg, opts, "timing", ["shared"], ["xla_nocb"], "/tmp/x")
     assert "--gemm=cublas" in argv and "--torch_compile_mode=max-autotune-no-cudagraphs" in argv
 
 
 def test_plot_gives_each_impl_a_colour_and_each_layout_a_style():
-    impls = list(chain.KNOWN_IMPLS)
+    impls = list(options.KNOWN_IMPLS)
     colours = plot.impl_colours(impls)
     assert len(set(colours.values())) == len(impls) > 10
     shared, copies = plot.LAYOUT_STYLES["shared"], plot.LAYOUT_STYLES["copies"]
@@ -441,24 +452,39 @@ def test_end_to_end_on_cpu(tmp_path):
     assert list((tmp_path / "trace").glob("*/plugins/profile/*/*.xplane.pb"))
 
 
+def test_json_out_alone_puts_the_plot_beside_it_and_records_the_cpu_timing(tmp_path):
+    json_out = tmp_path / "run7.json"
+    proc = run_cli("--size=64KiB", "--impls=xla", "--layouts=shared", f"--json_out={json_out}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    plot_out = tmp_path / "run7.png"
+    assert proc.stdout.strip().splitlines()[-1] == f"plot: {plot_out}"
+    assert plot_out.read_bytes()[:4] == b"\x89PNG"
+    data = json.loads(json_out.read_text())
+    used = {k: data["config"][k] for k in options.CPU_DEFAULTS}
+    assert used == options.CPU_DEFAULTS  # scaled down on CPU: the flags were not given
+    flags = data["env"]["flags"]
+    assert {k: flags[k] for k in options.CPU_DEFAULTS} == used  # the values used, not defaults
+    assert flags["plot_out"] == str(plot_out) and "child" not in flags
+
+
 def test_pallas_impl_is_known_and_skipped_without_a_gpu(tmp_path):
-    assert chain.expand_impls(["pallas"]) == ("pallas",)
+    assert options.expand_impls(["pallas"]) == ("pallas",)
     proc = run_cli("--size=64KiB", "--impls=xla,pallas", "--json_out=", "--plot_out=")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "the Pallas kernels need a GPU" in proc.stdout + proc.stderr
 
 
 def test_pallas_splitk_nocb_runs_in_the_command_buffer_free_child():
-    assert chain.expand_impls(["pallas_splitk_nocb"]) == ("pallas_splitk_nocb",)
-    assert "pallas_splitk_nocb" in chain.LAYOUTS_NOT_COMPARABLE
-    assert COMMAND_BUFFERS_OFF in chain.child_env(["pallas_splitk_nocb"])["XLA_FLAGS"]
+    assert options.expand_impls(["pallas_splitk_nocb"]) == ("pallas_splitk_nocb",)
+    assert "pallas_splitk_nocb" in runners.LAYOUTS_NOT_COMPARABLE
+    assert COMMAND_BUFFERS_OFF in children.child_env(["pallas_splitk_nocb"])["XLA_FLAGS"]
     notes: list[str] = []
-    opts = chain.Options(
+    opts = options.Options(
         configs=(), layouts=("shared",), impls=("xla", "pallas_splitk_nocb"), warmup=1,
         repeats=1, chains_per_call=1, ncu_chains=1, json_out="", plot_out="", hbm=False,
         trace_dir=None,
     )  # fmt: skip
-    assert chain.select_impls(opts, on_gpu=False, note=notes.append) == ("xla",)
+    assert sweep.select_impls(opts, on_gpu=False, note=notes.append) == ("xla",)
     assert "pallas_splitk_nocb skipped" in notes[0]
 
 
@@ -466,22 +492,22 @@ def test_timing_child_reports_the_chains_its_output_went_through():
     # The parent checks a child's output against the reference after that many chains; it
     # used to guess 1 for every impl without "loop" in its name (pallas_splitk_nocb runs N).
     cfg, n = small_config(d=64, steps=3), 3
-    opts = chain.Options(
+    opts = options.Options(
         configs=(cfg,), layouts=("shared",), impls=("xla", "xla_loop"), warmup=0, repeats=1,
         chains_per_call=n, ncu_chains=1, json_out="", plot_out="", hbm=False, trace_dir=None,
     )  # fmt: skip
-    child = chain.run_timing_child(cfg, opts, ["xla", "xla_loop"])
-    x_host, w_host = chain.host_values(cfg)
+    child = children.run_timing_child(cfg, opts, ["xla", "xla_loop"])
+    x_host, w_host = runners.host_values(cfg)
     for impl, chains in (("xla", 1), ("xla_loop", n)):
         _, out, compile_seconds = child[("shared", impl)]
         assert out.chains == chains and compile_seconds > 0
-        ref = chain_report.reference_chain(x_host, w_host, cfg.steps * chains)
-        other = chain_report.reference_chain(x_host, w_host, cfg.steps * (n + 1 - chains))
-        tol = chain_report.tolerance(cfg.dtype, cfg.steps * chains)
+        ref = report.reference_chain(x_host, w_host, cfg.steps * chains)
+        other = report.reference_chain(x_host, w_host, cfg.steps * (n + 1 - chains))
+        tol = report.tolerance(cfg.dtype, cfg.steps * chains)
         assert np.max(np.abs(out.y - ref)) / np.max(np.abs(ref)) <= tol
         assert np.max(np.abs(out.y - other)) / np.max(np.abs(other)) > tol
-        ref1 = chain_report.reference_chain(x_host, w_host, cfg.steps)  # the child's one chain
-        assert chain_report.agreement(out.one_chain, ref1, cfg.dtype, cfg.steps)["ok"]
+        ref1 = report.reference_chain(x_host, w_host, cfg.steps)  # the child's one chain
+        assert report.agreement(out.one_chain, ref1, cfg.dtype, cfg.steps)["ok"]
 
 
 def _ceilings_file(path: Path, device_kind: str, read_bytes_per_s: float) -> Path:
@@ -514,7 +540,7 @@ def test_variants_end_to_end_with_one_chain_checks_ceilings_and_gemm(tmp_path):
     assert {(c["layout"], c["impl"]) for c in one} == keys
     for c in one:
         assert c["chains"] == 1 and c["ok"]
-        assert c["tol"] == pytest.approx(chain_report.tolerance("bfloat16", steps))
+        assert c["tol"] == pytest.approx(report.tolerance("bfloat16", steps))
     chains = {c["impl"]: c["chains"] for c in data["checks"]["agreement"]}
     assert chains == {"xla": 1, "xla_loop": n, "xla_f32dot": 1, "xla_loop_unrolled": n}
     assert all(c["ok"] for c in data["checks"]["agreement"])
@@ -537,7 +563,7 @@ def test_ceilings_of_another_device_are_refused(tmp_path):
     proc = run_cli("--size=64KiB", f"--ceilings={ceilings}", "--json_out=", "--plot_out=")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        f"chain: error: --ceilings: {ceilings}: measured on 'NVIDIA H200', this run is on "
+        f"chain: --ceilings: {ceilings}: measured on 'NVIDIA H200', this run is on "
         f"{jax.devices()[0].device_kind!r}"
     ]
 
@@ -546,10 +572,11 @@ def test_a_failed_check_exits_1_after_writing_the_json(tmp_path):
     # Every check fails when the tolerance is negative; the program must still write the JSON.
     json_out = tmp_path / "chain.json"
     script = (
-        "import sys; from absl import app; from experiments import chain, chain_report, cli; "
-        "chain_report.tolerance = lambda dtype, steps: -1.0; chain.define_flags(); "
+        "import sys; from experiments import program; from experiments.chain import report; "
+        "from experiments.chain.__main__ import define_flags, main; "
+        "report.tolerance = lambda dtype, steps: -1.0; "
         "sys.argv = ['chain'] + sys.argv[1:]; "
-        "app.run(chain.main, flags_parser=cli.flags_parser('chain'))"
+        "program.run('chain', define_flags, main)"
     )
     env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
     proc = subprocess.run(
@@ -592,10 +619,10 @@ def test_torch_compile_runner_matches_the_reference(mode):
     if not torch_chain.cuda_available():
         pytest.skip("torch without CUDA")
     cfg, n = small_config(d=256, steps=8), 3
-    x, w = chain.host_values(cfg)
-    ref = chain_report.reference_chain(x, w, cfg.steps)
+    x, w = runners.host_values(cfg)
+    ref = report.reference_chain(x, w, cfg.steps)
     outputs = {}
-    for layout in chain.LAYOUTS:
+    for layout in options.LAYOUTS:
         ws = torch_chain.make_weights(w, cfg.steps, layout, cfg.dtype)
         runner = torch_chain.runner(
             "torch_compile", x, ws, dtype_name=cfg.dtype, n=n, compile_mode=mode
@@ -604,8 +631,8 @@ def test_torch_compile_runner_matches_the_reference(mode):
         runner.fn()
         runner.sync()
         outputs[layout] = runner.output()
-        assert chain_report.agreement(runner.one_chain(), ref, cfg.dtype, cfg.steps)["ok"]
-    assert chain_report.same_bits(outputs["shared"], outputs["copies"])
+        assert report.agreement(runner.one_chain(), ref, cfg.dtype, cfg.steps)["ok"]
+    assert report.same_bits(outputs["shared"], outputs["copies"])
 
 
 @pytest.mark.gpu
@@ -619,11 +646,11 @@ def test_torch_graph_runner_keeps_what_its_graph_reads():
     import torch
 
     cfg = small_config(d=256, steps=8)
-    x, w = chain.host_values(cfg)
-    ref = chain_report.reference_chain(x, w, cfg.steps)
+    x, w = runners.host_values(cfg)
+    ref = report.reference_chain(x, w, cfg.steps)
     ws = torch_chain.make_weights(w, cfg.steps, "shared", cfg.dtype)
     runner = torch_chain.runner("torch_graph", x, ws, dtype_name=cfg.dtype, n=2)
     clobber = [torch.full((1, 256), 7.0, device="cuda") for _ in range(64)]  # reuse freed blocks
     for _ in range(2):
-        assert chain_report.agreement(runner.output(), ref, cfg.dtype, cfg.steps)["ok"]
+        assert report.agreement(runner.output(), ref, cfg.dtype, cfg.steps)["ok"]
     del clobber

@@ -108,6 +108,9 @@ def plot_chain(json_path: str | os.PathLike, out_path: str | os.PathLike) -> Pat
     os.close(fd)
     try:
         fig.savefig(tmp, dpi=120, bbox_inches="tight")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it 0600; a plot is as readable as its JSON
         os.replace(tmp, out_path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
