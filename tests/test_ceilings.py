@@ -279,7 +279,7 @@ def test_cupti_us_reads_one_iteration_and_several(monkeypatch):
     """The profiler returns one run's (name, ms) pairs unnested when asked for one iteration."""
     from jax.experimental.mosaic.gpu import profiler
 
-    from pallas_kernels import device_time
+    from experiments.measure import device_time
 
     one = [("gemv", 0.010), ("reduce", 0.002)]
     monkeypatch.setattr(profiler, "measure", lambda fn, **kw: lambda *a: (None, one))

@@ -36,8 +36,8 @@ from pallas_kernels.looped_matmul import (
 )
 from pallas_kernels.looped_matmul.barrier import POLLS, build_barrier_probe
 from pallas_kernels.looped_matmul.kernel import looped_matmul_kernel
-from pallas_kernels.looped_matmul.splitk_config import DEEP_RING
 from pallas_kernels.looped_matmul.splitk_kernel import build_splitk, looped_matmul_splitk
+from pallas_kernels.looped_matmul.splitk_pick import DEEP_RING
 
 ON_GPU = jax.devices()[0].platform == "gpu"
 gpu = pytest.mark.gpu
@@ -677,7 +677,7 @@ def test_splitk_repeated_calls_gpu():
 
 # ------------------------------------------------------------------ smoke plumbing (CPU)
 def test_smoke_cases_have_configs_and_table_prints(capsys):
-    from pallas_kernels.looped_matmul import smoke
+    from experiments.kernels import looped_matmul_smoke as smoke
 
     cases = {n: c for suite in smoke.SUITES.values() for n, c in suite.items()}
     for name, spec in cases.items():
@@ -701,7 +701,7 @@ def test_smoke_cases_have_configs_and_table_prints(capsys):
 
 
 def test_smoke_barrier_suite_table(capsys):
-    from pallas_kernels.looped_matmul import smoke
+    from experiments.kernels import looped_matmul_smoke as smoke
 
     e = smoke.BARRIER_EPOCHS
     rows = [

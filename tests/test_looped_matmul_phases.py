@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pallas_kernels.looped_matmul.phases import PHASES, phase_cycles, phase_table
+from experiments.kernels.looped_matmul_phases import PHASES, phase_cycles, phase_table
 
 
 def worker_events(tid: int, steps: list[list[tuple[str, float]]], t0: float) -> list[dict]:

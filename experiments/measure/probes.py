@@ -3,7 +3,7 @@ it multiplies bf16 matrices for a long time.
 
 One implementation for `experiments.ceilings` (which stores the ceilings) and the tools that
 print the same probes with extra cases (tools/hbm_read.py, tools/gemm_sustained.py):
-  `device_time`   device time per call: CUPTI's kernel time (`pallas_kernels.device_time`),
+  `device_time`   device time per call: CUPTI's kernel time (`experiments.measure.device_time`),
                   or, where CUPTI measures nothing (a CPU, a driver without it), the
                   wall time of calls dispatched back to back; the method is recorded either way;
   `read_probes`   over a bf16 weight W [K, N]: XLA's reduction of W over K, the GEMV
@@ -26,13 +26,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.device_time import cupti_us, wall_us
+from experiments.measure.device_time import cupti_us, wall_us
 
 CUPTI = "cupti"
 WALL = "wall"
 # Calls per CUPTI sample (its median over them, i.e. their mean). Two, not one: with one
 # iteration, jax 0.11.2's profiler.measure returns one call's kernel list unnested, which
-# pallas_kernels.device_time.cupti_us cannot read.
+# experiments.measure.device_time.cupti_us cannot read.
 CUPTI_CALLS = 2
 
 

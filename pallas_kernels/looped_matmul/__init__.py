@@ -8,7 +8,8 @@ Each step accumulates in float32 and rounds the state to bf16, as the unfused ch
 - `LoopedMatmulConfig` -> `kernel.py` ("resident"): blocks own whole columns, weight resident in
   shared memory or streamed; also runs stacked weights.
 - `SplitKConfig` -> `splitk_kernel.py` ("splitk", the default): 2-D split over all SMs, weight
-  in registers + shared memory + L2, f32 partial sums reduced by TMA.
+  in registers + shared memory + L2, f32 partial sums reduced by TMA; its schedule is
+  `splitk_plan.py`, its picker `splitk_pick.py`.
 See each kernel's module docstring for its design and traffic per step, and
 docs/looped_matmul.md for the measurements behind both.
 """
@@ -22,9 +23,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.looped_matmul.config import (
-    MAX_M,
     DeviceInfo,
     LoopedMatmulConfig,
+    check_state_rows,
     describe,
     pick_config,
 )
@@ -33,12 +34,9 @@ from pallas_kernels.looped_matmul.reference import (
     looped_matmul_copies_reference,
     looped_matmul_reference,
 )
-from pallas_kernels.looped_matmul.splitk_config import (
-    SplitKConfig,
-    describe_splitk,
-    pick_splitk_config,
-)
+from pallas_kernels.looped_matmul.splitk_config import SplitKConfig, describe_splitk
 from pallas_kernels.looped_matmul.splitk_kernel import looped_matmul_splitk
+from pallas_kernels.looped_matmul.splitk_pick import pick_splitk_config
 
 # The kernel `config=None` runs: split-K, faster than the resident kernel at every measured
 # shape (docs/looped_matmul.md); the resident kernel where no split-K tiling fits (e.g. M=64 at
@@ -128,10 +126,7 @@ def _check_inputs(x: jax.Array, w: jax.Array, steps: int, stacked: bool) -> tupl
             raise ValueError(
                 f"{name} must be bfloat16 (the kernel's wgmma and state are bf16), got {a.dtype}"
             )
-    if not 1 <= m <= MAX_M:
-        raise ValueError(
-            f"M={m} is out of range: 1 <= M <= {MAX_M} (the state is the N of one wgmma)"
-        )
+    check_state_rows(m)
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps={steps!r} must be an int >= 1")
     if d % 64:

@@ -17,11 +17,11 @@ differs in who polls the counter and with which load (`POLLS`):
   barrier.
 
 The cost of each poll per barrier and per split-K step: docs/looped_matmul.md
-(`python -m pallas_kernels.looped_matmul.smoke --suite barrier` measures it).
+(`python -m experiments.kernels.looped_matmul_smoke --suite barrier` measures it).
 
 The barrier is only correct when every block is resident at once (grid <= SM count, one block
 per SM), which the kernels' configs check. Interpret mode has no global semaphores.
-`build_barrier_probe` times the barrier alone (no data), for the smoke run's `barrier` suite.
+`build_barrier_probe` times the barrier alone (no data), for the smoke program's `barrier` suite.
 """
 
 from __future__ import annotations

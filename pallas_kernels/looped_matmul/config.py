@@ -1,6 +1,10 @@
-"""Frozen tuning config of the looped matmul kernel, its checks, and the config picker.
+"""The looped matmul configs' shared limits and checks; the resident kernel's config and picker.
 
-Vocabulary (all sizes in elements unless a name ends in `_bytes`):
+Shared by both kernels (`KernelConfig`, `check_*`): the device (`DeviceInfo`), the state's row
+range, and `validate`'s frame: state rows and steps first, the kernel's own tiling checks, then
+shared memory against the device. Both configs word a limit they share the same way.
+
+Vocabulary of the resident kernel (all sizes in elements unless a name ends in `_bytes`):
 - `d`: width of the state and of the square weight `w` [d, d].
 - `n_pad`: the state's row count M padded to 16, 32 or 64; it is the N of the wgmma and also the
   swizzle width (n_pad * 2 bytes), because the state chunk [block_k, n_pad] is the wgmma's B
@@ -24,6 +28,7 @@ H200_NUM_SMS = 132
 H200_SMEM_BYTES = 232_448  # opt-in shared memory per block (227 KiB)
 
 BF16_BYTES = 2
+MBARRIER_BYTES = 8  # one mbarrier in shared memory
 MAX_M = 64
 # Bytes of shared memory we leave to Pallas/Mosaic (mbarriers, reduction scratch, alignment).
 SMEM_RESERVE_BYTES = 2048
@@ -47,19 +52,115 @@ class DeviceInfo:
         return DeviceInfo(num_sms=num_sms, smem_bytes=smem or H200_SMEM_BYTES)
 
 
-def n_pad_for(m: int) -> int:
-    """Rows of the padded state: 16, 32 or 64 (the wgmma N and the swizzle width)."""
+# ---------------------------------------------------------------- shared checks
+def check_state_rows(m: int) -> None:
+    """Raises unless 1 <= M <= MAX_M: the state is the N of one wgmma in both kernels."""
     if not 1 <= m <= MAX_M:
         raise ValueError(
-            f"M={m} is out of range: the state must have 1 <= M <= {MAX_M} rows, because it "
-            "is the N of one wgmma (at most 64 here, one accumulator of 64*block_cols floats)"
+            f"M={m} is out of range: 1 <= M <= {MAX_M} (the state is the N of one wgmma)"
         )
+
+
+def check_at_least(name: str, value: int, low: int) -> None:
+    """Raises unless a config field `name` = `value` is >= `low`."""
+    if value < low:
+        raise ValueError(f"{name}={value} must be >= {low}")
+
+
+def check_min_n_pad(min_n_pad: int, allowed: tuple[int, ...]) -> None:
+    """Raises unless `min_n_pad` is one of the kernel's padded state widths `allowed`."""
+    if min_n_pad not in allowed:
+        listed = ", ".join(str(n) for n in allowed[:-1]) + f" or {allowed[-1]}"
+        raise ValueError(f"min_n_pad={min_n_pad} must be {listed}")
+
+
+def check_ring_depth(name: str, slots: int, lag: int, slot: str, when: str = "") -> None:
+    """Raises unless a ring of `slots` outlives `lag` wgmma groups in flight: a slot is refilled
+    only once the group `lag` behind it is done, so a ring of <= lag slots waits on itself."""
+    if slots < lag + 1:
+        raise ValueError(
+            f"{name}={slots} must be >= wgmma_lag + 1 = {lag + 1}{when}: a {slot} is refilled "
+            f"{lag} wgmma group(s) late (wgmma_wait({lag})); fewer slots deadlock"
+        )
+
+
+def check_columns(d: int, block_cols: int, why: str) -> None:
+    """Raises unless d splits into whole blocks of `block_cols` output columns."""
+    if d % block_cols:
+        raise ValueError(f"d={d} must be a multiple of block_cols={block_cols}{why}")
+
+
+def check_grid_fits(blocks: int, device: DeviceInfo, remedy: str) -> None:
+    """Raises when the grid has more blocks than SMs: the grid barrier needs them all resident."""
+    if blocks > device.num_sms:
+        raise ValueError(
+            f"{blocks} blocks > {device.num_sms} SMs: the grid barrier deadlocks unless every "
+            f"block is resident at once (one block per SM); {remedy}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Base of both kernels' configs (no fields): `validate` checks the state rows and steps,
+    then the kernel's own tiling (`check_tiling`), then its shared memory against the device."""
+
+    # Named in the shared-memory error: "the <PLAN> needs N B of shared memory ...".
+    PLAN = "plan"
+
+    def n_pad(self, m: int) -> int:
+        """State rows as multiplied; raises when M is out of range."""
+        raise NotImplementedError
+
+    def smem_bytes(self, m: int, d: int) -> int:
+        """Shared memory the kernel allocates per block, in bytes (without SMEM_RESERVE_BYTES)."""
+        raise NotImplementedError
+
+    def check_tiling(
+        self, m: int, d: int, steps: int, *, stacked: bool, device: DeviceInfo
+    ) -> None:
+        """The kernel's own limits on (m, d, steps) and this tiling; raises ValueError."""
+        raise NotImplementedError
+
+    def smem_contents(self, d: int) -> tuple[str, str]:
+        """(What the shared memory holds, the fields that lower it), for the error message."""
+        raise NotImplementedError
+
+    def validate(
+        self,
+        m: int,
+        d: int,
+        steps: int,
+        *,
+        stacked: bool = False,
+        device: DeviceInfo | None = None,
+    ) -> None:
+        """Raises ValueError naming the limit that (m, d, steps) and this config break."""
+        device = device or DeviceInfo()
+        self.n_pad(m)
+        if steps < 1:
+            raise ValueError(f"steps={steps} must be >= 1")
+        self.check_tiling(m, d, steps, stacked=stacked, device=device)
+        need = self.smem_bytes(m, d) + SMEM_RESERVE_BYTES
+        if need > device.smem_bytes:
+            holds, lower = self.smem_contents(d)
+            raise ValueError(
+                f"the {self.PLAN} needs {need} B of shared memory per block > "
+                f"{device.smem_bytes} B ({holds}); lower {lower}"
+            )
+
+
+# ---------------------------------------------------------------- resident kernel
+def n_pad_for(m: int) -> int:
+    """Rows of the padded state: 16, 32 or 64 (the wgmma N and the swizzle width)."""
+    check_state_rows(m)
     return 16 if m <= 16 else 32 if m <= 32 else 64
 
 
 @dataclasses.dataclass(frozen=True)
-class LoopedMatmulConfig:
+class LoopedMatmulConfig(KernelConfig):
     """Tiling of the persistent looped matmul (see module docstring for the names)."""
+
+    PLAN = "on-chip plan"
 
     block_cols: int = 64
     block_k: int = 64
@@ -91,24 +192,12 @@ class LoopedMatmulConfig:
             )
         if block_k > 256:
             raise ValueError(f"{block_k=} must be <= 256 (one TMA box per chunk)")
-        if self.resident_chunks < 0:
-            raise ValueError(f"resident_chunks={self.resident_chunks} must be >= 0")
-        if self.min_n_pad not in (16, 32, 64):
-            raise ValueError(f"min_n_pad={self.min_n_pad} must be 16, 32 or 64")
-        if self.wgmma_lag < 1:
-            raise ValueError(f"wgmma_lag={self.wgmma_lag} must be >= 1")
+        check_at_least("resident_chunks", self.resident_chunks, 0)
+        check_min_n_pad(self.min_n_pad, (16, 32, 64))
+        check_at_least("wgmma_lag", self.wgmma_lag, 1)
         lag = self.wgmma_lag
-        if self.stream_stages < lag + 1:
-            raise ValueError(
-                f"stream_stages={self.stream_stages} must be >= wgmma_lag + 1 = {lag + 1}: a "
-                f"ring slot is refilled {lag} wgmma group(s) late (wgmma_wait({lag})); fewer "
-                "slots deadlock"
-            )
-        if self.x_stages < lag + 1:
-            raise ValueError(
-                f"x_stages={self.x_stages} must be >= wgmma_lag + 1 = {lag + 1}: a state slot "
-                f"is refilled {lag} wgmma group(s) late (wgmma_wait({lag}))"
-            )
+        check_ring_depth("stream_stages", self.stream_stages, lag, "ring slot")
+        check_ring_depth("x_stages", self.x_stages, lag, "state slot")
 
     # ---------------------------------------------------------------- derived sizes
     def n_pad(self, m: int) -> int:
@@ -135,55 +224,37 @@ class LoopedMatmulConfig:
         w_bytes = (self.resident_chunks + ring) * self.chunk_bytes()
         x_bytes = self.x_stages * self.block_k * n_pad * BF16_BYTES
         out_bytes = self.block_cols * n_pad * BF16_BYTES
-        barrier_bytes = 8 * (self.resident_chunks + ring + self.x_stages)
+        barrier_bytes = MBARRIER_BYTES * (self.resident_chunks + ring + self.x_stages)
         return w_bytes + x_bytes + out_bytes + barrier_bytes
 
-    def validate(
-        self,
-        m: int,
-        d: int,
-        steps: int,
-        *,
-        stacked: bool = False,
-        device: DeviceInfo | None = None,
+    # ---------------------------------------------------------------- checks (see validate)
+    def check_tiling(
+        self, m: int, d: int, steps: int, *, stacked: bool, device: DeviceInfo
     ) -> None:
-        """Raises ValueError naming the limit that (m, d, steps) and this config break."""
-        device = device or DeviceInfo()
-        n_pad_for(m)
-        if steps < 1:
-            raise ValueError(f"steps={steps} must be >= 1")
-        if d % self.block_cols:
-            raise ValueError(
-                f"d={d} must be a multiple of block_cols={self.block_cols}: each block owns "
-                "block_cols whole output columns"
-            )
+        """Whole blocks and chunks, every block resident between steps, resident chunks that
+        exist and are reused."""
+        check_columns(d, self.block_cols, ": each block owns block_cols whole output columns")
         if d % self.block_k:
             raise ValueError(f"d={d} must be a multiple of block_k={self.block_k}")
-        nb = self.num_blocks(d)
-        if steps > 1 and nb > device.num_sms:
+        if steps > 1:
+            check_grid_fits(self.num_blocks(d), device, "raise block_cols")
+        chunks = self.num_chunks(d)
+        if self.resident_chunks > chunks:
             raise ValueError(
-                f"d={d} with block_cols={self.block_cols} needs {nb} blocks > "
-                f"{device.num_sms} SMs: the grid barrier between steps deadlocks unless every "
-                "block is resident at once (one block per SM); raise block_cols"
-            )
-        nk = self.num_chunks(d)
-        if self.resident_chunks > nk:
-            raise ValueError(
-                f"resident_chunks={self.resident_chunks} > {nk} chunks in a block's slice"
+                f"resident_chunks={self.resident_chunks} > {chunks} chunks in a block's slice"
             )
         if stacked and self.resident_chunks:
             raise ValueError(
                 "resident_chunks must be 0 for stacked weights: each step reads a different "
                 "weight, so nothing is reused"
             )
-        need = self.smem_bytes(m, d) + SMEM_RESERVE_BYTES
-        if need > device.smem_bytes:
-            raise ValueError(
-                f"the on-chip plan needs {need} B of shared memory per block > "
-                f"{device.smem_bytes} B: {self.resident_chunks} resident + "
-                f"{self.stream_stages} streamed chunks of {self.chunk_bytes()} B, plus state "
-                "buffers; lower resident_chunks or stream_stages"
-            )
+
+    def smem_contents(self, d: int) -> tuple[str, str]:
+        return (
+            f"{self.resident_chunks} resident + {self.stream_stages} streamed chunks of "
+            f"{self.chunk_bytes()} B, plus state buffers",
+            "resident_chunks or stream_stages",
+        )
 
 
 def pick_config(
@@ -223,13 +294,13 @@ def pick_config(
     base = LoopedMatmulConfig(block_cols, block_k, 0, stream_stages=4, x_stages=4)
     if stacked:
         return base
-    nk = d // block_k
+    chunks = d // block_k
     free = device.smem_bytes - SMEM_RESERVE_BYTES
     # Everything resident if it fits (no ring then), else fill what the rings leave.
-    all_res = dataclasses.replace(base, resident_chunks=nk)
-    if all_res.smem_bytes(m, d) <= free:
-        return all_res
-    resident = nk - 1
+    all_resident = dataclasses.replace(base, resident_chunks=chunks)
+    if all_resident.smem_bytes(m, d) <= free:
+        return all_resident
+    resident = chunks - 1
     cfg = dataclasses.replace(base, resident_chunks=resident)
     while resident > 0 and cfg.smem_bytes(m, d) > free:
         resident -= 1
@@ -239,12 +310,12 @@ def pick_config(
 
 def describe(cfg: LoopedMatmulConfig, m: int, d: int) -> str:
     """One line: blocks, slice size, resident and streamed bytes per block."""
-    nb = cfg.num_blocks(d)
-    slice_b = d * cfg.block_cols * BF16_BYTES
-    res_b = cfg.resident_chunks * cfg.chunk_bytes()
+    slice_bytes = d * cfg.block_cols * BF16_BYTES
+    resident_bytes = cfg.resident_chunks * cfg.chunk_bytes()
     return (
-        f"{nb} blocks x {cfg.block_cols} cols, slice {slice_b / 1024:.0f} KiB, resident "
-        f"{res_b / 1024:.0f} KiB ({math.floor(100 * res_b / slice_b)}%), streamed "
-        f"{(slice_b - res_b) / 1024:.0f} KiB/step/block, block_k={cfg.block_k}, "
+        f"{cfg.num_blocks(d)} blocks x {cfg.block_cols} cols, slice {slice_bytes / 1024:.0f} KiB, "
+        f"resident {resident_bytes / 1024:.0f} KiB "
+        f"({math.floor(100 * resident_bytes / slice_bytes)}%), streamed "
+        f"{(slice_bytes - resident_bytes) / 1024:.0f} KiB/step/block, block_k={cfg.block_k}, "
         f"stages={cfg.stream_stages}/{cfg.x_stages}, smem={cfg.smem_bytes(m, d)} B"
     )

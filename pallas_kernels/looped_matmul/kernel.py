@@ -74,64 +74,65 @@ def build_looped_matmul(
     and interpret mode, which cannot run a global semaphore).
     """
     n_pad = cfg.n_pad(m)
-    bc, bk = cfg.block_cols, cfg.block_k
-    nb = d // bc
-    nk = d // bk
-    n_res = cfg.resident_chunks
-    n_str = nk - n_res  # streamed chunks per step
-    n_ring = cfg.stream_stages if n_str else 0
-    n_x = min(cfg.x_stages, nk)
+    block_cols, block_k = cfg.block_cols, cfg.block_k
+    num_blocks = d // block_cols
+    num_chunks = d // block_k
+    n_resident = cfg.resident_chunks
+    n_streamed = num_chunks - n_resident  # streamed chunks per step
+    n_ring = cfg.stream_stages if n_streamed else 0
+    x_slots = min(cfg.x_stages, num_chunks)
     lag = cfg.wgmma_lag
-    total_stream = steps * n_str
-    use_barrier = grid_barrier and steps > 1 and nb > 1
+    total_streamed = steps * n_streamed
+    use_barrier = grid_barrier and steps > 1 and num_blocks > 1
     if interpret is not None and use_barrier:
         raise ValueError(
             "interpret mode cannot run the grid barrier (no global semaphores): use one block "
             "(block_cols = d) or steps = 1"
         )
     dtype = jnp.bfloat16
-    # One swizzle for every operand: the state chunk [bk, n_pad] is N-major B, its rows are
+    # One swizzle for every operand: the state chunk [block_k, n_pad] is N-major B, its rows are
     # n_pad * 2 bytes, and wgmma needs A's swizzle to equal B's.
     swizzle = n_pad * 2
     transforms = (plgpu.TilingTransform((8, n_pad)), plgpu.SwizzleTransform(swizzle))
 
     scratch: dict[str, Any] = dict(
-        xring=plgpu.SMEM((n_x, bk, n_pad), dtype, transforms=transforms),
-        xbar=plgpu.Barrier(num_barriers=n_x),
-        out_smem=plgpu.SMEM((bc, n_pad), dtype, transforms=transforms),
+        xring=plgpu.SMEM((x_slots, block_k, n_pad), dtype, transforms=transforms),
+        xbar=plgpu.Barrier(num_barriers=x_slots),
+        out_smem=plgpu.SMEM((block_cols, n_pad), dtype, transforms=transforms),
     )
-    if n_res:
-        scratch["res"] = plgpu.SMEM((n_res, bk, bc), dtype, transforms=transforms)
-        scratch["rbar"] = plgpu.Barrier(num_barriers=n_res)
+    if n_resident:
+        scratch["res"] = plgpu.SMEM((n_resident, block_k, block_cols), dtype, transforms=transforms)
+        scratch["rbar"] = plgpu.Barrier(num_barriers=n_resident)
     if n_ring:
-        scratch["wring"] = plgpu.SMEM((n_ring, bk, bc), dtype, transforms=transforms)
+        scratch["wring"] = plgpu.SMEM((n_ring, block_k, block_cols), dtype, transforms=transforms)
         scratch["wbar"] = plgpu.Barrier(num_barriers=n_ring)
 
-    def body(x_ref, w_ref, state_ref, **sc):
-        xring, xbar, out_smem = sc["xring"], sc["xbar"], sc["out_smem"]
-        res, rbar = sc.get("res"), sc.get("rbar")
-        wring, wbar = sc.get("wring"), sc.get("wbar")
-        b = lax.axis_index("b")
-        cols = pl.ds(b * bc, bc)
-        barrier = GridBarrier(nb, "all_threads", 0, 1) if use_barrier else None
+    def body(x_ref, w_ref, state_ref, **smem):
+        xring, xbar, out_smem = smem["xring"], smem["xbar"], smem["out_smem"]
+        res, rbar = smem.get("res"), smem.get("rbar")
+        wring, wbar = smem.get("wring"), smem.get("wbar")
+        block = lax.axis_index("b")
+        cols = pl.ds(block * block_cols, block_cols)
+        barrier = GridBarrier(num_blocks, "all_threads", 0, 1) if use_barrier else None
 
         def w_chunk(step, kc):
-            rows = pl.ds(kc * bk, bk)
+            rows = pl.ds(kc * block_k, block_k)
             return w_ref.at[step, rows, cols] if stacked else w_ref.at[rows, cols]
 
         def issue_stream(g):
             """TMA of streamed chunk number g (global over steps) into ring slot g % n_ring."""
-            step, kc = g // n_str, n_res + g % n_str
+            step, kc = g // n_streamed, n_resident + g % n_streamed
             slot = g % n_ring
-            # reads bk*bc*2 B of W from L2 (HBM on the first step)
+            # reads block_k*block_cols*2 B of W from L2 (HBM on the first step)
             plgpu.copy_gmem_to_smem(w_chunk(step, kc), wring.at[slot], wbar.at[slot])
 
         def issue_x(s, kc):
-            """TMA of state rows [kc*bk, (kc+1)*bk) of step s's input into x slot kc % n_x."""
-            rows = pl.ds(kc * bk, bk)
-            slot = kc % n_x
+            """TMA of state rows [kc*block_k, (kc+1)*block_k) of step s's input into x slot
+            kc % x_slots."""
+            rows = pl.ds(kc * block_k, block_k)
+            slot = kc % x_slots
 
-            # reads bk*n_pad*2 B of state from L2
+            # reads block_k*n_pad*2 B of state from L2
             def from_input():
                 plgpu.copy_gmem_to_smem(x_ref.at[rows, :], xring.at[slot], xbar.at[slot])
 
@@ -147,70 +148,70 @@ def build_looped_matmul(
 
         def release(s, j):
             """Chunk j's wgmma has completed: refill its x slot and (if streamed) its ring slot."""
-            if n_x < nk:
+            if x_slots < num_chunks:
 
-                @pl.when(j + n_x < nk)
+                @pl.when(j + x_slots < num_chunks)
                 def _():
-                    issue_x(s, j + n_x)
+                    issue_x(s, j + x_slots)
 
             if n_ring:
 
-                @pl.when(j >= n_res)
+                @pl.when(j >= n_resident)
                 def _():
-                    g = s * n_str + (j - n_res) + n_ring
+                    g = s * n_streamed + (j - n_resident) + n_ring
 
-                    @pl.when(g < total_stream)
+                    @pl.when(g < total_streamed)
                     def _():
                         issue_stream(g)
 
-        # Prologue: resident weight, loaded once (reads n_res*bk*bc*2 B of W from HBM).
-        for r in range(n_res):
+        # Prologue: resident weight, loaded once (reads n_resident * chunk bytes of W from HBM).
+        for r in range(n_resident):
             plgpu.copy_gmem_to_smem(w_chunk(0, r), res.at[r], rbar.at[r])
         # First ring fill; later fills run ahead across steps.
-        for g in range(min(n_ring, total_stream)):
+        for g in range(min(n_ring, total_streamed)):
             issue_stream(g)
 
         @pl.loop(0, steps)
         def _step(s):
-            for kc in range(n_x):
+            for kc in range(x_slots):
                 issue_x(s, kc)
 
             def compute(acc_ref):
-                if n_res:
+                if n_resident:
 
-                    @pl.loop(0, n_res)
+                    @pl.loop(0, n_resident)
                     def _resident(kc):
                         if steps == 1:
                             plgpu.barrier_wait(rbar.at[kc])
                         else:
                             pl.when(s == 0)(lambda: plgpu.barrier_wait(rbar.at[kc]))
-                        xs = kc % n_x
+                        xs = kc % x_slots
                         plgpu.barrier_wait(xbar.at[xs])
-                        # reads bk*bc*2 B of resident W and bk*n_pad*2 B of state from smem
+                        # reads a chunk of resident W and block_k*n_pad*2 B of state from smem
                         plgpu.wgmma(acc_ref, res.at[kc].transpose((1, 0)), xring.at[xs])
                         plgpu.wgmma_wait(lag)  # chunk kc-lag is done: refill its slots
                         pl.when(kc >= lag)(lambda: release(s, kc - lag))
 
-                if n_str:
+                if n_streamed:
 
-                    @pl.loop(n_res, nk)
+                    @pl.loop(n_resident, num_chunks)
                     def _streamed(kc):
-                        xs = kc % n_x
+                        xs = kc % x_slots
                         plgpu.barrier_wait(xbar.at[xs])
-                        slot = (s * n_str + (kc - n_res)) % n_ring
+                        slot = (s * n_streamed + (kc - n_resident)) % n_ring
                         plgpu.barrier_wait(wbar.at[slot])
                         plgpu.wgmma(acc_ref, wring.at[slot].transpose((1, 0)), xring.at[xs])
                         plgpu.wgmma_wait(lag)
                         pl.when(kc >= lag)(lambda: release(s, kc - lag))
 
                 acc = acc_ref[...]  # waits for every wgmma of the step
-                for j in range(max(0, nk - lag), nk):  # the last `lag` chunks
+                for j in range(max(0, num_chunks - lag), num_chunks):  # the last `lag` chunks
                     release(s, j)
                 out_smem[...] = acc.astype(dtype)  # bf16 rounding of the state, as in the chain
 
-            pl.run_scoped(compute, plgpu.ACC((bc, n_pad), jnp.float32))
+            pl.run_scoped(compute, plgpu.ACC((block_cols, n_pad), jnp.float32))
             plgpu.commit_smem()
-            # writes bc*n_pad*2 B of state
+            # writes block_cols*n_pad*2 B of state
             plgpu.copy_smem_to_gmem(out_smem, state_ref.at[lax.rem(s, 2), cols, :])
             # The store must be complete (not only read out of smem) before the barrier signal,
             # and out_smem is rewritten next step.
@@ -228,7 +229,7 @@ def build_looped_matmul(
         body,
         out_type=out_type,
         scratch_types=scratch,
-        grid=(nb,),
+        grid=(num_blocks,),
         grid_names=("b",),
         compiler_params=plgpu.CompilerParams(),
         interpret=interpret,

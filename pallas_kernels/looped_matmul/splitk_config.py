@@ -1,4 +1,7 @@
-"""Frozen config of the split-K looped matmul (`splitk_kernel.py`), its checks and its picker.
+"""Frozen config of the split-K looped matmul (`splitk_kernel.py`): its sizes and its checks.
+
+The picker is `splitk_pick.py`; the checks shared with the resident kernel's config are
+`config.py`'s.
 
 Vocabulary (sizes in elements unless a name ends in `_bytes`):
 - worker: one warpgroup (128 threads). A block holds `warpgroups` workers that share nothing
@@ -19,34 +22,35 @@ Vocabulary (sizes in elements unless a name ends in `_bytes`):
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax.numpy as jnp
 
 from pallas_kernels.looped_matmul.barrier import check_poll
 from pallas_kernels.looped_matmul.config import (
-    MAX_M,
-    SMEM_RESERVE_BYTES,
+    BF16_BYTES,
+    MBARRIER_BYTES,
     DeviceInfo,
+    KernelConfig,
+    check_at_least,
+    check_columns,
+    check_grid_fits,
+    check_min_n_pad,
+    check_ring_depth,
+    check_state_rows,
 )
 
 UNIT = 64  # rows and columns of a weight unit
-UNIT_BYTES = UNIT * UNIT * 2
+UNIT_BYTES = UNIT * UNIT * BF16_BYTES
 F32_BYTES = 4
-BF16_BYTES = 2
 MAX_REGS_PER_THREAD = 255
 # Registers per thread the kernel needs besides weight fragments and accumulators (addresses,
 # loop counters, barrier phases, the f32 -> bf16 state conversion). An estimate: ptxas decides;
-# the smoke run reports spills as slowness, and `reg_units` can be lowered per config.
+# the smoke program (experiments.kernels.looped_matmul_smoke) reports spills as slowness, and
+# `reg_units` can be lowered per config.
 REG_RESERVE = 64
 # validate() only rejects plans above 255 with this smaller reserve (from a ptxas proxy of the
 # register-operand loop: docs/looped_matmul.md, "Register budget").
 REG_RESERVE_MIN = 40
-# The picker keeps its estimate below this (margin under the 255 limit against spills).
-PICK_MAX_REGS = 240
-# Ring slots per worker when most of the slice is streamed (tuned on the H200:
-# docs/looped_matmul.md).
-DEEP_RING = 9
 MAX_BARRIERS_PER_ARRAY = 32
 SYNCS = ("grid", "flags")
 SMEM_ALIGN = 1024  # every scratch buffer is rounded up to this (swizzled TMA tiles need it)
@@ -54,10 +58,7 @@ SMEM_ALIGN = 1024  # every scratch buffer is rounded up to this (swizzled TMA ti
 
 def n_pad_splitk(m: int, min_n_pad: int = 8) -> int:
     """State rows as multiplied: M rounded up to a multiple of 8, at least `min_n_pad`."""
-    if not 1 <= m <= MAX_M:
-        raise ValueError(
-            f"M={m} is out of range: 1 <= M <= {MAX_M} (the state is the N of one wgmma)"
-        )
+    check_state_rows(m)
     return max(-(-m // 8) * 8, min_n_pad)
 
 
@@ -66,8 +67,10 @@ def _align(nbytes: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class SplitKConfig:
+class SplitKConfig(KernelConfig):
     """Tiling of the split-K persistent looped matmul (see the module docstring)."""
+
+    PLAN = "split-K plan"
 
     tiles: int = 1
     k_split: int = 1
@@ -89,22 +92,17 @@ class SplitKConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.tiles <= 16:
             raise ValueError(f"tiles={self.tiles} must be in 1..16 (64-column wgmma tiles)")
-        if self.k_split < 1:
-            raise ValueError(f"k_split={self.k_split} must be >= 1")
+        check_at_least("k_split", self.k_split, 1)
         if self.warpgroups not in (1, 2):
             raise ValueError(f"warpgroups={self.warpgroups} must be 1 or 2")
         for name in ("reg_units", "smem_units", "ring"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
-        if self.x_stages < 1:
-            raise ValueError(f"x_stages={self.x_stages} must be >= 1")
-        if self.wgmma_lag < 1:
-            raise ValueError(f"wgmma_lag={self.wgmma_lag} must be >= 1")
+            check_at_least(name, getattr(self, name), 0)
+        check_at_least("x_stages", self.x_stages, 1)
+        check_at_least("wgmma_lag", self.wgmma_lag, 1)
         check_poll(self.poll)
         if self.sync not in SYNCS:
             raise ValueError(f"sync={self.sync!r} is not one of {SYNCS}")
-        if self.min_n_pad not in (8, 16, 32, 64):
-            raise ValueError(f"min_n_pad={self.min_n_pad} must be 8, 16, 32 or 64")
+        check_min_n_pad(self.min_n_pad, (8, 16, 32, 64))
 
     # ---------------------------------------------------------------- derived sizes
     @property
@@ -190,32 +188,21 @@ class SplitKConfig:
             + self.ring_slots(d) * UNIT_BYTES
             + (UNIT_BYTES if interpret and self.reg_units else 0)
         )
-        barriers = 8 * (self.x_slots(d) + self.smem_units + self.ring_slots(d))
+        barriers = MBARRIER_BYTES * (self.x_slots(d) + self.smem_units + self.ring_slots(d))
         return self.warpgroups * per_worker + _align(self.warpgroups * barriers)
 
-    def validate(
-        self,
-        m: int,
-        d: int,
-        steps: int,
-        *,
-        stacked: bool = False,
-        device: DeviceInfo | None = None,
+    # ---------------------------------------------------------------- checks (see validate)
+    def check_tiling(
+        self, m: int, d: int, steps: int, *, stacked: bool, device: DeviceInfo
     ) -> None:
-        """Raises ValueError naming the limit that (m, d, steps) and this config break."""
-        device = device or DeviceInfo()
-        n_pad = self.n_pad(m)
-        if steps < 1:
-            raise ValueError(f"steps={steps} must be >= 1")
+        """One weight; whole column groups, K ranges and blocks; every block resident when
+        workers synchronise; units, ring, barriers and registers within their limits."""
         if stacked:
             raise ValueError(
                 "the split-K kernel keeps one weight on chip; use the resident kernel "
                 "(LoopedMatmulConfig) for stacked weights"
             )
-        if d % self.block_cols:
-            raise ValueError(
-                f"d={d} must be a multiple of block_cols={self.block_cols} (tiles={self.tiles})"
-            )
+        check_columns(d, self.block_cols, f" (tiles={self.tiles})")
         if self.k_split > d // UNIT:
             raise ValueError(f"k_split={self.k_split} > {d // UNIT} chunks of 64 rows in d={d}")
         workers = self.num_workers(d)
@@ -223,24 +210,18 @@ class SplitKConfig:
             raise ValueError(
                 f"{workers} workers do not fill blocks of warpgroups={self.warpgroups}"
             )
-        blocks = self.num_blocks(d)
-        if (steps > 1 or self.k_split > 1) and blocks > device.num_sms:
-            raise ValueError(
-                f"{blocks} blocks > {device.num_sms} SMs: the grid barrier deadlocks unless "
-                "every block is resident at once; raise tiles or lower k_split"
-            )
+        if steps > 1 or self.k_split > 1:
+            check_grid_fits(self.num_blocks(d), device, "raise tiles or lower k_split")
         units = self.units(d)
         if self.reg_units + self.smem_units > units:
             raise ValueError(
                 f"reg_units + smem_units = {self.reg_units + self.smem_units} > {units} "
                 "units in a worker's slice"
             )
-        if self.streamed_units(d) > 0 and self.ring < self.wgmma_lag + 1:
-            raise ValueError(
-                f"ring={self.ring} must be >= wgmma_lag + 1 = {self.wgmma_lag + 1} when "
-                f"{self.streamed_units(d)} units are streamed: a slot is refilled "
-                f"{self.wgmma_lag} wgmma group(s) late"
-            )
+        streamed = self.streamed_units(d)
+        if streamed > 0:
+            when = f" when {streamed} units are streamed"
+            check_ring_depth("ring", self.ring, self.wgmma_lag, "ring slot", when)
         for name, n in (
             ("x slots", self.x_slots(d)),
             ("smem_units", self.smem_units),
@@ -256,6 +237,7 @@ class SplitKConfig:
                 f"zigzag needs the whole state staged: x_stages={self.x_stages} < "
                 f"{self.k_chunks(d)} k chunks"
             )
+        n_pad = self.n_pad(m)
         regs = self.regs_per_thread(m) - REG_RESERVE + REG_RESERVE_MIN
         if regs > MAX_REGS_PER_THREAD:
             raise ValueError(
@@ -263,119 +245,13 @@ class SplitKConfig:
                 f"at least ~{regs} registers per thread > {MAX_REGS_PER_THREAD} (16 per unit, "
                 f"{self.tiles * n_pad // 2} accumulator, >= {REG_RESERVE_MIN} other)"
             )
-        need = self.smem_bytes(m, d) + SMEM_RESERVE_BYTES
-        if need > device.smem_bytes:
-            raise ValueError(
-                f"the split-K plan needs {need} B of shared memory per block > "
-                f"{device.smem_bytes} B ({self.warpgroups} worker(s): {self.smem_units} "
-                f"resident + {self.ring_slots(d)} ring units of {UNIT_BYTES} B, state "
-                "buffers); lower smem_units, ring or x_stages"
-            )
 
-
-def fill_on_chip(
-    base: SplitKConfig, m: int, d: int, device: DeviceInfo | None = None
-) -> SplitKConfig | None:
-    """Fills base's split: registers first (up to PICK_MAX_REGS), then shared memory.
-
-    When the slice does not fit on chip, no register units: the streamed bytes set the step's
-    time, and register-operand units were slower there. The ring keeps `base.ring` slots, or
-    DEEP_RING when more than 3/4 of the slice is streamed anyway (HBM-bound shapes want bytes in
-    flight more than a few resident units). Streamed slices read their chunks in zigzag order
-    where the whole state is staged anyway (it needs that; staging it only for zigzag did not
-    pay). The measurements behind each rule: docs/looped_matmul.md. Returns None when not even
-    the state buffers fit.
-    """
-    device = device or DeviceInfo()
-    cfg = _fill(base, m, d, device)
-    if cfg is None or cfg.streamed_units(d) == 0:
-        return cfg
-    cfg = _fill(base, m, d, device, registers=False) or cfg
-    if base.ring < DEEP_RING and 4 * cfg.streamed_units(d) > 3 * cfg.units(d):
-        deep = dataclasses.replace(base, ring=DEEP_RING)
-        cfg = _fill(deep, m, d, device, registers=False) or cfg
-    # Zigzag where the whole state is staged anyway (it needs that).
-    return dataclasses.replace(cfg, zigzag=cfg.x_stages >= cfg.k_chunks(d))
-
-
-def _fill(
-    base: SplitKConfig, m: int, d: int, device: DeviceInfo, *, registers: bool = True
-) -> SplitKConfig | None:
-    """The f32 state is staged whole (one TMA round trip per step) when that leaves room for
-    the ring, else in fewer slots."""
-    units = base.units(d)
-    acc = base.tiles * base.n_pad(m) // 2
-    reg_units = min(units, max(0, (PICK_MAX_REGS - REG_RESERVE - acc) // 16)) if registers else 0
-    free = device.smem_bytes - SMEM_RESERVE_BYTES
-    chunks = base.k_chunks(d)
-    for x_stages in sorted({chunks, min(chunks, 8), min(chunks, 4), min(chunks, 2)}, reverse=True):
-        cfg = dataclasses.replace(base, reg_units=reg_units, smem_units=0, x_stages=x_stages)
-        all_in = dataclasses.replace(cfg, smem_units=units - reg_units, ring=0)
-        if all_in.smem_bytes(m, d) <= free:
-            return all_in  # everything on chip, no ring
-        for smem_units in range(units - reg_units - 1, -1, -1):
-            cand = dataclasses.replace(cfg, smem_units=smem_units)
-            if cand.smem_bytes(m, d) <= free:
-                return cand
-    return None
-
-
-def pick_splitk_config(m: int, d: int, *, device: DeviceInfo | None = None) -> SplitKConfig:
-    """The frozen split-K tuning for (M, d): most SMs busy, then most of the weight on chip
-    (unless it is mostly streamed anyway), then least state traffic.
-
-    Candidates: warpgroups in (2, 1), tiles in 1..12, k_split dividing d/64, with every block
-    resident (<= SM count) and the state buffers fitting next to a 3-unit ring. Raises
-    ValueError when none fits. Neither ragged K ranges nor per-group flags (sync="flags") are
-    picked: neither was clearly faster on the H200 (docs/looped_matmul.md, "Variants not
-    picked").
-    """
-    return _pick_splitk(m, d, device or DeviceInfo())
-
-
-@functools.cache
-def _pick_splitk(m: int, d: int, device: DeviceInfo) -> SplitKConfig:
-    """pick_splitk_config's search (seconds of Python at huginn sizes), once per (M, d, device):
-    every jit trace of the public wrapper and every test or smoke case asks again."""
-    n_pad = n_pad_splitk(m)
-    if d <= 0 or d % UNIT:
-        raise ValueError(f"d={d} must be a positive multiple of 64")
-    chunks = d // UNIT
-    best: tuple | None = None
-    for wgs in (2, 1):
-        for tiles in range(1, 13):
-            if chunks % tiles or tiles * n_pad // 2 > 96:
-                continue
-            for k_split in range(1, chunks + 1):
-                if chunks % k_split:
-                    continue
-                base = SplitKConfig(tiles=tiles, k_split=k_split, warpgroups=wgs, ring=3)
-                workers = base.num_workers(d)
-                if workers % wgs or base.num_blocks(d) > device.num_sms:
-                    continue
-                cfg = fill_on_chip(base, m, d, device)
-                if cfg is None:
-                    continue
-                try:
-                    cfg.validate(m, d, 2, device=device)
-                except ValueError:
-                    continue
-                blocks = cfg.num_blocks(d)
-                # Mostly streamed (the deep-ring regime): a few on-chip units do not matter,
-                # the state traffic does.
-                mostly_streamed = 4 * cfg.streamed_units(d) > 3 * cfg.units(d)
-                on_chip = 0 if mostly_streamed else (cfg.reg_units + cfg.smem_units) * workers
-                # state bytes per step: f32 reads (column groups x d) + reduce-adds (k_split x d)
-                state = (cfg.col_groups(d) + (k_split if k_split > 1 else 0)) * d * n_pad
-                key = (min(blocks, device.num_sms) * wgs, on_chip, -state, -k_split)
-                if best is None or key > best[0]:
-                    best = (key, cfg)
-    if best is None:
-        raise ValueError(
-            f"no split-K tiling fits d={d}, M={m} on {device.num_sms} SMs with "
-            f"{device.smem_bytes} B of shared memory"
+    def smem_contents(self, d: int) -> tuple[str, str]:
+        return (
+            f"{self.warpgroups} worker(s): {self.smem_units} resident + {self.ring_slots(d)} "
+            f"ring units of {UNIT_BYTES} B, state buffers",
+            "smem_units, ring or x_stages",
         )
-    return best[1]
 
 
 def describe_splitk(cfg: SplitKConfig, m: int, d: int) -> str:
@@ -400,7 +276,5 @@ def describe_splitk(cfg: SplitKConfig, m: int, d: int) -> str:
 __all__ = [
     "SplitKConfig",
     "describe_splitk",
-    "fill_on_chip",
     "n_pad_splitk",
-    "pick_splitk_config",
 ]

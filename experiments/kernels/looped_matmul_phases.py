@@ -7,11 +7,8 @@ newest one: per phase, cycles per step (median over workers), and the rest of th
 no phase covers (wgmma issue, loop control). The clock is each SM's own; durations are exact
 in cycles, and the table converts them to us with the clock rate given.
 
-Phases, in a step's order: x_wait (the f32 state chunk's TMA), x_convert (f32 -> bf16 into the
-wgmma B tile), w_wait (a streamed weight unit's TMA), acc (waiting for the step's wgmmas and
-writing the partial sums to shared memory), partial_out (issuing the TMA reduce-adds and the
-zeroing), partial_wait (their completion), barrier (the grid barrier, or with sync="flags" the
-wait on the column groups' counters), x_issue (the next step's state TMAs).
+The phases, in a step's order, are the kernel's (`PHASES`, defined and described in
+pallas_kernels/looped_matmul/splitk_plan.py).
 """
 
 from __future__ import annotations
@@ -21,24 +18,9 @@ import json
 import statistics
 from pathlib import Path
 
-from pallas_kernels.looped_matmul.splitk_config import SplitKConfig
+from pallas_kernels.looped_matmul.splitk_plan import PHASES
 
-PHASES = (
-    "x_wait",
-    "x_convert",
-    "w_wait",
-    "acc",
-    "partial_out",
-    "partial_wait",
-    "barrier",
-    "x_issue",
-)
-
-
-def profile_ranges(cfg: SplitKConfig, d: int, steps: int) -> int:
-    """Named ranges one worker records in a call (the profile buffer's size in ranges)."""
-    per_step = 1 + 2 * cfg.k_chunks(d) + cfg.streamed_units(d) + 5
-    return steps * per_step + 8
+__all__ = ["PHASES", "newest_trace", "phase_cycles", "phase_table"]
 
 
 def newest_trace(profile_dir: str | Path) -> Path:

@@ -1,6 +1,6 @@
 """Times the fused row GEMV against XLA on huginn-0125's five decode GEMVs (H200 tuning).
 
-    python -m pallas_kernels.fused_gemv.tune [--configs=64:64:4:1,...] [--json_out=F]
+    python -m experiments.kernels.fused_gemv_tune [--configs=64:64:4:1,...] [--json_out=F]
 
 For each GEMV of a decode iteration (with its output: split-K partial sums for the three
 [., D] products, the SiLU gate for fc) and each config block_n:block_k:warps:stages[:dot]
@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
+from experiments.measure.device_time import cupti_us, wall_us
 from huginn_jax.decode_row import row_gemv_xla
 from huginn_jax.xla_flags import use_gemm
-from pallas_kernels.device_time import cupti_us, wall_us
 from pallas_kernels.fused_gemv import GemvConfig, fused_gemv, pick_config
 
 FLAGS = flags.FLAGS

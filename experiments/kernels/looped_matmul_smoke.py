@@ -1,25 +1,25 @@
 """GPU smoke run of the looped matmul kernels: correctness vs the reference, kernel times, a table.
 
-    python -m pallas_kernels.looped_matmul.smoke                # the comparison suite + table
-    python -m pallas_kernels.looped_matmul.smoke --suite legacy  # the resident kernel's probes
-    python -m pallas_kernels.looped_matmul.smoke --suite steps   # split-K time against steps
-    python -m pallas_kernels.looped_matmul.smoke --case NAME     # one case in this process
-    python -m pallas_kernels.looped_matmul.smoke --only A,B --profile_dir DIR  # + step phases
-    python -m pallas_kernels.looped_matmul.smoke --list
+    python -m experiments.kernels.looped_matmul_smoke               # the comparison suite + table
+    python -m experiments.kernels.looped_matmul_smoke --suite legacy  # the resident kernel
+    python -m experiments.kernels.looped_matmul_smoke --suite steps   # split-K time vs steps
+    python -m experiments.kernels.looped_matmul_smoke --case NAME     # one case in this process
+    python -m experiments.kernels.looped_matmul_smoke --only A,B --profile_dir DIR  # + phases
+    python -m experiments.kernels.looped_matmul_smoke --list
 
 Every case runs in its own subprocess with a timeout, so that a hung grid barrier or a crash in
 one case leaves the others running (its output and traceback are printed). A case prints one
-`RESULT {json}` line; the parent prints a compact table of them last. The default suite times
-the resident and split-K kernels side by side (d in 2048, 3520, 6144, 12288; M in 1, 8, 64;
-8 steps) against XLA's unrolled chain of 8 dots, then split-K variants at 72 MiB. Kernel times
-are CUPTI device times (median over --reps calls, all kernels of a call summed), as the numbers
-in docs/looped_matmul.md. If a split-K or barrier case times out, the later ones with the same
-barrier poll are skipped (a barrier bug would hang them all); --budget stops launching cases
-that could end after that many seconds.
+`RESULT {json}` line; the parent prints a compact table of them last. The cases, by suite, are
+`looped_matmul_cases.py`. The default suite times the resident and split-K kernels side by side
+(d in 2048, 3520, 6144, 12288; M in 1, 8, 64; 8 steps) against XLA's unrolled chain of 8 dots,
+then split-K variants at 72 MiB. Kernel times are CUPTI device times (median over --reps calls,
+all kernels of a call summed), as the numbers in docs/looped_matmul.md. If a split-K or barrier
+case times out, the later ones with the same barrier poll are skipped (a barrier bug would hang
+them all); --budget stops launching cases that could end after that many seconds.
 
 HBM bytes of one case (target: <= 1.25 x W per chain at 72 MiB):
     ncu --clock-control none --cache-control none --metrics dram__bytes_read.sum,\
-lts__t_sector_hit_rate.pct python -m pallas_kernels.looped_matmul.smoke --case \
+lts__t_sector_hit_rate.pct python -m experiments.kernels.looped_matmul_smoke --case \
 splitk_d6144_m1 --reps 2
 """
 
@@ -35,189 +35,22 @@ import time
 import traceback
 from typing import Any
 
-from pallas_kernels.device_time import cupti_us, wall_us
-
-TABLE_D = (6144, 3520, 2048, 12288)  # the 72 MiB target first
-TABLE_M = (1, 8, 64)
-TABLE_STEPS = 8
-# PyTorch CUDA-graph replay of the unfused chain, M=1, 8 steps (us, measured on the H200;
-# docs/looped_matmul.md, "Targets").
-TORCH_GRAPH_US = {2048: 42.5, 3520: 72.1, 6144: 183.0, 12288: 575.0}
-# Targets for M=1, 8 steps (us): 2.5x and 3x faster than PyTorch at 24 and 72 MiB; 288 MiB: no
-# slower than XLA (docs/looped_matmul.md, "Targets").
-TARGET_US = {3520: 72.1 / 2.5, 6144: 183.0 / 3}
-
-# name: variant, m, d, steps, optional config overrides, stacked
-LEGACY_CASES: dict[str, dict[str, Any]] = {
-    "minimal_d2048_s1": dict(m=1, d=2048, steps=1),
-    "minimal_d256_s3_1block_nobarrier": dict(
-        m=1, d=256, steps=3, cfg=dict(block_cols=256, block_k=64, resident_chunks=2)
-    ),
-    "d2048_m1_s2": dict(m=1, d=2048, steps=2),
-    "d2048_m1_s8": dict(m=1, d=2048, steps=8),
-    "d2048_m1_s8_allstream": dict(m=1, d=2048, steps=8, cfg=dict(resident_chunks=0)),
-    "d6144_m1_s1": dict(m=1, d=6144, steps=1),
-    "d6144_m1_s8": dict(m=1, d=6144, steps=8),
-    "d6144_m1_s8_bk64": dict(
-        m=1, d=6144, steps=8, cfg=dict(block_k=64, resident_chunks=16, stream_stages=8)
-    ),
-    "d6144_m1_s8_stages8": dict(m=1, d=6144, steps=8, cfg=dict(resident_chunks=4, stream_stages=8)),
-    "d6144_m1_s8_lag2": dict(m=1, d=6144, steps=8, cfg=dict(wgmma_lag=2)),
-    "d6144_m1_s8_lag3_bk64": dict(
-        m=1, d=6144, steps=8, cfg=dict(block_k=64, resident_chunks=12, stream_stages=8, wgmma_lag=3)
-    ),
-    "d2048_m1_s32": dict(m=1, d=2048, steps=32),
-    # deeper state ring: the state chunks of a step are issued right after the barrier
-    "d2048_m1_s8_x16": dict(m=1, d=2048, steps=8, cfg=dict(x_stages=16, resident_chunks=4)),
-    "d2048_m1_s8_x8": dict(m=1, d=2048, steps=8, cfg=dict(x_stages=8, resident_chunks=6)),
-    "d2048_m1_s8_x16_lag3": dict(
-        m=1, d=2048, steps=8, cfg=dict(x_stages=16, resident_chunks=4, wgmma_lag=3)
-    ),
-    "d3520_m1_s8_x32": dict(m=1, d=3520, steps=8, cfg=dict(x_stages=32, resident_chunks=15)),
-    "d6144_m1_s8_x16": dict(m=1, d=6144, steps=8, cfg=dict(x_stages=16, resident_chunks=5)),
-    "d6144_m1_s8_x16_lag3": dict(
-        m=1, d=6144, steps=8, cfg=dict(x_stages=16, resident_chunks=5, wgmma_lag=3)
-    ),
-    "d6144_m8_s32": dict(m=8, d=6144, steps=32),
-    # wider state / weight swizzle for small M (see LoopedMatmulConfig.min_n_pad)
-    "d6144_m1_s8_npad32": dict(m=1, d=6144, steps=8, cfg=dict(min_n_pad=32, resident_chunks=7)),
-    "d6144_m1_s8_npad64": dict(m=1, d=6144, steps=8, cfg=dict(min_n_pad=64, resident_chunks=5)),
-    "d2048_m1_s8_npad64": dict(m=1, d=2048, steps=8, cfg=dict(min_n_pad=64, resident_chunks=5)),
-    "d6144_m64_s8": dict(m=64, d=6144, steps=8),
-    "d3520_m1_s8": dict(m=1, d=3520, steps=8),
-    "d12288_m1_s8": dict(m=1, d=12288, steps=8),
-    "copies_d2048_m1_s8": dict(m=1, d=2048, steps=8, stacked=True),
-}
-
-
-def _table_cases() -> dict[str, dict[str, Any]]:
-    cases: dict[str, dict[str, Any]] = {}
-    # canary: small, all in registers; if the split-K barrier hangs, this shows it first
-    cases["splitk_d2048_m1"] = dict(variant="splitk", m=1, d=2048, steps=TABLE_STEPS)
-    for d in TABLE_D:
-        for m in TABLE_M:
-            for variant in ("resident", "splitk"):
-                cases.setdefault(
-                    f"{variant}_d{d}_m{m}", dict(variant=variant, m=m, d=d, steps=TABLE_STEPS)
-                )
-    six = dict(variant="splitk", m=1, d=6144, steps=TABLE_STEPS)
-    variants = {
-        "regs9": dict(reg_units=9, smem_units=8, ring=3),  # 34 MiB on chip, 38 MiB streamed
-        "smem8": dict(reg_units=0, smem_units=8, ring=3),
-        "regs11": dict(reg_units=11),  # spill probe: slower than the pick => ptxas spilled
-        "lag2": dict(wgmma_lag=2),
-        "ksplit8": dict(split=(3, 8)),  # 32 col groups x 8 K ranges, refilled
-        "leaderpoll": dict(poll="leader"),  # one polling warpgroup per block
-        "flags": dict(sync="flags"),  # per-column-group counters instead of the grid barrier
-        # zigzag: odd steps read the streamed chunks backwards (L2 reuse across steps)
-        "zz": dict(zigzag=True),
-        "zz_smem8": dict(reg_units=0, smem_units=8, ring=3, zigzag=True),
-        "zz_regs9": dict(reg_units=9, smem_units=8, ring=3, zigzag=True),
-    }
-    for tag, over in variants.items():
-        cases[f"splitk_d6144_m1_{tag}"] = dict(six, cfg=over)
-    cases["splitk_d12288_m1_flags"] = dict(
-        variant="splitk", m=1, d=12288, steps=TABLE_STEPS, cfg=dict(sync="flags")
-    )
-    for d, over in ((4992, dict(x_stages=64, ring=6, smem_units=0)), (12288, {})):
-        cases[f"splitk_d{d}_m1_zz"] = dict(
-            variant="splitk", m=1, d=d, steps=TABLE_STEPS, cfg=dict(zigzag=True, **over)
-        )
-    cases["splitk_d4992_m1"] = dict(variant="splitk", m=1, d=4992, steps=TABLE_STEPS)
-    cases["splitk_d12288_m1_regs8_ring6"] = dict(  # register units + a 6-slot ring (HBM-bound)
-        variant="splitk",
-        m=1,
-        d=12288,
-        steps=TABLE_STEPS,
-        cfg=dict(reg_units=8, smem_units=3, ring=6),
-    )
-    cases["splitk_d12288_m1_ring3"] = dict(
-        variant="splitk", m=1, d=12288, steps=TABLE_STEPS, cfg=dict(ring=3, smem_units=6)
-    )
-    cases["splitk_d2048_m1_npad16"] = dict(  # if n_pad=8 mismatches and this matches: N=8 B
-        variant="splitk", m=1, d=2048, steps=TABLE_STEPS, cfg=dict(min_n_pad=16)
-    )
-    cases["splitk_d2048_m1_leaderpoll"] = dict(
-        variant="splitk", m=1, d=2048, steps=TABLE_STEPS, cfg=dict(poll="leader")
-    )
-    cases["splitk_d6144_m8_s32"] = dict(variant="splitk", m=8, d=6144, steps=32)
-    return cases
-
-
-def _steps_cases() -> dict[str, dict[str, Any]]:
-    """Per-step cost of the split-K kernel: the time against steps (1..32) at sizes that are all
-    on chip (8 and 24 MiB), where a step is only its grid barrier and state exchange plus a
-    little wgmma; and the leader-poll barrier variant at the same sizes."""
-    cases: dict[str, dict[str, Any]] = {}
-    for d in (2048, 3520):
-        for steps in (1, 4, 8, 32):
-            cases[f"splitk_d{d}_m1_s{steps}"] = dict(variant="splitk", m=1, d=d, steps=steps)
-        cases[f"splitk_d{d}_m1_s32_leaderpoll"] = dict(
-            variant="splitk", m=1, d=d, steps=32, cfg=dict(poll="leader")
-        )
-        for steps in (8, 32):  # per-column-group flags instead of the grid barrier
-            cases[f"splitk_d{d}_m1_s{steps}_flags"] = dict(
-                variant="splitk", m=1, d=d, steps=steps, cfg=dict(sync="flags")
-            )
-        if d == 3520:  # 55 x 64: ragged K ranges over 2 warpgroups per SM vs the pick's 1
-            for steps in (8, 32):
-                cases[f"splitk_d3520_m1_s{steps}_ragged2wg"] = dict(
-                    variant="splitk", m=1, d=d, steps=steps,
-                    cfg=dict(tiles=5, k_split=20, warpgroups=2, reg_units=9, smem_units=6, ring=0),
-                )  # fmt: skip
-        # Everything streamed from L2 (no weight on chip; it stays in L2 at these sizes): the
-        # per-step time minus the on-chip variant's is what reading W from L2 costs, the
-        # bound on the 72 MiB step.
-        for steps in (8, 32):
-            cases[f"splitk_d{d}_m1_s{steps}_streamed"] = dict(
-                variant="splitk", m=1, d=d, steps=steps,
-                cfg=dict(reg_units=0, smem_units=0, ring=9, zigzag=True),
-            )  # fmt: skip
-        # Ablation: the same kernel without its grid barrier. Steps then race (the result is
-        # not expected to match: status ABLATION); the time difference is the barrier's cost.
-        for steps in (8, 32):
-            cases[f"splitk_d{d}_m1_s{steps}_nobarrier"] = dict(
-                variant="splitk", m=1, d=d, steps=steps, grid_barrier=False
-            )
-    return cases
-
-
-def _barrier_cases() -> dict[str, dict[str, Any]]:
-    """The grid barrier alone (probe kernel: 132 blocks, 1 or 2 warpgroups, 1 and 65 epochs;
-    per barrier = (t65 - t1) / 64), then split-K steps at 8 and 24 MiB with each way of polling.
-    A poll that hangs in the probe is skipped in the split-K cases."""
-    from pallas_kernels.looped_matmul.barrier import POLLS
-
-    cases: dict[str, dict[str, Any]] = {}
-    for poll in POLLS:
-        for wgs in (1, 2) if poll != "leader" else (2,):  # leader needs two warpgroups
-            for epochs in (1, BARRIER_EPOCHS):
-                cases[f"barrier_{poll}_wg{wgs}_e{epochs}"] = dict(
-                    variant="barrier", m=0, d=0, steps=epochs, poll=poll, warpgroups=wgs
-                )
-    for d in (2048, 3520):
-        for poll in POLLS:
-            for steps in (8, 32):
-                cases[f"splitk_d{d}_m1_s{steps}_{poll}"] = dict(
-                    variant="splitk", m=1, d=d, steps=steps, cfg=dict(poll=poll)
-                )
-    return cases
-
-
-BARRIER_EPOCHS = 65
-BARRIER_BLOCKS = 132
-TABLE_CASES = _table_cases()
-SUITES = {
-    "table": TABLE_CASES,
-    "legacy": LEGACY_CASES,
-    "steps": _steps_cases(),
-    "barrier": _barrier_cases(),
-}
+from experiments.kernels.looped_matmul_cases import (
+    BARRIER_BLOCKS,
+    BARRIER_EPOCHS,
+    SUITES,
+    TABLE_D,
+    TABLE_M,
+    TARGET_US,
+    TORCH_GRAPH_US,
+)
+from experiments.measure.device_time import cupti_us, wall_us
 
 
 def _config_for(spec: dict[str, Any]):
     from pallas_kernels.looped_matmul import pick_any_config
-    from pallas_kernels.looped_matmul.splitk_config import SplitKConfig, fill_on_chip
+    from pallas_kernels.looped_matmul.splitk_config import SplitKConfig
+    from pallas_kernels.looped_matmul.splitk_pick import fill_on_chip
 
     m, d = spec["m"], spec["d"]
     stacked = spec.get("stacked", False)
@@ -246,21 +79,21 @@ def run_barrier_case(name: str, spec: dict[str, Any], reps: int) -> None:
 
     from pallas_kernels.looped_matmul.barrier import build_barrier_probe
 
-    epochs, wgs, poll = spec["steps"], spec["warpgroups"], spec["poll"]
-    f = build_barrier_probe(BARRIER_BLOCKS, wgs, epochs, poll)
+    epochs, warpgroups, poll = spec["steps"], spec["warpgroups"], spec["poll"]
+    f = build_barrier_probe(BARRIER_BLOCKS, warpgroups, epochs, poll)
     t0 = time.perf_counter()
     seen = np.asarray(f())
     first_s = time.perf_counter() - t0
-    want = BARRIER_BLOCKS * wgs * epochs
+    want = BARRIER_BLOCKS * warpgroups * epochs
     ok = bool((seen == want).all())
-    k_us, _, k_note = cupti_us(f, reps)
+    kernel_us, _, kernel_note = cupti_us(f, reps)
     print(
-        f"[{name}] {BARRIER_BLOCKS} blocks x {wgs} wg, {epochs} barriers, poll={poll}: first "
-        f"call {first_s:.1f} s; counter seen {seen.min()}..{seen.max()} (want {want}) "
-        f"{'OK' if ok else 'MISMATCH'}; CUPTI {k_us} us ({k_note})",
+        f"[{name}] {BARRIER_BLOCKS} blocks x {warpgroups} wg, {epochs} barriers, poll={poll}: "
+        f"first call {first_s:.1f} s; counter seen {seen.min()}..{seen.max()} (want {want}) "
+        f"{'OK' if ok else 'MISMATCH'}; CUPTI {kernel_us} us ({kernel_note})",
         flush=True,
     )
-    _result(name, spec, status="OK" if ok else "MISMATCH", kernel_us=k_us)
+    _result(name, spec, status="OK" if ok else "MISMATCH", kernel_us=kernel_us)
 
 
 def run_case(
@@ -270,7 +103,8 @@ def run_case(
 
     `calls` > 0: checks the result, then only calls the kernel that many times (for ncu, which
     cannot attach next to the CUPTI timing). `profile_dir`: split-K cases also print their
-    phases per step (`phases.py`), profiled in a separate compile after the timing."""
+    phases per step (`looped_matmul_phases.py`), profiled in a separate compile after the
+    timing."""
     if spec.get("variant") == "barrier":
         run_barrier_case(name, spec, reps)
         return
@@ -323,32 +157,32 @@ def run_case(
     out = jax.block_until_ready(kern())
     first_s = time.perf_counter() - t0
     want = jax.block_until_ready(ref())
-    o, r = np.asarray(out, np.float32), np.asarray(want, np.float32)
-    rel = float(np.linalg.norm(o - r) / max(np.linalg.norm(r), 1e-30))
-    ok = bool(np.isfinite(o).all()) and rel < 2e-2
+    got, ref_out = np.asarray(out, np.float32), np.asarray(want, np.float32)
+    rel = float(np.linalg.norm(got - ref_out) / max(np.linalg.norm(ref_out), 1e-30))
+    ok = bool(np.isfinite(got).all()) and rel < 2e-2
     status = "ABLATION" if ablation else ("OK" if ok else "MISMATCH")
     print(
         f"[{name}] first call (compile+run) {first_s:.1f} s; max|out-ref|="
-        f"{np.abs(o - r).max():.3e} rel_fro={rel:.3e} {status}",
+        f"{np.abs(got - ref_out).max():.3e} rel_fro={rel:.3e} {status}",
         flush=True,
     )
     if calls:
         jax.block_until_ready([kern() for _ in range(calls)])
         return
-    k_us, _, k_note = cupti_us(kern, reps)
-    x_us, _, x_note = cupti_us(lambda: unrolled(x, w), reps)
-    k_wall, x_wall = wall_us(kern, reps), wall_us(lambda: unrolled(x, w), reps)
+    kernel_us, _, kernel_note = cupti_us(kern, reps)
+    xla_us, _, xla_note = cupti_us(lambda: unrolled(x, w), reps)
+    kernel_wall, xla_wall = wall_us(kern, reps), wall_us(lambda: unrolled(x, w), reps)
     w_bytes = d * d * 2 * (steps if stacked else 1)
     print(
-        f"[{name}] CUPTI us: kernel {k_us} ({k_note}), XLA unrolled {x_us} ({x_note}); wall "
-        f"us/call back-to-back: kernel {k_wall:.1f}, XLA {x_wall:.1f}; W={w_bytes / 2**20:.0f} "
-        f"MiB; chain weight bytes / kernel time = "
-        f"{steps * d * d * 2 / ((k_us or k_wall) * 1e6):.2f} TB/s",
+        f"[{name}] CUPTI us: kernel {kernel_us} ({kernel_note}), XLA unrolled {xla_us} "
+        f"({xla_note}); wall us/call back-to-back: kernel {kernel_wall:.1f}, XLA "
+        f"{xla_wall:.1f}; W={w_bytes / 2**20:.0f} MiB; chain weight bytes / kernel time = "
+        f"{steps * d * d * 2 / ((kernel_us or kernel_wall) * 1e6):.2f} TB/s",
         flush=True,
     )
     _result(
-        name, spec, status=status, rel=rel, kernel_us=k_us,
-        xla_us=x_us, kernel_wall_us=k_wall, xla_wall_us=x_wall,
+        name, spec, status=status, rel=rel, kernel_us=kernel_us,
+        xla_us=xla_us, kernel_wall_us=kernel_wall, xla_wall_us=xla_wall,
     )  # fmt: skip
     if profile_dir and spec.get("variant") == "splitk" and not stacked:
         print_phases(
@@ -374,7 +208,7 @@ def print_phases(name, x, w, steps, cfg, out_dir, *, grid_barrier: bool) -> None
     shared memory next to the kernel's, fewer steps are profiled (4, then 2)."""
     import jax
 
-    from pallas_kernels.looped_matmul.phases import phase_table
+    from experiments.kernels.looped_matmul_phases import phase_table
     from pallas_kernels.looped_matmul.splitk_kernel import looped_matmul_splitk
 
     os.makedirs(out_dir, exist_ok=True)
@@ -461,10 +295,10 @@ def print_barrier_table(rows: list[dict[str, Any]]) -> None:
     print(f"{'poll':<12} {'wg1':>7} {'wg2':>7} {'d2048/step':>11} {'d3520/step':>11}")
     for poll in POLLS:
         cells = []
-        for wgs in (1, 2):
-            lo = by.get(f"barrier_{poll}_wg{wgs}_e1", {}).get("kernel_us")
-            hi = by.get(f"barrier_{poll}_wg{wgs}_e{BARRIER_EPOCHS}", {}).get("kernel_us")
-            cells.append((hi - lo) / (BARRIER_EPOCHS - 1) if lo and hi else None)
+        for warpgroups in (1, 2):
+            one = by.get(f"barrier_{poll}_wg{warpgroups}_e1", {}).get("kernel_us")
+            many = by.get(f"barrier_{poll}_wg{warpgroups}_e{BARRIER_EPOCHS}", {}).get("kernel_us")
+            cells.append((many - one) / (BARRIER_EPOCHS - 1) if one and many else None)
         for d in (2048, 3520):
             s8 = by.get(f"splitk_d{d}_m1_s8_{poll}", {}).get("kernel_us")
             s32 = by.get(f"splitk_d{d}_m1_s32_{poll}", {}).get("kernel_us")
@@ -530,7 +364,7 @@ def main() -> None:
             print(f"[{name}] SKIPPED: --budget {args.budget:.0f} s would be exceeded")
             rows.append(dict(case=name, steps=spec["steps"], status="BUDGET"))
             continue
-        cmd = [sys.executable, "-m", "pallas_kernels.looped_matmul.smoke", "--case", name]
+        cmd = [sys.executable, "-m", "experiments.kernels.looped_matmul_smoke", "--case", name]
         if args.profile_dir:
             cmd += ["--profile_dir", args.profile_dir]
         t = time.perf_counter()

@@ -1,4 +1,4 @@
-"""How the kernel programs (looped_matmul.smoke, fused_gemv.tune) time one call of a function.
+"""How the kernel programs (experiments.kernels) and the device probes time one call.
 
 `cupti_us`: the device time of the kernels one call launches, summed, median over `reps` calls
 (CUPTI through Mosaic GPU's profiler); `wall_us`: the wall time per call of `reps` calls issued
