@@ -270,22 +270,21 @@ def test_khop_answers_follow_the_edges():
 def test_layers_flag_sets_the_depth_and_its_init():
     from absl import flags
 
-    from experiments import train as train_exp
+    from experiments.train import options as train_exp
 
-    try:
-        flags.FLAGS(
-            [
-                "train",
-                "--config=micro",
-                "--task=add",
-                "--digits=2",
-                "--layers=1,3,2",
-                "--mean_recurrence=4",
-            ]
-        )
-        config, _, _ = train_exp.setup_from_flags()
-    finally:
-        flags.FLAGS.unparse_flags()
+    fv = flags.FlagValues()  # the program defines its flags only when it runs
+    train_exp.define_flags(fv)
+    fv(
+        [
+            "train",
+            "--config=micro",
+            "--task=add",
+            "--digits=2",
+            "--layers=1,3,2",
+            "--mean_recurrence=4",
+        ]
+    )
+    config, _, _ = train_exp.setup_from_flags(fv)
     assert (config.n_layers_in_prelude, config.n_core, config.n_layers_in_coda) == (1, 3, 2)
     assert config.effective_expected_depth == 1 + 2 + 3 * 4  # recomputed, not the preset's
 
@@ -313,7 +312,7 @@ def test_time_limit_stops_within_a_few_steps():
     MAX_STEPS_IN_FLIGHT steps ahead of the device."""
     import time
 
-    from experiments import train as train_exp
+    from experiments.train import loop as train_exp
 
     State = collections.namedtuple("State", "step")
 

@@ -1,8 +1,9 @@
 """Generation: a prefill, then one compiled step per token, with adaptive exit, sampling, cache
 strategies and continuous thought; and a command line (`python -m huginn_jax.generate --help`).
 
-Modules: `exits` (criteria and exit bookkeeping), `sampling`, `step` (one token, compiled),
-`loop` (`make_plan`, `run_plan`, `generate`), `stats` (bytes, memory, per-part timing), `cli`.
+Modules, each importing only those before it: `exits` (criteria and exit bookkeeping),
+`sampling`, `step` (one token, compiled), `plan` (`make_plan`: a checked request), `stats`
+(bytes, memory, per-part timing), `loop` (`run_plan`, `generate`), `cli`.
 
 Each token is ONE compiled call of `step`: prelude → Core iterations (a `lax.scan` for a fixed
 count, a `lax.while_loop` with per-sequence exit checks for a criterion) → coda → sampling. The
@@ -20,7 +21,8 @@ others run on, and the loop ends when all have exited.
 """
 
 from huginn_jax.generate.exits import CRITERIA, Criterion, ExitState, exit_schedule
-from huginn_jax.generate.loop import Generation, Plan, generate, greedy, make_plan, run_plan
+from huginn_jax.generate.loop import Generation, generate, greedy, run_plan
+from huginn_jax.generate.plan import Plan, make_plan
 from huginn_jax.generate.sampling import sample_token
 from huginn_jax.generate.stats import decode_step_bytes, peak_memory_bytes, time_parts
 from huginn_jax.generate.step import StepOutput, StepSpec, step

@@ -1,5 +1,5 @@
-"""The token loop: a checked request (`make_plan`), compiled prefill and decode steps, and the
-Python loop that dispatches one step per token and times it."""
+"""The token loop: compiled prefill and decode steps for a checked request (`plan.make_plan`), and
+the Python loop that dispatches one step per token and times it."""
 
 from __future__ import annotations
 
@@ -12,12 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from huginn_jax.config import HuginnConfig
-from huginn_jax.generate.exits import criterion_named
+from huginn_jax.generate.plan import ATTENTION_WINDOW, Plan, make_plan
 from huginn_jax.generate.stats import generation_stats, peak_memory_bytes
-from huginn_jax.generate.step import StepOutput, StepSpec, compiled_step
-from huginn_jax.kv_cache import KVCache, parse_strategy
+from huginn_jax.generate.step import StepOutput, compiled_step
+from huginn_jax.kv_cache import KVCache
 from huginn_jax.model import Huginn
+
+# Re-exported: `cli` imports ATTENTION_WINDOW and make_plan from here.
+__all__ = ["ATTENTION_WINDOW", "Generation", "Plan", "generate", "greedy", "make_plan", "run_plan"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,127 +32,6 @@ class Generation:
     logits: np.ndarray | None  # [B, N, V] float32 with return_logits, else None
     stats: dict[str, Any]  # timings, throughput, memory (see `generate`)
     cache: KVCache  # the final cache
-
-
-# A decode step attends over the filled part of the preallocated cache rounded up to this many
-# positions, not over all of it: one compiled decode step per window the request reaches.
-ATTENTION_WINDOW = 512
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """A checked generation request: everything `generate` needs besides the weights."""
-
-    ids: np.ndarray  # [B, T] int32 prompt
-    max_new_tokens: int
-    spec: StepSpec
-    strategy: str
-    cache_len: int
-    continuous: bool
-    seed: int
-    threshold: float  # exit threshold (unused without a criterion)
-    min_steps: int
-    attention_window: int = ATTENTION_WINDOW  # decode reads the cache in windows of this many
-
-    def decode_windows(self) -> list[int]:
-        """Cache positions each decode step reads, in order: the positions visible to it (all
-        before and including its own) rounded up to `attention_window`, at most cache_len; all
-        of them with attention_window 0."""
-        prompt_len = self.ids.shape[1]
-        return [
-            attention_window(prompt_len + i, self.cache_len, self.attention_window)
-            for i in range(1, self.max_new_tokens)
-        ]
-
-
-def attention_window(visible: int, cache_len: int, granule: int) -> int:
-    """`visible` positions rounded up to a multiple of `granule`, at most cache_len (granule 0:
-    cache_len)."""
-    if granule == 0:
-        return cache_len
-    return min(cache_len, -(-visible // granule) * granule)
-
-
-def make_plan(
-    config: HuginnConfig,
-    input_ids,
-    max_new_tokens: int,
-    num_steps: int = 32,
-    *,
-    criterion: str | None = None,
-    threshold: float | None = None,
-    min_steps: int = 0,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    init_scale: float = 1.0,
-    continuous: bool = False,
-    strategy: str | None = None,
-    cache_len: int | None = None,
-    attention_window: int = ATTENTION_WINDOW,
-) -> Plan:
-    """Checks a request against `config` without touching weights (see `generate`).
-
-    Raises ValueError with one clear sentence for an empty or out-of-vocabulary prompt, an
-    unknown criterion or strategy, a prompt + max_new_tokens beyond the cache or block_size,
-    and out-of-range settings."""
-    ids = _check_prompt(input_ids, config)
-    prompt_len = ids.shape[1]
-    crit_name = None if criterion in (None, "none") else criterion
-    crit = None if crit_name is None else criterion_named(crit_name)
-    strategy = strategy or ("latest-m4" if crit is not None else "full")
-    parse_strategy(strategy)
-    if crit is not None and strategy == "full":
-        raise ValueError(
-            "adaptive exit needs cache strategy 'latest-m4' (or 'compress-sN'): with 'full', "
-            "tokens that exited early have no entries for later steps"
-        )
-    _check_settings(
-        config,
-        max_new_tokens=max_new_tokens,
-        num_steps=num_steps,
-        min_steps=min_steps,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        init_scale=init_scale,
-    )
-    needed = prompt_len + max_new_tokens
-    what = f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = {needed} positions"
-    if needed > config.block_size:
-        raise ValueError(f"{what} exceed the model's block_size={config.block_size}")
-    cache_len = needed if cache_len is None else cache_len
-    if cache_len > config.block_size:
-        raise ValueError(
-            f"cache_len={cache_len} exceeds the model's block_size={config.block_size}"
-        )
-    if needed > cache_len:
-        raise ValueError(f"{what} exceed the cache's capacity of cache_len={cache_len}")
-    if attention_window < 0:
-        raise ValueError(f"attention_window={attention_window} must be >= 0 (0: the whole cache)")
-    if threshold is None:
-        threshold = crit.default_threshold if crit is not None else 0.0
-    spec = StepSpec(
-        num_steps=num_steps,
-        criterion=crit_name,
-        init_scale=float(init_scale),
-        temperature=float(temperature),
-        top_k=top_k,
-        top_p=float(top_p),
-    )
-    return Plan(
-        ids,
-        max_new_tokens,
-        spec,
-        strategy,
-        cache_len,
-        continuous,
-        seed,
-        float(threshold),
-        min_steps,
-        attention_window,
-    )
 
 
 def generate(
@@ -295,60 +176,12 @@ class _NoBar:
 
 
 def _progress_bar(total: int, enabled: bool):
-    """A tqdm bar over tokens on stderr; a no-op when disabled or tqdm is missing."""
+    """A tqdm bar over tokens on stderr; a no-op when disabled."""
     if not enabled:
         return _NoBar()
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return _NoBar()
+    from tqdm import tqdm
+
     return tqdm(total=total, unit="tok", dynamic_ncols=True, leave=False)
-
-
-def _check_prompt(input_ids, cfg: HuginnConfig) -> np.ndarray:
-    ids = np.asarray(input_ids)
-    if ids.ndim == 1:
-        ids = ids[None]
-    if ids.ndim != 2:
-        raise ValueError(f"input_ids must be [tokens] or [batch, tokens], got shape {ids.shape}")
-    if ids.shape[0] < 1 or ids.shape[1] < 1:
-        raise ValueError(
-            f"the prompt is empty (input_ids shape {ids.shape}); give at least a token"
-        )
-    if not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"input_ids must be integers, got {ids.dtype}")
-    if ids.min() < 0 or ids.max() >= cfg.vocab_size:
-        raise ValueError(
-            f"token ids must lie in [0, {cfg.vocab_size}), got [{ids.min()}, {ids.max()}]"
-        )
-    return ids.astype(np.int32)
-
-
-def _check_settings(
-    cfg: HuginnConfig,
-    *,
-    max_new_tokens,
-    num_steps,
-    min_steps,
-    temperature,
-    top_k,
-    top_p,
-    init_scale,
-):
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
-    if num_steps < 1:
-        raise ValueError(f"num_steps={num_steps} must be at least 1")
-    if not 0 <= min_steps <= num_steps:
-        raise ValueError(f"min_steps={min_steps} must lie in [0, num_steps={num_steps}]")
-    if temperature < 0:
-        raise ValueError(f"temperature={temperature} must be >= 0 (0: greedy)")
-    if not 0 <= top_k <= cfg.vocab_size:
-        raise ValueError(f"top_k={top_k} must lie in [0, vocab_size={cfg.vocab_size}] (0: off)")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p={top_p} must lie in (0, 1] (1: off)")
-    if init_scale < 0:
-        raise ValueError(f"init_scale={init_scale} must be >= 0")
 
 
 def greedy(

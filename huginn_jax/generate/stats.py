@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import statistics
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -15,11 +15,9 @@ from flax import nnx
 from huginn_jax import costs
 from huginn_jax.config import HuginnConfig
 from huginn_jax.generate.exits import CRITERIA
+from huginn_jax.generate.plan import Plan
 from huginn_jax.kv_cache import KVCache
 from huginn_jax.model import Huginn, embed, run_coda, run_core, run_prelude
-
-if TYPE_CHECKING:
-    from huginn_jax.generate.loop import Plan
 
 
 def decode_step_bytes(
