@@ -35,14 +35,13 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
 from experiments import attention_bench as bench  # noqa: E402
-from experiments import cli  # noqa: E402
+from experiments import cli, program  # noqa: E402
 from experiments.cli import UserError  # noqa: E402
 from experiments.measure import compare, timing  # noqa: E402
 from experiments.measure import ncu as ncu_lib  # noqa: E402
-from experiments.measure import results as results_lib  # noqa: E402
 from experiments.measure.ceilings import Ceilings  # noqa: E402
 from huginn_jax import costs  # noqa: E402
 from huginn_jax.config import HuginnConfig  # noqa: E402
@@ -218,64 +217,67 @@ def config() -> HuginnConfig:
 
 
 def parse_ms() -> list[int]:
+    """The rows M; UserError for any flag value that cannot be measured."""
     ms = cli.positive_ints("m", FLAGS.m)
-    for name, allowed in (("variants", VARIANTS), ("impls", IMPLS)):
-        for value in FLAGS[name].value:
-            if value not in allowed:
-                raise UserError(f"--{name}: unknown {value!r}; known: {', '.join(allowed)}")
+    for value in FLAGS.variants:
+        if value not in VARIANTS:
+            raise UserError(f"--variants: unknown {value!r}; known: {', '.join(VARIANTS)}")
+    bench.known_impls(FLAGS.impls, IMPLS)
     if FLAGS.calls < 1 or FLAGS.repeats < 1 or FLAGS.warmup < 0:
         raise UserError("--calls and --repeats must be >= 1, --warmup >= 0")
     return ms
 
 
 def run(ms: list[int], ceilings: Ceilings | None) -> list[dict]:
+    """Every M, variant and runnable impl, in that order: one record each (`bench.time_one`),
+    with the estimate's rates, the roofline (with ceilings) and the HBM bytes (with --hbm)."""
     cfg = config()
     on_gpu = jax.devices()[0].platform == "gpu"
-    impls = bench.runnable(list(dict.fromkeys(FLAGS.impls)), bench.TORCH_IMPLS, on_gpu)
+    impls = bench.runnable(bench.known_impls(FLAGS.impls, IMPLS), bench.TORCH_IMPLS, on_gpu)
     ncu = ncu_lib.find_ncu() if FLAGS.hbm else None
     if FLAGS.hbm and (not on_gpu or ncu is None):
         print(ncu_lib.SKIP_LINE)
-    records = []
-    for m in ms:
+    profile = bool(ncu and on_gpu and FLAGS.hbm)
+
+    def prepare(m: int):
         ss, es, w = stacked_inputs(cfg, m, FLAGS.calls, FLAGS.seed)
-        ref = reference(ss, es, w)
-        for variant in FLAGS.variants:
-            est = estimate(cfg, m, variant)
-            for impl in impls:
-                rec = bench.time_one(
-                    {"impl": impl, "m": m, "variant": variant},
-                    functools.partial(
-                        make_runner, impl, variant, ss, es, w, FLAGS.torch_compile_mode
-                    ),
-                    checked,
-                    ref,
-                    per_call=FLAGS.calls,
-                    warmup=FLAGS.warmup,
-                    repeats=FLAGS.repeats,
-                )
-                if "error" not in rec:
-                    t = rec["us"] / 1e6
-                    rec.update(
-                        estimate=dataclasses.asdict(est),
-                        gbps=est.hbm_bytes / t / 1e9,
-                        tflops=est.flops / t / 1e12,
-                    )
-                    if ceilings:
-                        ideal, bound = roofline(est, ceilings)
-                        rec.update(
-                            ideal_us=ideal * 1e6, bound=bound, pct_of_roofline=100 * ideal / t
-                        )
-                    if ncu and on_gpu and FLAGS.hbm:
-                        try:
-                            hbm = hbm_pass(impl, variant, m, ncu)
-                            hbm["read_over_estimate"] = (
-                                hbm["bytes_read_per_chain"] / est.hbm_read_bytes
-                            )
-                            rec["hbm"] = hbm
-                        except (ncu_lib.NcuError, OSError) as e:
-                            print(f"note: ncu for {impl} {variant} M={m} failed: {e}")
-                records.append(rec)
-        del ss, es, w
+        return ss, es, w, reference(ss, es, w)
+
+    def measure(m: int, variant_impl: tuple[str, str], prepared) -> dict:
+        variant, impl = variant_impl
+        ss, es, w, ref = prepared
+        est = estimate(cfg, m, variant)
+        rec = bench.time_one(
+            {"impl": impl, "m": m, "variant": variant},
+            functools.partial(make_runner, impl, variant, ss, es, w, FLAGS.torch_compile_mode),
+            checked,
+            ref,
+            per_call=FLAGS.calls,
+            warmup=FLAGS.warmup,
+            repeats=FLAGS.repeats,
+        )
+        if "error" in rec:
+            return rec
+        t = rec["us"] / 1e6
+        rec.update(
+            estimate=dataclasses.asdict(est),
+            gbps=est.hbm_bytes / t / 1e9,
+            tflops=est.flops / t / 1e12,
+        )
+        if ceilings:
+            ideal, bound = roofline(est, ceilings)
+            rec.update(ideal_us=ideal * 1e6, bound=bound, pct_of_roofline=100 * ideal / t)
+        if profile:
+            try:
+                hbm = hbm_pass(impl, variant, m, ncu)
+                hbm["read_over_estimate"] = hbm["bytes_read_per_chain"] / est.hbm_read_bytes
+                rec["hbm"] = hbm
+            except (ncu_lib.NcuError, OSError) as e:
+                print(f"note: ncu for {impl} {variant} M={m} failed: {e}")
+        return rec
+
+    variant_impls = [(v, i) for v in FLAGS.variants for i in impls]
+    records = bench.sweep("adapter", ms, variant_impls, prepare, measure)
     bench.add_vs_best(records, CASE_KEYS)
     return records
 
@@ -312,29 +314,13 @@ def main(argv: list[str]) -> None:
         ncu_child(FLAGS.ncu_child)
         return
     ms = parse_ms()
+    program.check_outputs(FLAGS.json_out)
     device_kind = jax.devices()[0].device_kind
     ceilings = bench.load_ceilings(device_kind, FLAGS.ceilings)
     records = run(ms, ceilings)
-    if FLAGS.json_out:
-        names = (
-            "m variants impls torch_compile_mode config calls warmup repeats json_out hbm seed "
-            "ceilings"
-        ).split()
-        payload = {
-            "records": records,
-            "ceilings": ceilings.to_dict() if ceilings else None,
-            "check_tolerance": bench.TOLERANCE,
-        }
-        path = results_lib.write_results(FLAGS.json_out, cli.flag_values(names), payload)
-        print(f"results: {path}")
-    print(format_table(records))
-    print(bench.ceilings_line(ceilings, device_kind))
-    bench.fail_on_check("adapter", records, CASE_KEYS)
-
-
-run_main = cli.main_runner("adapter", main)
+    table = format_table(records)
+    bench.finish("adapter", FLAGS.json_out, records, table, ceilings, device_kind, CASE_KEYS)
 
 
 if __name__ == "__main__":
-    define_flags()
-    app.run(run_main, flags_parser=cli.flags_parser("adapter"))
+    program.run("adapter", define_flags, main)

@@ -1,8 +1,9 @@
 """What the comparison programs (`adapter`, `decode_attention`, `prefill_attention`) share: which
 implementations can run here, the PyTorch runners (eager replayed from a CUDA graph, and
-torch.compile), PyTorch's SDPA from the model's layout, the device ceilings, building, checking
-and timing one implementation into a record, the "vs best" column, and the exit status of a run
-with a row that failed its check.
+torch.compile), PyTorch's SDPA from the model's layout, the device ceilings, the sweep over cases
+and implementations (building, checking and timing each into a record), the "vs best" column,
+and the end of a run: the results JSON, the table, and exit status 1 for a row that failed its
+check.
 
 A PyTorch impl name is its runner, then for attention the SDPA backend: "torch_graph/flash",
 "torch_compile/cudnn"; every name that starts with "torch" counts as PyTorch in "vs best".
@@ -16,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments import cli
+from experiments import cli, program
 from experiments.cli import UserError
 from experiments.measure import ceilings as ceilings_lib
 from experiments.measure import compare, timing
@@ -49,6 +50,14 @@ def runnable(impls: Sequence[str], gpu_only: Sequence[str], on_gpu: bool) -> lis
         print("note: PyTorch is not installed; torch rows skipped")
         impls = [i for i in impls if compare.framework(i) != "torch"]
     return impls
+
+
+def known_impls(values: Sequence[str], known: Sequence[str]) -> list[str]:
+    """`--impls` without repeats; UserError naming the first value not in `known`."""
+    unknown = [i for i in values if i not in known]
+    if unknown:
+        raise UserError(f"--impls: unknown impl {unknown[0]!r}; known: {', '.join(known)}")
+    return list(dict.fromkeys(values))
 
 
 def with_sdpa_backends(impls: Sequence[str], backends: Sequence[str]) -> list[str]:
@@ -203,7 +212,37 @@ def sdpa_runner(impl: str, q, k, v, *, causal: bool, mode: str) -> TorchRunner:
     return TorchRunner(runner, sdpa_fn(causal=causal, backend=backend), args, mode=mode)
 
 
-# --- one row, the vs best column, the exit status ------------------------------------------
+def attention_runner(
+    impl: str, q, k, v, mode: str = "default", *, causal: bool, xla_runner: Callable[..., Any]
+):
+    """The runner of an attention impl over q, k, v [sets, B, *, H, K]: `sdpa_runner` for a
+    PyTorch impl (`mode`: torch.compile's), else `xla_runner(impl, q, k, v)`."""
+    if compare.framework(impl) == "torch":
+        return sdpa_runner(impl, q, k, v, causal=causal, mode=mode)
+    return xla_runner(impl, q, k, v)
+
+
+# --- the sweep, one row, the vs best column, the end of a run -----------------------------
+
+
+def sweep(
+    desc: str,
+    cases: Sequence[Any],
+    impls: Sequence[Any],
+    prepare: Callable[[Any], Any],
+    measure: Callable[[Any, Any, Any], dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """`measure(case, impl, prepare(case))` for every case, then every impl, in that order, with
+    a progress bar on stderr. `prepare` runs once per case, the previous case's inputs dropped
+    first, so that two cases' inputs never share the device memory."""
+    records: list[dict[str, Any]] = []
+    current, prepared = object(), None
+    for case, impl in program.progress([(c, i) for c in cases for i in impls], desc):
+        if case != current:
+            prepared = None
+            current, prepared = case, prepare(case)
+        records.append(measure(case, impl, prepared))
+    return records
 
 
 def time_one(
@@ -271,11 +310,35 @@ def compile_cell(record: dict[str, Any]) -> str:
     return "-" if seconds is None else f"{seconds:.1f}"
 
 
-def fail_on_check(program: str, records: list[dict[str, Any]], case_keys: Sequence[str]) -> None:
+def fail_on_check(name: str, records: list[dict[str, Any]], case_keys: Sequence[str]) -> None:
     """Exit status 1, after the results are written, when a row differs from the reference."""
     failed = [r for r in records if r.get("check_ok") is False]
     if failed:
         rows = "; ".join(
             f"{r['impl']} " + " ".join(f"{k}={r[k]}" for k in case_keys) for r in failed
         )
-        cli.fail(program, f"rel err above {TOLERANCE:g} against the reference: {rows}", code=1)
+        cli.fail(name, f"rel err above {TOLERANCE:g} against the reference: {rows}", code=1)
+
+
+def finish(
+    name: str,
+    json_out: str,
+    records: list[dict[str, Any]],
+    table: str,
+    ceilings: ceilings_lib.Ceilings | None,
+    device_kind: str,
+    case_keys: Sequence[str],
+) -> None:
+    """The end of a comparison program's run: the results JSON (records, ceilings, the check's
+    tolerance; none for an empty `json_out`) and its path, the table, the ceilings line, then
+    exit status 1 when a row failed its check (`fail_on_check`), so the results are kept."""
+    if json_out:
+        payload = {
+            "records": records,
+            "ceilings": ceilings.to_dict() if ceilings else None,
+            "check_tolerance": TOLERANCE,
+        }
+        print(f"results: {program.write_results(json_out, payload)}")
+    print(table)
+    print(ceilings_line(ceilings, device_kind))
+    fail_on_check(name, records, case_keys)

@@ -26,13 +26,12 @@ from pathlib import Path
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
-from experiments import cli  # noqa: E402
+from experiments import cli, program  # noqa: E402
 from experiments.cli import UserError  # noqa: E402
 from experiments.measure import ceilings as ceilings_lib  # noqa: E402
 from experiments.measure import probes, timing  # noqa: E402
-from experiments.measure import results as results_lib  # noqa: E402
 from huginn_jax import xla_flags  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -42,7 +41,6 @@ K = 8192
 # checks the program, it measures no ceiling anyone uses): sizes that take seconds.
 GPU_SIZES = {"gib": 2.0, "gemm_size": 8192, "idle_s": 1.0}
 SMALL_SIZES = {"gib": 1 / 128, "gemm_size": 256, "idle_s": 0.05}
-FLAG_NAMES = "gib reps gemm_counts gemm_size gemm_repeats idle_s json_out gemm seed".split()
 
 
 def define_flags() -> None:
@@ -112,7 +110,7 @@ def read_records(gib: float, reps: int, seed: int) -> list[dict]:
     """The streaming cases over one weight of `gib` GiB: one record each, with its rate."""
     w = probes.stream_weight(int(gib * 2**30), K, jax.random.key(seed))
     records = []
-    for probe in probes.read_probes(w):
+    for probe in program.progress(probes.read_probes(w), "ceilings: reads"):
         measured = probes.device_time(probe.fn, probe.args, reps)
         seconds = [us * 1e-6 for us in measured.samples_us]
         median_s = statistics.median(seconds)
@@ -199,18 +197,17 @@ def main(argv: list[str]) -> None:
     on_gpu = device.platform == "gpu"
     values = sizes(on_gpu)
     path = json_path(device.device_kind, on_gpu)
+    program.check_outputs(str(path))
+    # The device's defaults and the path become the flags' values: the JSON's environment then
+    # holds every value this run used.
+    for name, value in {**values, "json_out": str(path)}.items():
+        setattr(FLAGS, name, value)
     records = read_records(values["gib"], FLAGS.reps, FLAGS.seed)
     records += gemm_records(
         values["gemm_size"], counts, FLAGS.gemm_repeats, values["idle_s"], FLAGS.seed
     )
     ceilings = ceilings_of(records, FLAGS.gemm_repeats)
-    flag_values = cli.flag_values(FLAG_NAMES) | values | {"json_out": str(path)}
-    try:
-        written = results_lib.write_results(
-            path, flag_values, {"ceilings": ceilings, "records": records}
-        )
-    except OSError as e:
-        raise UserError(f"cannot write {path}: {e.strerror or e}") from None
+    written = program.write_results(str(path), {"ceilings": ceilings, "records": records})
     print(f"results: {written}")
     print(
         f"device {device.device_kind}: read {ceilings['read_bytes_per_s'] / 1e12:.4g} TB/s "
@@ -221,9 +218,5 @@ def main(argv: list[str]) -> None:
     print(format_table(records))
 
 
-run_main = cli.main_runner(PROGRAM, main)
-
-
 if __name__ == "__main__":
-    define_flags()
-    app.run(run_main, flags_parser=cli.flags_parser(PROGRAM))
+    program.run(PROGRAM, define_flags, main)

@@ -39,13 +39,12 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
 from experiments import attention_bench as bench  # noqa: E402
-from experiments import cli  # noqa: E402
+from experiments import cli, program  # noqa: E402
 from experiments.cli import UserError  # noqa: E402
 from experiments.measure import compare  # noqa: E402
-from experiments.measure import results as results_lib  # noqa: E402
 from experiments.measure.ceilings import Ceilings  # noqa: E402
 from huginn_jax.layers import (  # noqa: E402
     DECODE_BLOCK,
@@ -198,7 +197,7 @@ CHECKED_SLOTS = 2  # slots checked against the float64 reference (on the host)
 
 def reference(q, k, v) -> np.ndarray:
     """float64 attention of the first CHECKED_SLOTS slots on the host, from the bf16 data
-    (XLA's float32 product of all slots asked the autotuner for 20 GiB at B = 1, S = 1024)."""
+    (XLA's float32 product of all slots asked the autotuner for many times the caches' size)."""
     q, k, v = (np.asarray(x[:CHECKED_SLOTS].astype(jnp.float32), np.float64) for x in (q, k, v))
     scores = np.einsum("nbhk,nbshk->nbhs", q[:, :, 0], k) / np.sqrt(q.shape[-1])
     probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
@@ -226,41 +225,42 @@ def checked_slots(out) -> np.ndarray:
     return np.stack([o.float().cpu().numpy() for o in out[:CHECKED_SLOTS]])
 
 
-def make_runner(impl: str, q, k, v, compile_mode: str = "default"):
-    if compare.framework(impl) == "torch":
-        return bench.sdpa_runner(impl, q, k, v, causal=False, mode=compile_mode)
-    return XlaRunner(impl, q, k, v)
+# The runner of an impl: bench.sdpa_runner (non-causal) for PyTorch, else XlaRunner.
+make_runner = functools.partial(bench.attention_runner, causal=False, xla_runner=XlaRunner)
 
 
 def run(
     batches: list[int], contexts: list[int], impls: list[str], ceilings: Ceilings | None
 ) -> list[dict]:
+    """Every (batch, context), then every runnable impl: one record each (`bench.time_one`),
+    with the K and V bytes of one slot and their rate (and % of the read rate, with ceilings)."""
     impls = bench.runnable(impls, GPU_ONLY, jax.devices()[0].platform == "gpu")
-    records = []
-    for batch in batches:
-        for context in contexts:
-            q, k, v = inputs(FLAGS.slots, batch, context, FLAGS.heads, FLAGS.head_dim, FLAGS.seed)
-            ref = reference(q, k, v)
+
+    def prepare(case: tuple[int, int]):
+        q, k, v = inputs(FLAGS.slots, *case, FLAGS.heads, FLAGS.head_dim, FLAGS.seed)
+        return q, k, v, reference(q, k, v)
+
+    def measure(case: tuple[int, int], impl: str, prepared) -> dict:
+        (batch, context), (q, k, v, ref) = case, prepared
+        record = bench.time_one(
+            {"impl": impl, "batch": batch, "context": context},
+            functools.partial(make_runner, impl, q, k, v, FLAGS.torch_compile_mode),
+            checked_slots,
+            ref,
+            per_call=FLAGS.slots,
+            warmup=FLAGS.warmup,
+            repeats=FLAGS.repeats,
+        )
+        if "error" not in record:
             kv_bytes = 2 * k[0].size * k.dtype.itemsize  # K and V of one slot
-            for impl in impls:
-                record = bench.time_one(
-                    {"impl": impl, "batch": batch, "context": context},
-                    functools.partial(make_runner, impl, q, k, v, FLAGS.torch_compile_mode),
-                    checked_slots,
-                    ref,
-                    per_call=FLAGS.slots,
-                    warmup=FLAGS.warmup,
-                    repeats=FLAGS.repeats,
-                )
-                if "error" not in record:
-                    seconds = record["us"] / 1e6
-                    record.update(kv_bytes=kv_bytes, gb_per_s=kv_bytes / seconds / 1e9)
-                    if ceilings:
-                        record["pct_of_read_rate"] = (
-                            100 * kv_bytes / seconds / ceilings.read_bytes_per_s
-                        )
-                records.append(record)
-            del q, k, v
+            seconds = record["us"] / 1e6
+            record.update(kv_bytes=kv_bytes, gb_per_s=kv_bytes / seconds / 1e9)
+            if ceilings:
+                record["pct_of_read_rate"] = 100 * kv_bytes / seconds / ceilings.read_bytes_per_s
+        return record
+
+    cases = [(b, c) for b in batches for c in contexts]
+    records = bench.sweep("decode_attention", cases, impls, prepare, measure)
     bench.add_vs_best(records, CASE_KEYS)
     return records
 
@@ -294,9 +294,7 @@ def main(argv: list[str]) -> None:
         raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
     batches = cli.positive_ints("batch", FLAGS.batch)
     contexts = cli.positive_ints("context", FLAGS.context)
-    unknown = [i for i in FLAGS.impls if i not in IMPLS]
-    if unknown:
-        raise UserError(f"unknown impl {unknown[0]!r}; known: {', '.join(IMPLS)}")
+    impls = bench.known_impls(FLAGS.impls, IMPLS)
     for name in ("heads", "head_dim", "slots", "repeats"):
         if FLAGS[name].value < 1:
             raise UserError(f"--{name} must be >= 1, got {FLAGS[name].value}")
@@ -310,32 +308,16 @@ def main(argv: list[str]) -> None:
                 f"--pallas_configs: {tuning!r} is not PROGRAMS_PER_SM:BLOCK_S:NUM_WARPS:NUM_STAGES"
             )
     sdpa_backends = bench.parse_sdpa_backends(FLAGS.sdpa_backends)
-    impls = expand_impls(
-        list(dict.fromkeys(FLAGS.impls)), split_blocks, FLAGS.pallas_configs, sdpa_backends
-    )
+    impls = expand_impls(impls, split_blocks, FLAGS.pallas_configs, sdpa_backends)
+    program.check_outputs(FLAGS.json_out)
     device_kind = jax.devices()[0].device_kind
     ceilings = bench.load_ceilings(device_kind, FLAGS.ceilings)
     records = run(batches, contexts, impls, ceilings)
-    if FLAGS.json_out:
-        names = (
-            "batch context impls split_blocks pallas_configs sdpa_backends torch_compile_mode "
-            "heads head_dim slots warmup repeats seed json_out ceilings"
-        ).split()
-        payload = {
-            "records": records,
-            "ceilings": ceilings.to_dict() if ceilings else None,
-            "check_tolerance": bench.TOLERANCE,
-        }
-        path = results_lib.write_results(FLAGS.json_out, cli.flag_values(names), payload)
-        print(f"results: {path}")
-    print(format_table(records))
-    print(bench.ceilings_line(ceilings, device_kind))
-    bench.fail_on_check("decode_attention", records, CASE_KEYS)
-
-
-run_main = cli.main_runner("decode_attention", main)
+    table = format_table(records)
+    bench.finish(
+        "decode_attention", FLAGS.json_out, records, table, ceilings, device_kind, CASE_KEYS
+    )
 
 
 if __name__ == "__main__":
-    define_flags()
-    app.run(run_main, flags_parser=cli.flags_parser("decode_attention"))
+    program.run("decode_attention", define_flags, main)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 
 # PyTorch runs in the same process: JAX must not grab 75 % of the GPU up front.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -38,14 +37,12 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from absl import app, flags, logging  # noqa: E402
+from absl import flags, logging  # noqa: E402
 from flax import nnx  # noqa: E402
 
-import pallas_kernels.decode_attention  # noqa: E402, F401 (registers the "pallas" decode)
-import pallas_kernels.fused_gemv  # noqa: E402, F401 (registers the "pallas" row GEMV)
-from experiments import cli  # noqa: E402
+from experiments import cli, program  # noqa: E402
+from experiments.cli import UserError  # noqa: E402
 from experiments.measure import compare as compare_lib  # noqa: E402
-from experiments.measure import results as results_lib  # noqa: E402
 from experiments.torch_ref import chain as torch_chain  # noqa: E402 (imports no torch)
 from experiments.torch_ref.core import COMPILE_MODES  # noqa: E402 (imports no torch)
 from experiments.torch_ref.huginn import LOOPS as TORCH_LOOPS  # noqa: E402 (imports no torch)
@@ -127,20 +124,13 @@ def define_flags() -> None:
     flags.DEFINE_string("json_out", "out/generate_vs_torch.json", "Results JSON ('' to skip).")
 
 
-_OWN_FLAGS = (
-    "config checkpoint dtype gemm prompt_len batch max_new_tokens num_steps seed decode_attention "
-    "decode_gemv torch_impls torch_compile_mode torch_coordinate_descent torch_conformance "
-    "graph_warmup progress json_out"
-).split()
-
-
 def _config() -> HuginnConfig:
     from pathlib import Path
 
     if FLAGS.checkpoint:
         path = Path(FLAGS.checkpoint) / "config.json"
         if not path.exists():
-            raise ValueError(f"--checkpoint: {path} does not exist")
+            raise UserError(f"--checkpoint: {path} does not exist")
         config = HuginnConfig.from_hf_json(path)
     else:
         config = HuginnConfig.from_name(FLAGS.config)
@@ -152,7 +142,7 @@ def _config() -> HuginnConfig:
 def _plan(config: HuginnConfig) -> Plan:
     """The request, checked before any weights exist; the prompt as the generate CLI draws it."""
     if FLAGS.prompt_len < 1 or FLAGS.batch < 1:
-        raise ValueError("--prompt_len and --batch must be at least 1")
+        raise UserError("--prompt_len and --batch must be at least 1")
     ids = np.random.default_rng(FLAGS.seed).integers(0, config.vocab_size, FLAGS.prompt_len)
     return make_plan(
         config,
@@ -175,7 +165,7 @@ def _model(config: HuginnConfig) -> Huginn:
 def _torch_impls() -> list[str]:
     unknown = [name for name in FLAGS.torch_impls if name not in TORCH_LOOPS]
     if unknown:
-        raise ValueError(
+        raise UserError(
             f"--torch_impls: unknown {', '.join(unknown)}; known: {', '.join(TORCH_LOOPS)}"
         )
     return list(dict.fromkeys(FLAGS.torch_impls))
@@ -223,7 +213,7 @@ def run_torch(model: Huginn, plan: Plan, impls: list[str], notes: list[str]):
     shared = {"torch_compile", "torch_graph"} & set(impls)
     fast_core = FastCore(params, model.config, to_torch) if shared else None
     runs, details, checks = {}, {}, {}
-    for impl in impls:
+    for impl in program.progress(impls, "generate_vs_torch: torch loops"):
         if FLAGS.torch_conformance:
             checks[impl] = check_generation_impl(
                 impl, device, FLAGS.torch_compile_mode, FLAGS.graph_warmup
@@ -362,15 +352,20 @@ def print_table(records: list[dict], comparisons: dict, checks: dict, details: d
 
 
 def main(argv: list[str]) -> None:
+    logging.set_verbosity(logging.WARNING)  # no backend-probing chatter around the output
     if len(argv) > 1:
-        raise ValueError(f"unexpected arguments: {' '.join(argv[1:])}")
+        raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
     if FLAGS.graph_warmup < 1:
-        raise ValueError("--graph_warmup must be at least 1 (cuBLAS and friends initialise there)")
+        raise UserError("--graph_warmup must be at least 1 (cuBLAS and friends initialise there)")
     impls = _torch_impls()
+    program.check_outputs(FLAGS.json_out)
     use_gemm(FLAGS.gemm)  # before anything starts the backend
-    config = _config()
-    plan = _plan(config)  # every bad setting fails here, before weights or compilation
-    model = _model(config)
+    try:  # every bad setting fails here (presets, make_plan, checkpoints), before compilation
+        config = _config()
+        plan = _plan(config)
+        model = _model(config)
+    except ValueError as e:
+        raise UserError(str(e)) from None
     jax_gen = run_jax(model, plan)
     notes: list[str] = []
     runs, details, checks = run_torch(model, plan, impls, notes)
@@ -378,6 +373,8 @@ def main(argv: list[str]) -> None:
     for impl, comparison in comparisons.items():
         details[impl]["comparison"] = comparison
     records = make_records(jax_gen, runs, comparisons, checks)
+    for line in notes:
+        print(f"note: {line}")
     if FLAGS.json_out:
         result = {
             "jax": {**jax_gen.stats, "tokens": jax_gen.tokens.tolist()},
@@ -386,31 +383,16 @@ def main(argv: list[str]) -> None:
             "conformance": checks,
             "notes": notes,
         }
-        path = results_lib.write_results(FLAGS.json_out, cli.flag_values(_OWN_FLAGS), result)
-    for line in notes:
-        print(f"note: {line}")
-    if FLAGS.json_out:
-        print(f"results: {path}")
+        print(f"results: {program.write_results(FLAGS.json_out, result)}")
     print_table(records, comparisons, checks, details)
     failed = [impl for impl, check in checks.items() if not check["passed"]]
     if failed:
-        print(
-            f"generate_vs_torch: {', '.join(failed)} missed the conformance greedy tokens; "
-            "their timings are void",
-            file=sys.stderr,
+        cli.fail(
+            "generate_vs_torch",
+            f"{', '.join(failed)} missed the conformance greedy tokens; their timings are void",
+            code=1,
         )
-        sys.exit(1)
-
-
-def run_main(argv: list[str]) -> None:
-    logging.set_verbosity(logging.WARNING)  # no backend-probing chatter around the output
-    try:
-        main(argv)
-    except ValueError as e:  # bad flags or settings (make_plan, presets, checkpoints)
-        print(f"generate_vs_torch: {e}", file=sys.stderr)
-        sys.exit(2)
 
 
 if __name__ == "__main__":
-    define_flags()
-    app.run(run_main, flags_parser=cli.flags_parser("generate_vs_torch"))
+    program.run("generate_vs_torch", define_flags, main)

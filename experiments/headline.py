@@ -18,9 +18,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from absl import app, flags
+from absl import flags
 
-from experiments import cli
+from experiments import program
 from experiments.cli import UserError
 from experiments.measure import compare
 from experiments.measure import results as results_lib
@@ -126,9 +126,7 @@ def main(argv: list[str]) -> None:
     paths = argv[1:]
     if len(paths) < 3:
         raise UserError(f"give at least 3 results JSONs of separate processes (got {len(paths)})")
-    for out in (FLAGS.json_out, FLAGS.txt_out):
-        if out:
-            cli.check_writable(out)
+    program.check_outputs(FLAGS.json_out, FLAGS.txt_out)
     runs = []
     for path in paths:
         try:
@@ -139,12 +137,12 @@ def main(argv: list[str]) -> None:
     if len(names) != 1:
         raise UserError(f"the files come from different programs: {', '.join(sorted(names))}")
     name = names.pop()
-    program = PROGRAMS[name]
-    records = combine(runs, program)
+    layout = PROGRAMS[name]
+    records = combine(runs, layout)
     if not records:
         raise UserError("no (case, impl) was measured in every file")
-    table = format_table(records, program, len(runs))
-    if FLAGS.json_out:
+    table = format_table(records, layout, len(runs))
+    if FLAGS.json_out:  # the environments are the measuring processes': this one measured nothing
         results_lib.write_json_atomic(
             FLAGS.json_out,
             {
@@ -160,5 +158,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    define_flags()
-    app.run(cli.main_runner("headline", main), flags_parser=cli.flags_parser("headline"))
+    program.run("headline", define_flags, main)

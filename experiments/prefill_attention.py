@@ -42,13 +42,12 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
 from experiments import attention_bench as bench  # noqa: E402
-from experiments import cli  # noqa: E402
+from experiments import cli, program  # noqa: E402
 from experiments.cli import UserError  # noqa: E402
 from experiments.measure import compare  # noqa: E402
-from experiments.measure import results as results_lib  # noqa: E402
 from experiments.measure import trace as trace_lib  # noqa: E402
 from experiments.measure.ceilings import Ceilings  # noqa: E402
 from huginn_jax.layers import attend, attend_cudnn, attend_mgpu_causal  # noqa: E402
@@ -151,43 +150,45 @@ def first_set_checked_heads(out) -> np.ndarray:
     return out[0][:, :, :CHECKED_HEADS].float().cpu().numpy().astype(np.float64)
 
 
-def make_runner(impl: str, q, k, v, compile_mode: str = "default"):
-    if compare.framework(impl) == "torch":
-        return bench.sdpa_runner(impl, q, k, v, causal=True, mode=compile_mode)
-    return XlaRunner(impl, q, k, v)
+# The runner of an impl: bench.sdpa_runner (causal) for PyTorch, else XlaRunner.
+make_runner = functools.partial(bench.attention_runner, causal=True, xla_runner=XlaRunner)
 
 
 def run(
     batches: list[int], token_counts: list[int], impls: list[str], ceilings: Ceilings | None
 ) -> list[dict]:
+    """Every (batch, tokens), then every runnable impl: one record each (`bench.time_one`), with
+    the causal FLOPs and their rate (and % of the GEMM rate, with ceilings); with --trace_dir a
+    JAX impl's record also holds its call's kernels (`trace_call`)."""
     impls = bench.runnable(impls, GPU_ONLY, jax.devices()[0].platform == "gpu")
-    records = []
-    for batch in batches:
-        for tokens in token_counts:
-            q, k, v = inputs(FLAGS.sets, batch, tokens, FLAGS.heads, FLAGS.head_dim, FLAGS.seed)
-            ref = reference(q, k, v)
+
+    def prepare(case: tuple[int, int]):
+        q, k, v = inputs(FLAGS.sets, *case, FLAGS.heads, FLAGS.head_dim, FLAGS.seed)
+        return q, k, v, reference(q, k, v)
+
+    def measure(case: tuple[int, int], impl: str, prepared) -> dict:
+        (batch, tokens), (q, k, v, ref) = case, prepared
+        record = bench.time_one(
+            {"impl": impl, "batch": batch, "tokens": tokens},
+            functools.partial(make_runner, impl, q, k, v, FLAGS.torch_compile_mode),
+            first_set_checked_heads,
+            ref,
+            per_call=FLAGS.sets,
+            warmup=FLAGS.warmup,
+            repeats=FLAGS.repeats,
+        )
+        if "error" not in record:
             flops = causal_flops(batch, tokens, FLAGS.heads, FLAGS.head_dim)
-            for impl in impls:
-                record = bench.time_one(
-                    {"impl": impl, "batch": batch, "tokens": tokens},
-                    functools.partial(make_runner, impl, q, k, v, FLAGS.torch_compile_mode),
-                    first_set_checked_heads,
-                    ref,
-                    per_call=FLAGS.sets,
-                    warmup=FLAGS.warmup,
-                    repeats=FLAGS.repeats,
-                )
-                if "error" not in record:
-                    seconds = record["us"] / 1e6
-                    record.update(flops=flops, tflop_per_s=flops / seconds / 1e12)
-                    if ceilings:
-                        record["pct_of_gemm_rate"] = (
-                            100 * flops / seconds / ceilings.bf16_flops_per_s
-                        )
-                    if FLAGS.trace_dir and compare.framework(impl) == "jax":
-                        record.update(trace_call(impl, q, k, v, f"{impl}-{batch}-{tokens}"))
-                records.append(record)
-            del q, k, v
+            seconds = record["us"] / 1e6
+            record.update(flops=flops, tflop_per_s=flops / seconds / 1e12)
+            if ceilings:
+                record["pct_of_gemm_rate"] = 100 * flops / seconds / ceilings.bf16_flops_per_s
+            if FLAGS.trace_dir and compare.framework(impl) == "jax":
+                record.update(trace_call(impl, q, k, v, f"{impl}-{batch}-{tokens}"))
+        return record
+
+    cases = [(b, t) for b in batches for t in token_counts]
+    records = bench.sweep("prefill_attention", cases, impls, prepare, measure)
     bench.add_vs_best(records, CASE_KEYS)
     return records
 
@@ -243,39 +244,23 @@ def main(argv: list[str]) -> None:
         raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
     batches = cli.positive_ints("batch", FLAGS.batch)
     token_counts = cli.positive_ints("tokens", FLAGS.tokens)
-    unknown = [i for i in FLAGS.impls if i not in IMPLS]
-    if unknown:
-        raise UserError(f"unknown impl {unknown[0]!r}; known: {', '.join(IMPLS)}")
+    impls = bench.known_impls(FLAGS.impls, IMPLS)
     for name in ("heads", "head_dim", "sets", "repeats"):
         if FLAGS[name].value < 1:
             raise UserError(f"--{name} must be >= 1, got {FLAGS[name].value}")
     if FLAGS.warmup < 0:
         raise UserError(f"--warmup must be >= 0, got {FLAGS.warmup}")
-    sdpa_backends = bench.parse_sdpa_backends(FLAGS.sdpa_backends)
-    impls = bench.with_sdpa_backends(list(dict.fromkeys(FLAGS.impls)), sdpa_backends)
+    impls = bench.with_sdpa_backends(impls, bench.parse_sdpa_backends(FLAGS.sdpa_backends))
+    # The traces go into folders under --trace_dir: a file there must be creatable.
+    program.check_outputs(FLAGS.json_out, FLAGS.trace_dir and str(Path(FLAGS.trace_dir) / "probe"))
     device_kind = jax.devices()[0].device_kind
     ceilings = bench.load_ceilings(device_kind, FLAGS.ceilings)
     records = run(batches, token_counts, impls, ceilings)
-    if FLAGS.json_out:
-        names = (
-            "batch tokens impls sdpa_backends torch_compile_mode heads head_dim sets warmup "
-            "repeats seed json_out trace_dir ceilings"
-        ).split()
-        payload = {
-            "records": records,
-            "ceilings": ceilings.to_dict() if ceilings else None,
-            "check_tolerance": bench.TOLERANCE,
-        }
-        path = results_lib.write_results(FLAGS.json_out, cli.flag_values(names), payload)
-        print(f"results: {path}")
-    print(format_table(records))
-    print(bench.ceilings_line(ceilings, device_kind))
-    bench.fail_on_check("prefill_attention", records, CASE_KEYS)
-
-
-run_main = cli.main_runner("prefill_attention", main)
+    table = format_table(records)
+    bench.finish(
+        "prefill_attention", FLAGS.json_out, records, table, ceilings, device_kind, CASE_KEYS
+    )
 
 
 if __name__ == "__main__":
-    define_flags()
-    app.run(run_main, flags_parser=cli.flags_parser("prefill_attention"))
+    program.run("prefill_attention", define_flags, main)

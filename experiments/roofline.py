@@ -1,41 +1,38 @@
-"""Prints the seeds' Chapter 2 cost tables for one Core iteration and the headline numbers.
+"""Prints the Chapter 2 cost tables of the study for one Core iteration and the headline numbers.
 
   python -m experiments.roofline --device=b200 [--context=1024 --batch=1 --iterations=32]
       [--json_out=results/roofline_b200.json] [--per_layer]
 
 No GPU needed: everything comes from `huginn_jax.costs` (analytic counts over peak limits).
 Tables: parameter storage per op, matmul FLOPs per op, and the roofline per op for decode and
-prefill; the headline numbers (seeds' Chapter 2 and Appendix A) are printed last.
+prefill; the headline numbers (the study's Chapter 2 and Appendix A) are printed last.
 Units: MB = 1e6 B, GB = 1e9 B, us = microseconds.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import platform
-from pathlib import Path
-from typing import NoReturn
 
-from absl import app, flags
+from absl import flags
 
-from experiments import cli
+from experiments import program
+from experiments.cli import UserError
 from huginn_jax import costs
 from huginn_jax.config import PRESETS, HuginnConfig
 
-_DEVICE = flags.DEFINE_enum("device", "b200", list(costs.DEVICES), "Peak limits to use.")
-_CONFIG = flags.DEFINE_enum("config", "huginn_0125", list(PRESETS), "Model preset.")
-_CONTEXT = flags.DEFINE_integer(
-    "context", 1024, "Prefill positions / decode cached positions.", lower_bound=1
-)
-_BATCH = flags.DEFINE_integer("batch", 1, "Sequences processed together.", lower_bound=1)
-_ITERATIONS = flags.DEFINE_integer("iterations", 32, "Core iterations per token.", lower_bound=1)
-_PER_LAYER = flags.DEFINE_bool("per_layer", False, "One row per layer op instead of per kind.")
-_JSON_OUT = flags.DEFINE_string("json_out", None, "Write tables and headline numbers as JSON.")
+FLAGS = flags.FLAGS
 
 
-def _fail(message: str, code: int = 2) -> NoReturn:
-    cli.fail("roofline", message, code)
+def define_flags() -> None:
+    flags.DEFINE_enum("device", "b200", list(costs.DEVICES), "Peak limits to use.")
+    flags.DEFINE_enum("config", "huginn_0125", list(PRESETS), "Model preset.")
+    flags.DEFINE_integer(
+        "context", 1024, "Prefill positions / decode cached positions.", lower_bound=1
+    )
+    flags.DEFINE_integer("batch", 1, "Sequences processed together.", lower_bound=1)
+    flags.DEFINE_integer("iterations", 32, "Core iterations per token.", lower_bound=1)
+    flags.DEFINE_bool("per_layer", False, "One row per layer op instead of per kind.")
+    flags.DEFINE_string("json_out", None, "Write tables and headline numbers as JSON.")
 
 
 def format_table(header: list[str], rows: list[list[str]]) -> str:
@@ -166,11 +163,12 @@ def headline_lines(h: dict) -> list[str]:
 
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
-        _fail(f"unexpected arguments: {' '.join(argv[1:])}")
+        raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
+    program.check_outputs(FLAGS.json_out)
     try:
-        device = costs.get_device(_DEVICE.value)
-        config = HuginnConfig.from_name(_CONFIG.value)
-        batch, context, iterations = _BATCH.value, _CONTEXT.value, _ITERATIONS.value
+        device = costs.get_device(FLAGS.device)
+        config = HuginnConfig.from_name(FLAGS.config)
+        batch, context, iterations = FLAGS.batch, FLAGS.context, FLAGS.iterations
         kw = dict(batch=batch, context=context)
         decode = costs.core_iteration_ops(config, mode="decode", **kw)
         prefill = costs.core_iteration_ops(config, mode="prefill", **kw)
@@ -179,16 +177,29 @@ def main(argv: list[str]) -> None:
             config, mode="decode", iterations=iterations, device=device, **kw
         )
     except ValueError as e:
-        _fail(str(e))
-    per_layer = _PER_LAYER.value
+        raise UserError(str(e)) from None
+    per_layer = FLAGS.per_layer
 
+    if FLAGS.json_out:
+        payload = {
+            "config": {"name": FLAGS.config, **dataclasses.asdict(config)},
+            "device": dataclasses.asdict(device),
+            "tables": {
+                "decode": [op_record(op, device) for op in decode],
+                "prefill": [op_record(op, device) for op in prefill],
+            },
+            "iterations_decode": dataclasses.asdict(it_dec),
+            "headline": head,
+            "headline_lines": headline_lines(head),
+        }
+        print(f"results: {program.write_results(FLAGS.json_out, payload)}\n")
     print(
         f"device {device.name}: {device.peak_bf16_flops / 1e12:,.1f} TFLOP/s dense bf16, "
         f"{device.hbm_bandwidth / 1e12:.2f} TB/s HBM, L2 {device.l2_bytes / 2**20:.1f} MiB, "
         f"{device.num_sms} SMs ({device.source})"
     )
     print(
-        f"model {_CONFIG.value}, batch {batch}; prefill {context} positions; "
+        f"model {FLAGS.config}, batch {batch}; prefill {context} positions; "
         f"decode 1 new position + {context} cached; bf16; one Core iteration\n"
     )
     print("Parameter storage (adapter + Core layers)")
@@ -207,28 +218,6 @@ def main(argv: list[str]) -> None:
     for line in headline_lines(head):
         print(f"  {line}")
 
-    if _JSON_OUT.value:
-        result = {
-            "config": {"name": _CONFIG.value, **dataclasses.asdict(config)},
-            "device": dataclasses.asdict(device),
-            "flags": {"batch": batch, "context": context, "iterations": iterations},
-            "versions": {"python": platform.python_version()},
-            "tables": {
-                "decode": [op_record(op, device) for op in decode],
-                "prefill": [op_record(op, device) for op in prefill],
-            },
-            "iterations_decode": dataclasses.asdict(it_dec),
-            "headline": head,
-            "headline_lines": headline_lines(head),
-        }
-        path = Path(_JSON_OUT.value)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(result, indent=2) + "\n")
-        except OSError as e:
-            _fail(f"cannot write {path}: {e.strerror or e}", code=1)
-        print(f"\nwrote {path}")
-
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=cli.flags_parser("roofline"))
+    program.run("roofline", define_flags, main)

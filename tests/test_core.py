@@ -11,25 +11,25 @@ import pytest
 from flax import nnx
 
 import huginn_jax
-from experiments import core as core_exp
+from experiments.core import cases, report, runners
 from experiments.measure import hlo
 from huginn_jax.config import HuginnConfig
 from huginn_jax.model import Core, embed, initial_state, run_prelude
 
 REPO = Path(__file__).resolve().parent.parent
-CFG = core_exp.core_config("micro")
+CFG = cases.core_config("micro")
 
 
 def decode_setup(iterations, seed=0):
-    graphdef, params = core_exp.build_core(CFG, jnp.float32, seed)
-    case = core_exp.Case("decode", batch=2, context=7, iterations=iterations)
-    state, embedded, cache = core_exp.case_inputs(CFG, case, jnp.float32, seed)
+    graphdef, params = runners.build_core(CFG, jnp.float32, seed)
+    case = cases.Case("decode", batch=2, context=7, iterations=iterations)
+    state, embedded, cache = runners.case_inputs(CFG, case, jnp.float32, seed)
     return graphdef, params, case, state, embedded, cache
 
 
 def test_decode_updates_the_cache_in_place_without_a_copy():
     graphdef, params, case, state, embedded, cache = decode_setup(iterations=3)
-    core, weights = core_exp.jit_core(graphdef, params, iterations=3)
+    core, weights = runners.jit_core(graphdef, params, iterations=3)
     compiled = core.lower(weights, state, embedded, cache, jnp.int32(7)).compile()
     report = hlo.loop_report(
         compiled.as_text(),
@@ -52,7 +52,7 @@ def test_decode_writes_the_right_slots_and_keeps_the_history():
     # The history is random, and different in every slot (drawn slot by slot).
     assert 0.8 < history_k[:, :, :7].std() < 1.2
     assert np.abs(history_k[0, :, :7] - history_k[1, :, :7]).mean() > 0.5
-    core2, weights = core_exp.jit_core(graphdef, params, iterations=2)
+    core2, weights = runners.jit_core(graphdef, params, iterations=2)
     _, cache2 = core2(weights, state, embedded, cache, jnp.int32(7))
     k2 = np.asarray(cache2.k)
     np.testing.assert_array_equal(k2[:, :, :7], history_k[:, :, :7])  # history untouched
@@ -60,43 +60,23 @@ def test_decode_writes_the_right_slots_and_keeps_the_history():
     assert np.all(np.abs(written).reshape(written.shape[0], -1).max(axis=1) > 0)
     # Iteration 0's entries do not depend on later iterations: a 1-iteration run writes the same.
     *_, cache1_in = decode_setup(iterations=1)
-    core1, _ = core_exp.jit_core(graphdef, params, iterations=1)
+    core1, _ = runners.jit_core(graphdef, params, iterations=1)
     _, cache1 = core1(weights, state, embedded, cache1_in, jnp.int32(7))
     # float32, two executables (XLA fuses r = 1 and r = 2 differently): ~1e-6 apart on the H200
     np.testing.assert_allclose(np.asarray(cache1.k)[:, :, 7], written[: CFG.n_core], rtol=1e-5)
     assert np.abs(written[CFG.n_core :] - written[: CFG.n_core]).max() > 1e-3  # iteration 1 differs
 
 
-def test_probe_cache_writes_what_the_kv_cache_writes_and_is_copied_once():
-    """xla_probe (the issue's plain probe: scatter into [r, L, ...], no donation) computes the
-    same Core; its HLO copies both cache arrays (no donation), ours copies none."""
-    graphdef, params, case, state, embedded, cache = decode_setup(iterations=2)
-    probe = core_exp.ProbeCache.from_cache(cache, 2)
-    probe_core, weights = core_exp.jit_core(graphdef, params, iterations=2, probe=True)
-    out_p, probe2 = probe_core(weights, state, embedded, probe, jnp.int32(7))
-    core, _ = core_exp.jit_core(graphdef, params, iterations=2)
-    out, cache2 = core(weights, state, embedded, cache, jnp.int32(7))
-    np.testing.assert_array_equal(np.asarray(out_p), np.asarray(out))
-    np.testing.assert_array_equal(np.asarray(probe2.k).reshape(cache2.k.shape), cache2.k)
-    *_, fresh = decode_setup(iterations=2)
-    fresh = core_exp.ProbeCache.from_cache(fresh, 2)
-    compiled = probe_core.lower(weights, state, embedded, fresh, jnp.int32(7)).compile()
-    report = hlo.loop_report(
-        compiled.as_text(), compiled.memory_analysis(), big_buffer_dims=fresh.k.shape
-    )
-    assert len(report["big_buffer_copies"]) == 2 and report["alias_bytes"] == 0
-
-
 def test_prefill_from_zero_equals_reading_the_cache():
     """from_zero (start the constant 0: attend to the new positions alone, plainly causal)
     computes what the traced-start prefill computes over the whole, still empty, cache."""
-    graphdef, params = core_exp.build_core(CFG, jnp.float32, 0)
-    case = core_exp.Case("prefill", batch=2, context=9, iterations=2)
-    state, embedded, cache = core_exp.case_inputs(CFG, case, jnp.float32, 0)
-    reading, weights = core_exp.jit_core(graphdef, params, iterations=2)
-    from_zero, _ = core_exp.jit_core(graphdef, params, iterations=2, from_zero=True)
+    graphdef, params = runners.build_core(CFG, jnp.float32, 0)
+    case = cases.Case("prefill", batch=2, context=9, iterations=2)
+    state, embedded, cache = runners.case_inputs(CFG, case, jnp.float32, 0)
+    reading, weights = runners.jit_core(graphdef, params, iterations=2)
+    from_zero, _ = runners.jit_core(graphdef, params, iterations=2, from_zero=True)
     want, want_cache = reading(weights, state, embedded, cache, jnp.int32(0))
-    *_, cache = core_exp.case_inputs(CFG, case, jnp.float32, 0)  # the first was donated
+    *_, cache = runners.case_inputs(CFG, case, jnp.float32, 0)  # the first was donated
     got, got_cache = from_zero(weights, state, embedded, cache, jnp.int32(5))  # start ignored
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got_cache.k, want_cache.k, rtol=1e-5, atol=1e-5)
@@ -119,7 +99,7 @@ def test_core_matches_the_model_forward():
             "core_block": nnx.to_pure_dict(nnx.state(model.core_block)),
         },
     )
-    core, weights = core_exp.jit_core(core_graph, core_state, iterations=3)
+    core, weights = runners.jit_core(core_graph, core_state, iterations=3)
     got, _ = core(weights, state0, embedded, None, jnp.int32(0))
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
@@ -133,13 +113,13 @@ def test_trained_weights_are_the_exported_models_core(tmp_path):
     state0 = initial_state(cfg, (2, 5), init_scale=1.0, key=jax.random.key(8), dtype=jnp.float32)
     expected = model(ids, num_steps=2, init_state=state0).state
     embedded, _ = run_prelude(model, embed(model, ids), jnp.int32(0), None)
-    graphdef, params = core_exp.load_core(
-        core_exp.core_config(str(tmp_path)), jnp.float32, str(tmp_path)
+    graphdef, params = runners.load_core(
+        cases.core_config(str(tmp_path)), jnp.float32, str(tmp_path)
     )
-    core, weights = core_exp.jit_core(graphdef, params, iterations=2)
+    core, weights = runners.jit_core(graphdef, params, iterations=2)
     got, _ = core(weights, state0, embedded, None, jnp.int32(0))
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
-    _, random_params = core_exp.build_core(core_exp.core_config(str(tmp_path)), jnp.float32, 0)
+    _, random_params = runners.build_core(cases.core_config(str(tmp_path)), jnp.float32, 0)
     assert not np.allclose(
         random_params["adapter"]["kernel"][...], params["adapter"]["kernel"][...]
     )
@@ -183,9 +163,9 @@ def test_cli_on_cpu_writes_json(tmp_path):
 
 def test_agreement_checks_fail_beyond_tolerance():
     """A run whose implementations disagree is reported as failed (and the program exits 2)."""
-    case = core_exp.Case("decode", batch=1, context=4, iterations=4)
+    case = cases.Case("decode", batch=1, context=4, iterations=4)
     ref = np.random.default_rng(0).standard_normal((1, 1, 8)).astype(np.float32)
-    tol = core_exp.check_tolerance("bf16", 4)
+    tol = report.check_tolerance("bf16", 4)
     outputs = {
         (case, "xla"): ref,
         (case, "torch_graph"): ref * (1 + tol / 2),  # within tolerance
@@ -193,7 +173,7 @@ def test_agreement_checks_fail_beyond_tolerance():
         (case, "torch_teaching"): ref * np.nan,  # NaN never passes
     }
     impls = ["xla", "torch_graph", "torch_eager", "torch_teaching"]
-    checks = {c["impl"]: c for c in core_exp.agreement_checks([case], impls, outputs, "bf16")}
+    checks = {c["impl"]: c for c in report.agreement_checks([case], impls, outputs, "bf16")}
     assert set(checks) == {"torch_graph", "torch_eager", "torch_teaching"}
     assert checks["torch_graph"]["passed"]
     assert not checks["torch_eager"]["passed"] and not checks["torch_teaching"]["passed"]
@@ -220,6 +200,17 @@ def test_cli_bad_flags_exit_2(tmp_path, flag, message):
     assert not (tmp_path / "x.json").exists()
 
 
+def test_cli_unwritable_outputs_exit_2_before_any_measurement(tmp_path):
+    """Every output path is checked first: the JSON's, and a file under --trace_dir / --hlo_dir."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    for flag in ("--json_out", "--trace_dir", "--hlo_dir"):
+        proc = run_cli("--config=micro", f"{flag}={blocker}/sub")
+        assert proc.returncode == 2, (flag, proc.stderr[-2000:])
+        assert "cannot write there" in proc.stderr and "core:" not in proc.stdout
+        assert len(proc.stderr.strip().splitlines()) == 1
+
+
 # ---------------------------------------------------------------- the PyTorch runners
 
 
@@ -232,7 +223,7 @@ def torch_outputs(case, params, impls, compile_mode="default") -> dict:
 
     outs = {}
     for impl in impls:
-        state, embedded, cache = core_exp.case_inputs(CFG, case, jnp.float32, 0)
+        state, embedded, cache = runners.case_inputs(CFG, case, jnp.float32, 0)
         runner = TorchRunner(
             impl, nnx.to_pure_dict(params), CFG, state, embedded, cache, case, "fp32",
             compile_mode=compile_mode,
@@ -251,8 +242,8 @@ def torch_outputs(case, params, impls, compile_mode="default") -> dict:
 
 
 def xla_output(graphdef, params, case) -> np.ndarray:
-    state, embedded, cache = core_exp.case_inputs(CFG, case, jnp.float32, 0)
-    return np.asarray(core_exp.XlaRunner(graphdef, params, state, embedded, cache, case)())
+    state, embedded, cache = runners.case_inputs(CFG, case, jnp.float32, 0)
+    return np.asarray(runners.XlaRunner(graphdef, params, state, embedded, cache, case)())
 
 
 @pytest.mark.parametrize("mode", ["decode", "prefill"])
@@ -261,8 +252,8 @@ def test_torch_runners_compute_what_xla_computes(mode):
     pytest.importorskip("torch")
     from experiments.torch_ref.core_runner import TORCH_IMPLS
 
-    graphdef, params = core_exp.build_core(CFG, jnp.float32, 0)
-    case = core_exp.Case(mode, batch=2, context=7, iterations=2)
+    graphdef, params = runners.build_core(CFG, jnp.float32, 0)
+    case = cases.Case(mode, batch=2, context=7, iterations=2)
     want = xla_output(graphdef, params, case)
     for impl, got in torch_outputs(case, params, TORCH_IMPLS).items():
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=impl)
@@ -283,8 +274,8 @@ def test_torch_runners_on_cuda(mode, compile_mode):
 
     from experiments.torch_ref.core_runner import TORCH_IMPLS
 
-    graphdef, params = core_exp.build_core(CFG, jnp.float32, 0)
-    case = core_exp.Case(mode, batch=2, context=64, iterations=3)
+    graphdef, params = runners.build_core(CFG, jnp.float32, 0)
+    case = cases.Case(mode, batch=2, context=64, iterations=3)
     want = xla_output(graphdef, params, case)
     impls = TORCH_IMPLS if compile_mode == "default" else ("torch_compile",)
     skips = counters["inductor"]["cudagraph_skips"]

@@ -237,6 +237,14 @@ def test_cli_bad_flags_exit_2(tmp_path, flag, message):
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
+def test_cli_unwritable_json_exits_2_before_measuring(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    proc = run_cli("--batch=1", "--context=40", f"--json_out={blocker}/x.json")
+    assert proc.returncode == 2 and "cannot write there" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "us, rel err" not in proc.stdout
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import jax
@@ -121,6 +122,36 @@ def test_time_one_checks_records_and_keeps_compile_time_out_of_the_samples():
     bad = bench.time_one({"impl": "xla"}, lambda: Runner(1.5), np.asarray, ref,
                          per_call=1, warmup=0, repeats=1)  # fmt: skip
     assert bad["check_ok"] is False and bad["rel_err_vs_f64"] == pytest.approx(0.5)
+
+
+def test_sweep_prepares_each_case_once_and_drops_the_previous_inputs_first():
+    """Rows in case-then-impl order; a case's inputs are made once, after the previous case's
+    are gone (two cases' inputs never share the device)."""
+
+    class Inputs:
+        pass
+
+    made, alive_when_made = [], []
+
+    def prepare(case):
+        alive_when_made.append([ref() is not None for ref in made])
+        inputs = Inputs()
+        made.append(weakref.ref(inputs))
+        return inputs
+
+    def measure(case, impl, inputs):
+        assert made[-1]() is inputs
+        return {"case": case, "impl": impl}
+
+    records = bench.sweep("test", [1, 2], ["a", "b"], prepare, measure)
+    assert [(r["case"], r["impl"]) for r in records] == [(1, "a"), (1, "b"), (2, "a"), (2, "b")]
+    assert alive_when_made == [[], [False]]
+
+
+def test_known_impls_keeps_order_drops_repeats_and_names_the_unknown():
+    assert bench.known_impls(["xla", "cudnn", "xla"], pa.IMPLS) == ["xla", "cudnn"]
+    with pytest.raises(bench.UserError, match="--impls: unknown impl 'flash'"):
+        bench.known_impls(["xla", "flash"], pa.IMPLS)
 
 
 def test_torch_causal_attention_compiles_whole_and_matches_the_reference():

@@ -1,0 +1,158 @@
+"""Every case x impl of `experiments.core` timed into the results dict the JSON holds: one
+record per run that fit in memory, the agreement checks, each torch impl's conformance, and
+the optional traces and ncu pass."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from absl import flags
+
+from experiments import program
+from experiments.cli import UserError
+from experiments.core import profiling, report
+from experiments.core.cases import GPU_ONLY_IMPLS, XLA_IMPLS, Case, core_config, jax_dtype
+from experiments.core.runners import core_weights, to_numpy
+from experiments.measure import compare, timing
+from experiments.measure import hlo as hlo_lib
+from experiments.torch_ref import chain as torch_chain  # imports no torch
+from experiments.torch_ref.core_runner import TORCH_IMPLS, torch_device  # imports no torch
+
+FLAGS = flags.FLAGS
+
+
+def run_case(impl, cfg, graphdef, params, case, ceilings) -> tuple[dict, Any]:
+    """One (case, impl): its runner built, its XLA executable summarized (and its HLO written
+    under --hlo_dir), timed; the record and the output state of its last call."""
+    runner = profiling.runner_for(impl, cfg, graphdef, params, case)
+    extra = {}
+    if impl in XLA_IMPLS:
+        text, memory = runner.compile_report()
+        xla_report = hlo_lib.loop_report(
+            text,
+            memory,
+            big_buffer_dims=tuple(runner.cache.k.shape),
+            slice_dims=tuple(runner.cache.k.shape[-4:]),  # one slot, [B, S, H, K]
+        )
+        live = runner.cache.nbytes + sum(x.nbytes for x in jax.tree.leaves(params))
+        xla_report["temp_pct_of_weights_and_cache"] = 100 * xla_report.get("temp_bytes", 0) / live
+        extra["xla_report"] = xla_report
+        if FLAGS.hlo_dir:
+            path = Path(FLAGS.hlo_dir) / f"core-{impl}-{case.spec().replace(':', '-')}.hlo.txt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+    samples = timing.time_fn(
+        runner,
+        warmup=FLAGS.warmup,
+        repeats=FLAGS.repeats,
+        sync=getattr(runner, "sync", None),
+        per_call=case.iterations,
+    )
+    out = to_numpy(runner())
+    if getattr(runner, "sync", None):
+        runner.sync()
+    cost = report.cost_of(cfg, case, 2 if FLAGS.dtype == "bf16" else 4)
+    rec = report.record(case, impl, samples, cost, ceilings)
+    rec.update(extra)
+    if getattr(runner, "compile_seconds", None) is not None:  # torch_compile: apart from timing
+        rec["compile_seconds"] = runner.compile_seconds
+        rec["torch_compile_mode"] = FLAGS.torch_compile_mode
+    runner.release()
+    return rec, out
+
+
+@functools.cache
+def torch_conformance(impl: str, device: str, compile_mode: str) -> dict:
+    """`conformance.check_core_impl`, once per (impl, device, mode) in a process."""
+    from experiments.torch_ref.conformance import check_core_impl
+
+    return check_core_impl(impl, device, compile_mode)
+
+
+def release_torch_memory() -> None:
+    """Returns torch's cached blocks to the driver (when torch is loaded), for the next case."""
+    if "torch" in sys.modules and sys.modules["torch"].cuda.is_available():
+        torch_chain.release()
+
+
+def runnable(impls: list[str], on_gpu: bool) -> list[str]:
+    """`impls` less those that cannot run here, with a note line for each group left out."""
+    if not on_gpu:
+        skipped = [i for i in impls if i in GPU_ONLY_IMPLS]
+        impls = [i for i in impls if i not in skipped]
+        if skipped:
+            print(f"note: {', '.join(skipped)} need(s) CUDA; skipped on this device")
+    if any(i in TORCH_IMPLS for i in impls) and not torch_chain.available():
+        print("note: PyTorch is not installed; torch impls skipped")
+        impls = [i for i in impls if i not in TORCH_IMPLS]
+    return impls
+
+
+def check_conformance(impl: str, conformance: dict[str, dict]) -> None:
+    """A torch impl's Core against the conformance checkpoint, once per run; UserError when it
+    misses, as its timings would then be void."""
+    if impl not in TORCH_IMPLS or impl in conformance:
+        return
+    check = torch_conformance(impl, torch_device(), FLAGS.torch_compile_mode)
+    conformance[impl] = check
+    print(
+        f"conformance {impl} ({check['core']} Core) vs huginn_tiny_a: max abs err "
+        f"{check['max_abs_err']:.2e} (tolerance {check['tolerance']:.0e})"
+    )
+    if not check["passed"]:
+        raise UserError(
+            f"{impl}: its Core code misses the conformance logits (max abs err "
+            f"{check['max_abs_err']:.2e} > {check['tolerance']:.0e}); timings void"
+        )
+
+
+def run(cases: list[Case], impls: list[str]) -> dict:
+    """Every case, then every runnable impl, timed (a case that runs out of device memory is
+    noted and skipped); then traces, "vs best", agreement checks and the ncu pass."""
+    device = jax.devices()[0]
+    on_gpu = device.platform == "gpu"
+    impls = runnable(impls, on_gpu)
+    cfg = core_config(FLAGS.config)
+    ceilings = report.device_ceilings(device.device_kind, FLAGS.ceilings)
+    graphdef, params = core_weights(
+        cfg, jax_dtype(FLAGS.dtype), weights=FLAGS.weights, path=FLAGS.config, seed=FLAGS.seed
+    )
+    records = []
+    outputs: dict[tuple, np.ndarray] = {}
+    failures = []
+    conformance: dict[str, dict] = {}  # torch impl -> its Core's check against huginn_tiny_a
+    grid = [(c, i) for c in cases for i in impls]
+    for case, impl in program.progress(grid, "core"):
+        try:
+            rec, out = run_case(impl, cfg, graphdef, params, case, ceilings)
+        except Exception as e:  # out of memory in one case of a sweep: note it, go on
+            if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+                raise
+            first = str(e).strip().splitlines()[0][:200]
+            print(f"note: {impl} {case.spec()} ran out of device memory: {first}")
+            failures.append({**dataclasses.asdict(case), "impl": impl, "error": first})
+            release_torch_memory()
+            continue
+        records.append(rec)
+        outputs[(case, impl)] = out
+        check_conformance(impl, conformance)
+    if FLAGS.trace_dir:
+        profiling.trace_all(records, cfg, graphdef, params)
+    compare.add_vs_best(
+        records, group_keys=("mode", "batch", "context", "iterations"), time_key="ms_per_iteration"
+    )
+    checks = report.agreement_checks(cases, impls, outputs, FLAGS.dtype)
+    profiling.add_hbm(records, on_gpu)
+    return {
+        "records": records,
+        "checks": checks,
+        "ceilings": ceilings.to_dict() if ceilings else None,
+        "failures": failures,
+        "conformance": list(conformance.values()),
+    }
