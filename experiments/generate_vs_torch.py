@@ -49,7 +49,7 @@ from experiments.torch_ref.huginn import LOOPS as TORCH_LOOPS  # noqa: E402 (imp
 from huginn_jax.checkpoint import from_pretrained  # noqa: E402
 from huginn_jax.config import DECODE_ATTENTION_IMPLS, DECODE_GEMV_IMPLS, HuginnConfig  # noqa: E402
 from huginn_jax.generate import Generation, Plan, make_plan, run_plan  # noqa: E402
-from huginn_jax.model import Huginn, random_init  # noqa: E402
+from huginn_jax.model import Huginn, random_init, with_config  # noqa: E402
 from huginn_jax.xla_flags import GEMM_CHOICES, use_gemm  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -158,7 +158,7 @@ def _plan(config: HuginnConfig) -> Plan:
 def _model(config: HuginnConfig) -> Huginn:
     dtype = _DTYPES[FLAGS.dtype]
     if FLAGS.checkpoint:
-        return from_pretrained(FLAGS.checkpoint, dtype=dtype)
+        return with_config(from_pretrained(FLAGS.checkpoint, dtype=dtype), config)
     return random_init(config, jax.random.key(FLAGS.seed), dtype=dtype)
 
 

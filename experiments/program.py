@@ -65,8 +65,13 @@ def run(name: str, define_flags: Callable[[], None], main: Callable[[list[str]],
 
 
 def own_flag_values() -> dict[str, Any]:
-    """{name: value} of the running program's own flags (see `define`)."""
-    return cli.flag_values(_own_flags)
+    """{name: value} of the running program's own flags (see `define`), less the internal ones
+    (help text starting "Internal:", e.g. the flags a program passes to its own child process)."""
+    return {
+        name: value
+        for name, value in cli.flag_values(_own_flags).items()
+        if not (flags.FLAGS[name].help or "").startswith("Internal:")
+    }
 
 
 def check_outputs(*paths: str | None) -> None:

@@ -7,6 +7,8 @@ import json
 import math
 from pathlib import Path
 
+# The names each kernel choice accepts: HuginnConfig checks its fields against these, and the
+# command lines offer them.
 ATTENTION_IMPLS = ("xla", "cudnn", "mgpu")
 DECODE_ATTENTION_IMPLS = ("xla", "xla_split", "cudnn", "pallas")
 DECODE_GEMV_IMPLS = ("xla", "pallas")
@@ -50,12 +52,13 @@ class HuginnConfig:
     # positions), "xla_split" (the positions in blocks of DECODE_BLOCK, a softmax per block, the
     # blocks combined: flash-decoding written in XLA), "cudnn" (cuDNN's fused attention, the
     # visible keys given as key_value_seq_lengths; NVIDIA GPUs, bf16/fp16) or "pallas" (a
-    # split-KV kernel reading the cache slot in place, from pallas_kernels.decode_attention,
-    # which must be imported).
+    # split-KV kernel reading the cache slot in place: pallas_kernels.decode_attention). One of
+    # DECODE_ATTENTION_IMPLS; huginn_jax.ops maps each name to its code.
     decode_attention_impl: str = "xla"
     # A Core step at batch 1 and one position: "xla" (the plain layer code) or "pallas" (each
     # matrix-vector product one kernel that returns split-K partial sums or applies the SiLU
-    # gate: huginn_jax.decode_row, with pallas_kernels.fused_gemv, which must be imported).
+    # gate: huginn_jax.decode_row with pallas_kernels.fused_gemv). One of DECODE_GEMV_IMPLS;
+    # huginn_jax.ops maps each name to its code.
     decode_gemv: str = "xla"
 
     def __post_init__(self):

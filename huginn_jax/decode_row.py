@@ -16,7 +16,7 @@ the fusion that builds the next row anyway:
 
 The roundings are the plain code's (each Linear output, residual sum and norm in the weight
 dtype), so the two paths agree to bf16 rounding. `row_gemv_xla` is the plain-JAX definition of
-one product, the reference every kernel registered under another name must match.
+one product, the contract of every row GEMV that `ops.row_gemv` chooses by name.
 Timings against the cuBLAS path: docs/fused_gemv.md.
 """
 
@@ -27,8 +27,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from huginn_jax import ops
 from huginn_jax.kv_cache import KVCache
-from huginn_jax.layers import SandwichBlock, dot_precision, registered_kernel, rms_norm
+from huginn_jax.layers import SandwichBlock, dot_precision, rms_norm
 
 
 @jax.tree_util.register_dataclass
@@ -65,20 +66,6 @@ def row_gemv_xla(w, x, *, silu=False, as_partials=False):
     return y
 
 
-# decode_gemv name -> fn with row_gemv_xla's signature; kernels (pallas_kernels.fused_gemv)
-# register here ("xla" is the plain layer code, not a row GEMV).
-ROW_GEMV = {}
-ROW_GEMV_PROVIDERS = {"pallas": "pallas_kernels.fused_gemv"}
-
-
-def register_row_gemv(name: str, fn) -> None:
-    ROW_GEMV[name] = fn
-
-
-def row_gemv(name: str):
-    return registered_kernel(ROW_GEMV, ROW_GEMV_PROVIDERS, name, "decode_gemv")
-
-
 def uses_rows(block: SandwichBlock, x_BxTxD: jax.Array) -> bool:
     """Whether a Core step on x takes this path: a row GEMV chosen and one position at batch 1."""
     return block.attn.cfg.decode_gemv != "xla" and x_BxTxD.shape[:2] == (1, 1)
@@ -100,7 +87,7 @@ def block_rows(block: SandwichBlock, row: PendingRow, start, cache: KVCache | No
 
 def core_step_rows(adapter, core_block, state, embedded, iteration, start, cache):
     """`model.core_step` for one position at batch 1, through row GEMVs."""
-    gemv = row_gemv(core_block[0].attn.cfg.decode_gemv)
+    gemv = ops.row_gemv(core_block[0].attn.cfg.decode_gemv)
     joined = jnp.concatenate([state, embedded], axis=-1)[0, 0]
     row = PendingRow(gemv(adapter.kernel[...], joined, as_partials=True))
     for j, block in enumerate(core_block):

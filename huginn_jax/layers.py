@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from huginn_jax import ops
 from huginn_jax.config import HuginnConfig
 from huginn_jax.kv_cache import KVCache
 
@@ -214,56 +215,6 @@ def attend_decode_cudnn(q_Bx1xHxK, k_BxSxHxK, v_BxSxHxK, q_pos_T, k_pos_S) -> ja
     )
 
 
-DECODE_ATTENTION = {
-    "xla": attend,
-    "xla_split": attend_decode_split,
-    "cudnn": attend_decode_cudnn,
-}
-
-# Decode attentions that read the stacked cache in place: fn(q [B, 1, H, K], k_cache, v_cache,
-# slot, visible) -> [B, 1, H, K], over positions [0, visible) of `slot`. Kernels live above this
-# package (pallas_kernels) and register themselves when imported.
-SLOT_DECODE_ATTENTION = {}
-SLOT_DECODE_PROVIDERS = {"pallas": "pallas_kernels.decode_attention"}
-
-
-def register_slot_decode_attention(name: str, fn) -> None:
-    SLOT_DECODE_ATTENTION[name] = fn
-
-
-def registered_kernel(table: dict, providers: dict, name: str, option: str):
-    """table[name], a kernel that a module above this package registered on import; a clear
-    error naming that module (`providers[name]`) when it was not imported."""
-    if name not in table:
-        raise ValueError(
-            f"{option}={name!r} is provided by {providers[name]}: import it before running the "
-            "model"
-        )
-    return table[name]
-
-
-def slot_decode_attention(name: str):
-    return registered_kernel(
-        SLOT_DECODE_ATTENTION, SLOT_DECODE_PROVIDERS, name, "decode_attention_impl"
-    )
-
-
-def decode_attention(name: str):
-    """Decode attention `name` as fn(q [B, 1, H, K], cache, slot, q_pos_T) -> [B, 1, H, K]: the
-    functions in DECODE_ATTENTION get the slot from `cache.read`, the registered kernels read the
-    stacked cache in place."""
-    if name in DECODE_ATTENTION:
-        attention = DECODE_ATTENTION[name]
-
-        def read_slot(q, cache: KVCache, slot, q_pos_T):
-            k_all, v_all = cache.read(slot)
-            return attention(q, k_all, v_all, q_pos_T, jnp.arange(k_all.shape[1], dtype=jnp.int32))
-
-        return read_slot
-    kernel = slot_decode_attention(name)
-    return lambda q, cache, slot, q_pos_T: kernel(q, cache.k, cache.v, slot, q_pos_T[0] + 1)
-
-
 class Attention(nnx.Module):
     """Multi-head attention with fused Wqkv, a learned qk_bias added before RoPE, and a KV slot."""
 
@@ -312,7 +263,7 @@ class Attention(nnx.Module):
             else:
                 out = attend(q, key, v, positions_T, positions_T)
         elif t == 1:
-            attention = decode_attention(self.cfg.decode_attention_impl)
+            attention = ops.decode_attention(self.cfg.decode_attention_impl)
             out = attention(q, cache, slot, positions_T)
         else:
             k_all, v_all = cache.read(slot)

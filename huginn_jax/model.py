@@ -5,6 +5,7 @@ Shape letters: B batch, T new positions, D model width, V vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -210,3 +211,21 @@ def _forward_jit(graphdef, state, input_ids, init_state, cache, start, *, num_st
 def random_init(config: HuginnConfig, key: jax.Array, dtype=jnp.float32) -> Huginn:
     """A model with the reference's initialisation (truncated normals; norms 1; qk_bias 0)."""
     return Huginn(config, rngs=nnx.Rngs(params=key), dtype=dtype)
+
+
+KERNEL_CHOICES = ("attention_impl", "decode_attention_impl", "decode_gemv")
+
+
+def with_config(model: Huginn, config: HuginnConfig) -> Huginn:
+    """`model`'s parameters under `config`, which may differ from `model.config` only in its
+    kernel choices (KERNEL_CHOICES): those are static, held by the modules, not the parameters,
+    so a loaded checkpoint gets them this way."""
+    same = dataclasses.replace(config, **{f: getattr(model.config, f) for f in KERNEL_CHOICES})
+    if same != model.config:
+        raise ValueError(
+            f"with_config: the new config differs from the model's in more than {KERNEL_CHOICES}"
+        )
+    abstract = nnx.eval_shape(lambda: Huginn(config, rngs=nnx.Rngs(0), dtype=model.dtype))
+    graphdef, _ = nnx.split(abstract)
+    _, state = nnx.split(model)
+    return nnx.merge(graphdef, state)

@@ -1,6 +1,6 @@
 """pallas_kernels.decode_attention: the kernel against its plain-JAX reference on fresh random
-inputs (interpret mode on CPU; compiled on the GPU within tests/tolerance.py's bound), and the
-model decoding through it."""
+inputs (interpret mode on CPU; compiled on the GPU within tests/tolerance.py's bound), that
+reference against the model's `attend`, and the model decoding through the kernel."""
 
 import dataclasses
 
@@ -12,6 +12,7 @@ from conftest import prefill_then_decode
 from tolerance import assert_close, bf16
 
 from huginn_jax.config import HuginnConfig
+from huginn_jax.layers import attend
 from pallas_kernels.decode_attention import (
     DecodeAttentionConfig,
     decode_attention,
@@ -44,6 +45,18 @@ def test_kernel_matches_reference_float32(visible, splits, block_s):
     # Another slot's data gives another answer: the slot index is honoured.
     other = decode_attention_reference(q, k, v, 1, visible)
     assert np.abs(np.asarray(other - want)).max() > 1e-3
+
+
+@pytest.mark.parametrize("visible", [1, 37, 70])
+def test_reference_is_the_models_attention_float32(visible):
+    """The kernel's reference (plain JAX, beside the kernel) computes `huginn_jax.layers.attend`
+    for one query at position visible - 1 over the keys at positions 0 .. S-1 of one slot."""
+    q, k, v = fresh(100 + visible, 3, 2, 70, 3, 24, jnp.float32)
+    positions = jnp.arange(70, dtype=jnp.int32)
+    for slot in (0, 2):
+        want = attend(q[:, None], k[slot], v[slot], jnp.array([visible - 1]), positions)[:, 0]
+        got = decode_attention_reference(q, k, v, slot, visible)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_pick_config_fills_the_gpu_without_empty_work():
@@ -98,11 +111,3 @@ def test_kernel_matches_reference_at_huginn_size(batch, max_len, visible):
     # Another slot holds other values: a kernel reading the wrong slot would fail above.
     other = np.asarray(decode_attention_reference(*f32, 2, visible))
     assert np.linalg.norm(other - want) / np.linalg.norm(want) > 0.1
-
-
-def test_model_without_the_kernel_imported_says_which_module(monkeypatch):
-    from huginn_jax import layers
-
-    monkeypatch.delitem(layers.SLOT_DECODE_ATTENTION, "pallas")
-    with pytest.raises(ValueError, match="provided by pallas_kernels.decode_attention"):
-        layers.slot_decode_attention("pallas")

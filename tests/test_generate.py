@@ -388,23 +388,86 @@ def test_cli_bad_input_exits_2_with_one_line():
     ]
 
 
-def test_cli_decode_attention(tmp_path):
-    """--decode_attention=xla_split generates the default's tokens; pallas is refused with where
-    to find it."""
-    tokens = []
-    for impl in ("xla", "xla_split"):
-        out = tmp_path / f"{impl}.json"
+def test_cli_kernel_flags_offer_the_configs_names():
+    """--decode_attention and --decode_gemv accept exactly HuginnConfig's lists of names."""
+    from absl import flags
+
+    from huginn_jax.config import DECODE_ATTENTION_IMPLS, DECODE_GEMV_IMPLS
+    from huginn_jax.generate import cli
+
+    fv = flags.FlagValues()
+    cli.define_flags(fv)
+    assert fv["decode_attention"].parser.enum_values == list(DECODE_ATTENTION_IMPLS)
+    assert fv["decode_gemv"].parser.enum_values == list(DECODE_GEMV_IMPLS)
+    fv(["prog", "--decode_attention=pallas", "--decode_gemv=pallas"])
+    assert (fv.decode_attention, fv.decode_gemv) == ("pallas", "pallas")
+
+
+def test_cli_kernel_choices(tmp_path):
+    """Every --decode_attention and --decode_gemv generates the default's float32 tokens (the
+    Pallas kernels in interpret mode without a GPU); cuDNN (bf16 only) runs in bf16 on a GPU and
+    ends in one line saying so without one; an unknown name ends in one line listing the known
+    ones."""
+    from huginn_jax.config import DECODE_ATTENTION_IMPLS, DECODE_GEMV_IMPLS
+
+    on_gpu = jax.default_backend() == "gpu"
+    runs = [(impl, "xla") for impl in DECODE_ATTENTION_IMPLS] + [
+        ("xla", gemv) for gemv in DECODE_GEMV_IMPLS if gemv != "xla"
+    ]
+    tokens = {}
+    for attention, gemv in runs:
+        out = tmp_path / f"{attention}_{gemv}.json"
+        dtype = "bf16" if attention == "cudnn" else "f32"
         result = _cli(
-            "--config=micro", "--random_weights", "--dtype=f32", "--prompt_len=20",
-            "--max_new_tokens=4", "--num_steps=3", f"--decode_attention={impl}",
-            f"--json_out={out}",
+            "--config=micro", "--random_weights", f"--dtype={dtype}", "--prompt_len=20",
+            "--max_new_tokens=4", "--num_steps=3", f"--decode_attention={attention}",
+            f"--decode_gemv={gemv}", f"--json_out={out}",
         )  # fmt: skip
+        if attention == "cudnn" and not on_gpu:
+            assert result.returncode == 2
+            assert result.stderr.strip().splitlines() == [
+                "error: decode_attention_impl='cudnn' needs an NVIDIA GPU (cuDNN's fused "
+                f"attention); the backend here is {jax.default_backend()}"
+            ]
+            continue
+        assert result.returncode == 0, result.stderr
+        if dtype != "f32":  # other roundings, other tokens
+            continue
+        data = json.loads(out.read_text())
+        flags = data["flags"]
+        assert (flags["decode_attention"], flags["decode_gemv"]) == (attention, gemv)
+        tokens[attention, gemv] = data["tokens"]
+    assert len(tokens["xla", "xla"][0]) == 4
+    assert all(t == tokens["xla", "xla"] for t in tokens.values()), tokens
+    refused = _cli("--config=micro", "--random_weights", "--decode_attention=flash")
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines() == [
+        "error: flag --decode_attention=flash: value should be one of "
+        f"<{'|'.join(DECODE_ATTENTION_IMPLS)}>"
+    ]
+
+
+def test_cli_checkpoint_takes_the_kernel_choices(micro, tmp_path):
+    """A --checkpoint model runs with the flags' kernel choices, not its config.json's defaults:
+    without a GPU cuDNN is refused as with --config; on a GPU the Pallas kernels generate the
+    default's tokens."""
+    checkpoint = tmp_path / "ckpt"
+    huginn_jax.save_pretrained(micro, checkpoint)
+    args = [f"--checkpoint={checkpoint}", "--dtype=f32", "--prompt_ids=1,2,3", "--num_steps=2"]
+    args.append("--max_new_tokens=3")
+    if jax.default_backend() != "gpu":
+        result = _cli(*args, "--decode_attention=cudnn")
+        assert result.returncode == 2
+        assert "error: decode_attention_impl='cudnn' needs an NVIDIA GPU" in result.stderr
+        return
+    tokens = []
+    for impl in ("xla", "pallas"):
+        out = tmp_path / f"{impl}.json"
+        kernels = [f"--decode_attention={impl}", f"--decode_gemv={impl}"]
+        result = _cli(*args, *kernels, f"--json_out={out}")
         assert result.returncode == 0, result.stderr
         tokens.append(json.loads(out.read_text())["tokens"])
-    assert tokens[0] == tokens[1] and len(tokens[0][0]) == 4
-    refused = _cli("--config=micro", "--random_weights", "--decode_attention=pallas")
-    assert refused.returncode == 2
-    assert "experiments.generate_vs_torch --decode_attention=pallas" in refused.stderr
+    assert tokens[0] == tokens[1]
 
 
 def test_cli_runs_and_writes_json(micro, tmp_path):

@@ -247,6 +247,49 @@ def test_unknown_attention_impls_fail_clearly():
         dataclasses.replace(MICRO, decode_attention_impl="flash")
     with pytest.raises(ValueError, match="attention_impl='flash' must be one of"):
         dataclasses.replace(MICRO, attention_impl="flash")
+    with pytest.raises(ValueError, match="decode_gemv='cublas' must be one of"):
+        dataclasses.replace(MICRO, decode_gemv="cublas")
+
+
+def test_every_kernel_choice_of_the_config_has_its_code():
+    """The config accepts exactly its lists of names, and `ops` maps each name to a function
+    (cuDNN without a GPU: a ValueError that says so) and refuses any other."""
+    from huginn_jax import ops
+    from huginn_jax.config import DECODE_ATTENTION_IMPLS, DECODE_GEMV_IMPLS
+
+    for name in DECODE_ATTENTION_IMPLS:
+        assert dataclasses.replace(MICRO, decode_attention_impl=name).decode_attention_impl == name
+        if name == "cudnn" and jax.default_backend() != "gpu":
+            with pytest.raises(ValueError, match="'cudnn' needs an NVIDIA GPU"):
+                ops.decode_attention(name)
+        else:
+            assert callable(ops.decode_attention(name))
+    for name in DECODE_GEMV_IMPLS:
+        assert dataclasses.replace(MICRO, decode_gemv=name).decode_gemv == name
+        assert callable(ops.row_gemv(name))
+    with pytest.raises(ValueError, match="decode_attention_impl='flash' must be one of"):
+        ops.decode_attention("flash")
+    with pytest.raises(ValueError, match="decode_gemv='cublas' must be one of"):
+        ops.row_gemv("cublas")
+
+
+def test_with_config_changes_the_kernel_choices_only(model):
+    """A model's weights under other kernel choices: the same parameters, the new choices in
+    every block; any other difference is refused."""
+    from flax import nnx
+
+    from huginn_jax.model import with_config
+
+    cfg = dataclasses.replace(MICRO, decode_attention_impl="xla_split", decode_gemv="pallas")
+    other = with_config(model, cfg)
+    assert other.config == cfg
+    assert all(b.attn.cfg == cfg for b in [*other.prelude, *other.core_block, *other.coda])
+    for got, want in zip(
+        jax.tree.leaves(nnx.state(other)), jax.tree.leaves(nnx.state(model)), strict=True
+    ):
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="differs from the model's in more than"):
+        with_config(model, dataclasses.replace(MICRO, mean_recurrence=4))
 
 
 # cuDNN's fused attention rounds the softmax weights to bf16 before the product with V, where
@@ -285,7 +328,7 @@ def test_decode_attention_impls_match_xla_attention(impl):
     """One query over a 1000-position bf16 cache of which the first 701 are visible, against
     `attend` in float32 rounded to bf16 once; the visible length is traced, as in a decode
     step."""
-    from huginn_jax.layers import DECODE_ATTENTION, attend
+    from huginn_jax.layers import attend, attend_decode_cudnn, attend_decode_split
 
     keys = jax.random.split(jax.random.key(14), 3)
     q = jax.random.normal(keys[0], (2, 1, 55, 96), jnp.bfloat16)
@@ -296,7 +339,8 @@ def test_decode_attention_impls_match_xla_attention(impl):
     for position in (700, 999):
         q_pos = jnp.array([position])
         ref = np.asarray(attend(*f32, q_pos, k_pos))
-        got = jax.jit(DECODE_ATTENTION[impl])(q, k, v, q_pos, k_pos)
+        attention = {"cudnn": attend_decode_cudnn, "xla_split": attend_decode_split}[impl]
+        got = jax.jit(attention)(q, k, v, q_pos, k_pos)
         assert_close(got, bf16(ref), factor=CUDNN_WEIGHTS if impl == "cudnn" else 1.0)
     masked = np.asarray(attend(*f32, jnp.array([700]), k_pos))
     assert np.linalg.norm(masked - ref) / np.linalg.norm(ref) > 0.1  # the length matters

@@ -41,8 +41,6 @@ DTYPES = {
 }
 CPU_DEFAULTS = {"warmup": 2, "repeats": 5, "chains_per_call": 4}
 WORKSPACE_BYTES = 256 * 2**20  # state, outputs, cuBLAS workspace, compiled code
-# Flags that only a parent gives its child: not settings of a run, kept out of the results.
-INTERNAL_FLAGS = ("child", "child_out")
 _UNITS = {
     "": 1,
     "b": 1,

@@ -20,7 +20,6 @@ from experiments.chain import runners
 from experiments.chain.children import hbm_pass, run_timing_child, run_trace_child
 from experiments.chain.options import (
     CPU_DEFAULTS,
-    INTERNAL_FLAGS,
     PALLAS_IMPLS,
     ChainConfig,
     Options,
@@ -118,7 +117,7 @@ def run_record(
 def flag_values(opts: Options) -> dict[str, Any]:
     """The program's own flags as this run used them: the CPU's scaled-down timing and the
     plot path it chose, not the flags' defaults; the child-only flags left out."""
-    values = {k: v for k, v in program.own_flag_values().items() if k not in INTERNAL_FLAGS}
+    values = program.own_flag_values()  # without the child-only (Internal:) flags
     values.update({k: getattr(opts, k) for k in CPU_DEFAULTS}, plot_out=opts.plot_out)
     return values
 

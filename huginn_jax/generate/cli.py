@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from huginn_jax import costs
-from huginn_jax.config import HuginnConfig
+from huginn_jax.config import DECODE_ATTENTION_IMPLS, DECODE_GEMV_IMPLS, HuginnConfig
 from huginn_jax.generate.loop import ATTENTION_WINDOW, Generation, make_plan, run_plan
 from huginn_jax.generate.stats import time_parts
 from huginn_jax.model import Huginn
@@ -24,7 +24,8 @@ _DTYPES = {
     "float32": jnp.float32,
 }
 
-_FLAGS = (  # (kind, name, default, help); defined only by `cli`, so importing defines nothing
+# (kind, name, default, help[, enum values]); defined only by `cli`, so importing defines nothing
+_FLAGS = (
     ("string", "checkpoint", None, "Hugging Face checkpoint directory (config.json, safetensors)."),
     ("string", "config", None, "Preset name instead of --checkpoint; needs --random_weights."),
     ("bool", "random_weights", False, "Random weights (the reference's init) for --config."),
@@ -54,11 +55,18 @@ _FLAGS = (  # (kind, name, default, help); defined only by `cli`, so importing d
         "Decode reads the cache's filled positions rounded up to this; 0: the whole cache.",
     ),
     (
-        "string",
+        "enum",
         "decode_attention",
         "xla",
-        "Decode attention: xla, xla_split or cudnn (HuginnConfig.decode_attention_impl; the "
-        "Pallas kernel: experiments.generate_vs_torch --decode_attention=pallas).",
+        "Decode attention (HuginnConfig.decode_attention_impl).",
+        DECODE_ATTENTION_IMPLS,
+    ),
+    (
+        "enum",
+        "decode_gemv",
+        "xla",
+        "A Core step's GEMVs at batch 1 (HuginnConfig.decode_gemv).",
+        DECODE_GEMV_IMPLS,
     ),
     ("bool", "breakdown", False, "Also time the prelude, one Core iteration and the coda alone."),
     ("string", "roofline_device", "h200_measured", "costs.DEVICES entry for % of roofline."),
@@ -73,19 +81,13 @@ class UsageError(ValueError):
 
 def _config(F) -> HuginnConfig:
     """The model's shape from --checkpoint's config.json or --config, without loading weights,
-    with --decode_attention."""
+    with the kernel choices --decode_attention and --decode_gemv."""
     import dataclasses
 
-    from huginn_jax.layers import DECODE_ATTENTION
-
-    if F.decode_attention not in DECODE_ATTENTION:  # the ones this package provides
-        raise UsageError(
-            f"--decode_attention={F.decode_attention} must be xla, xla_split or cudnn (the "
-            "Pallas kernel lives in pallas_kernels, which this package does not import: "
-            "experiments.generate_vs_torch --decode_attention=pallas)"
-        )
     config = _shape(F)
-    return dataclasses.replace(config, decode_attention_impl=F.decode_attention)
+    return dataclasses.replace(
+        config, decode_attention_impl=F.decode_attention, decode_gemv=F.decode_gemv
+    )
 
 
 def _shape(F) -> HuginnConfig:
@@ -108,11 +110,12 @@ def _shape(F) -> HuginnConfig:
 
 
 def _load_model(F, config: HuginnConfig) -> Huginn:
+    """--checkpoint's weights or random ones, under `config` (its kernel choices included)."""
     from huginn_jax.checkpoint import from_pretrained
-    from huginn_jax.model import random_init
+    from huginn_jax.model import random_init, with_config
 
     if F.checkpoint:
-        return from_pretrained(F.checkpoint, dtype=_DTYPES[F.dtype])
+        return with_config(from_pretrained(F.checkpoint, dtype=_DTYPES[F.dtype]), config)
     return random_init(config, jax.random.key(F.seed), dtype=_DTYPES[F.dtype])
 
 
@@ -289,6 +292,17 @@ def _main(argv, F, flag_names) -> None:
     _print_table(stats)
 
 
+def define_flags(fv) -> None:
+    """Defines the command line's flags on the absl FlagValues `fv`."""
+    from absl import flags
+
+    for kind, name, default, help_text, *values in _FLAGS:
+        if kind == "enum":
+            flags.DEFINE_enum(name, default, list(values[0]), help_text, flag_values=fv)
+        else:
+            getattr(flags, f"DEFINE_{kind}")(name, default, help_text, flag_values=fv)
+
+
 def cli(argv: list[str] | None = None) -> None:
     """`python -m huginn_jax.generate --flag=...`; bad input ends in one line and exit status 2."""
     import sys
@@ -296,9 +310,8 @@ def cli(argv: list[str] | None = None) -> None:
     from absl import app, flags, logging
 
     fv = flags.FLAGS
-    for kind, name, default, help_text in _FLAGS:
-        getattr(flags, f"DEFINE_{kind}")(name, default, help_text, flag_values=fv)
-    flag_names = [name for _, name, _, _ in _FLAGS]
+    define_flags(fv)
+    flag_names = [name for _, name, *_ in _FLAGS]
 
     def fail(error: Exception):
         print(f"error: {error}", file=sys.stderr)

@@ -3,8 +3,9 @@
 Public entry point: `decode_attention(q, k_cache, v_cache, slot, visible)`: one query per
 sequence, q [B, H, K], over positions [0, visible) of cache slot `slot` (k_cache, v_cache
 [slots, B, S, H, K]) -> [B, H, K]. On a machine without a GPU the kernel runs in interpret mode.
-The model uses it with `HuginnConfig(decode_attention_impl="pallas")` once this module is
-imported (it registers itself with `huginn_jax.layers`). Design and traffic: `kernel.py`.
+Its plain-JAX reference: `reference.py`. The model calls it for
+`HuginnConfig(decode_attention_impl="pallas")` (`huginn_jax.ops`); this package imports nothing
+of the model. Design and traffic: `kernel.py`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import dataclasses
 
 import jax
 
-from huginn_jax import layers
 from pallas_kernels.decode_attention.kernel import decode_attention_kernel
 from pallas_kernels.decode_attention.reference import decode_attention_reference
 
@@ -94,10 +94,3 @@ def decode_attention(q_BxHxK, k_cache, v_cache, slot, visible, *, config=None) -
         num_stages=config.num_stages,
         interpret=jax.default_backend() != "gpu",
     )
-
-
-def _model_decode_attention(q_Bx1xHxK, k_cache, v_cache, slot, visible):
-    return decode_attention(q_Bx1xHxK[:, 0], k_cache, v_cache, slot, visible)[:, None]
-
-
-layers.register_slot_decode_attention("pallas", _model_decode_attention)

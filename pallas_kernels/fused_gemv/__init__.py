@@ -1,9 +1,9 @@
 """Row GEMVs with split-K partial sums or the SiLU gate fused in (Pallas, Triton backend).
 
 Public entry point: `fused_gemv(w, x, *, silu, as_partials)` with the signature and meaning of
-`huginn_jax.decode_row.row_gemv_xla` (its reference). The model uses it with
-`HuginnConfig(decode_gemv="pallas")` once this module is imported (it registers itself with
-`huginn_jax.decode_row`). On a machine without a GPU the kernel runs in interpret mode.
+its plain-JAX reference `fused_gemv_reference` (`reference.py`). The model calls it for
+`HuginnConfig(decode_gemv="pallas")` (`huginn_jax.ops`); this package imports nothing of the
+model. On a machine without a GPU the kernel runs in interpret mode.
 Design and traffic: `kernel.py`; tuning: `tune.py`.
 """
 
@@ -13,10 +13,10 @@ import dataclasses
 
 import jax
 
-from huginn_jax import decode_row
 from pallas_kernels.fused_gemv.kernel import fused_gemv_kernel
+from pallas_kernels.fused_gemv.reference import fused_gemv_reference
 
-__all__ = ["GemvConfig", "fused_gemv", "pick_config"]
+__all__ = ["GemvConfig", "fused_gemv", "fused_gemv_reference", "pick_config"]
 
 H200_SMS = 132
 
@@ -76,8 +76,8 @@ def fused_gemv(
     as_partials: bool = False,
     config: GemvConfig | None = None,
 ) -> jax.Array:
-    """x [K] @ w [K, N] as `huginn_jax.decode_row.row_gemv_xla` returns it; for `as_partials`
-    [split_k, N] float32 (sum over axis 0 for the product)."""
+    """x [K] @ w [K, N] as `fused_gemv_reference` returns it; for `as_partials` [split_k, N]
+    float32 (sum over axis 0 for the product)."""
     if w.ndim != 2 or x.shape != w.shape[:1]:
         raise ValueError(f"fused_gemv: need w [K, N] and x [K]; got w {w.shape}, x {x.shape}")
     rows, n_total = w.shape
@@ -103,6 +103,3 @@ def fused_gemv(
         num_stages=config.num_stages,
         interpret=jax.default_backend() != "gpu",
     )
-
-
-decode_row.register_row_gemv("pallas", fused_gemv)
