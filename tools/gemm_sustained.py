@@ -4,10 +4,11 @@
 
 A short burst (a few matmuls after warm-up) runs faster than a long prefill or a timing loop of
 seconds: the SM clock falls once the tensor cores stay busy (with --phases, tools/smi_phases.py
-shows clock and power per phase). Each N: matmuls dispatched back to back, then one wait; TFLOP/s over the wall
-time, median of 5 repeats with a second of idle before each. The same measurement as the
-sustained ceiling of `python -m experiments.ceilings` (experiments.measure.probes.gemm_times).
-With --phases, writes 'HH:MM:SS.micro N=... start|end' lines for tools/smi_phases.py.
+shows clock and power per phase). Each N: matmuls dispatched back to back, then one wait;
+TFLOP/s over the wall time, median of 5 repeats with a second of idle before each. The same
+measurement as the sustained ceiling of `python -m experiments.ceilings`
+(experiments.measure.probes.gemm_times). With --phases, writes 'HH:MM:SS.micro N=... start|end'
+lines for tools/smi_phases.py.
 """
 
 from __future__ import annotations
