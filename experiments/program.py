@@ -66,11 +66,11 @@ def run(name: str, define_flags: Callable[[], None], main: Callable[[list[str]],
 
 def own_flag_values() -> dict[str, Any]:
     """{name: value} of the running program's own flags (see `define`), less the internal ones
-    (help text starting "Internal:", e.g. the flags a program passes to its own child process)."""
+    (help text marked "Internal:", e.g. the flags a program passes to its own child process)."""
     return {
         name: value
         for name, value in cli.flag_values(_own_flags).items()
-        if not (flags.FLAGS[name].help or "").startswith("Internal:")
+        if "Internal:" not in (flags.FLAGS[name].help or "")
     }
 
 

@@ -147,7 +147,7 @@ def run_core(model: Huginn | Core, state, embedded, start, cache: KVCache | None
 
     def body(carry, iteration):
         adapter, core_block = nnx.merge(graphdef, params)
-        step_model = _CoreView(adapter, core_block)
+        step_model = CoreWeights(adapter, core_block)
         state, cache = carry
         return core_step(step_model, state, embedded, iteration, start, cache), None
 
@@ -155,7 +155,10 @@ def run_core(model: Huginn | Core, state, embedded, start, cache: KVCache | None
     return state, cache
 
 
-class _CoreView(NamedTuple):
+class CoreWeights(NamedTuple):
+    """What `core_step` reads of a model: the adapter and the Core layers (inside the scan, the
+    merged loop-invariant parameters, without the rest of the model)."""
+
     adapter: Linear
     core_block: nnx.List
 

@@ -154,7 +154,12 @@ def test_same_bits_tells_signed_zeros_apart():
 
 
 def test_expand_impls():
-    assert options.expand_impls(["xla"]) == ("xla", "xla_loop", "xla_nocb", "xla_loop_nocb")
+    assert options.expand_impls(["xla"]) == (
+        "xla",
+        "xla_loop",
+        "xla_no_cmdbuf",
+        "xla_loop_no_cmdbuf",
+    )
     assert options.expand_impls(["xla"], families=False) == ("xla",)
     assert options.expand_impls(["torch", "xla_loop"]) == (
         "torch_eager",
@@ -352,11 +357,11 @@ def test_compile_seconds_only_when_it_compiled():
 def test_gemm_and_torch_compile_mode_reach_the_children():
     cfg = small_config()
     opts = options.Options(
-        configs=(cfg,), layouts=("shared",), impls=("xla_nocb",), warmup=1, repeats=1,
+        configs=(cfg,), layouts=("shared",), impls=("xla_no_cmdbuf",), warmup=1, repeats=1,
         chains_per_call=1, ncu_chains=1, json_out="", plot_out="", hbm=False, trace_dir=None,
         gemm="cublas", torch_compile_mode="max-autotune-no-cudagraphs",
     )  # fmt: skip
-    argv = children.child_argv(cfg, opts, "timing", ["shared"], ["xla_nocb"], "/tmp/x")
+    argv = children.child_argv(cfg, opts, "timing", ["shared"], ["xla_no_cmdbuf"], "/tmp/x")
     assert "--gemm=cublas" in argv and "--torch_compile_mode=max-autotune-no-cudagraphs" in argv
 
 
@@ -422,7 +427,7 @@ def test_end_to_end_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "HBM counters need a GPU and Nsight Compute (ncu); skipped" in out
-    assert "xla_nocb" in out and "skipped" in out  # command buffers: GPU only
+    assert "xla_no_cmdbuf" in out and "skipped" in out  # command buffers: GPU only
     assert "torch" in out  # torch missing or no CUDA: one note
     # the table is last, then the two paths
     tail = out.strip().splitlines()
@@ -475,22 +480,22 @@ def test_pallas_impl_is_known_and_skipped_without_a_gpu(tmp_path):
 
 
 def test_pallas_splitk_nocb_runs_in_the_command_buffer_free_child():
-    assert options.expand_impls(["pallas_splitk_nocb"]) == ("pallas_splitk_nocb",)
-    assert "pallas_splitk_nocb" in runners.LAYOUTS_NOT_COMPARABLE
-    assert COMMAND_BUFFERS_OFF in children.child_env(["pallas_splitk_nocb"])["XLA_FLAGS"]
+    assert options.expand_impls(["pallas_splitk_no_cmdbuf"]) == ("pallas_splitk_no_cmdbuf",)
+    assert "pallas_splitk_no_cmdbuf" in runners.LAYOUTS_NOT_COMPARABLE
+    assert COMMAND_BUFFERS_OFF in children.child_env(["pallas_splitk_no_cmdbuf"])["XLA_FLAGS"]
     notes: list[str] = []
     opts = options.Options(
-        configs=(), layouts=("shared",), impls=("xla", "pallas_splitk_nocb"), warmup=1,
+        configs=(), layouts=("shared",), impls=("xla", "pallas_splitk_no_cmdbuf"), warmup=1,
         repeats=1, chains_per_call=1, ncu_chains=1, json_out="", plot_out="", hbm=False,
         trace_dir=None,
     )  # fmt: skip
     assert sweep.select_impls(opts, on_gpu=False, note=notes.append) == ("xla",)
-    assert "pallas_splitk_nocb skipped" in notes[0]
+    assert "pallas_splitk_no_cmdbuf skipped" in notes[0]
 
 
 def test_timing_child_reports_the_chains_its_output_went_through():
     # The parent checks a child's output against the reference after that many chains; it
-    # used to guess 1 for every impl without "loop" in its name (pallas_splitk_nocb runs N).
+    # used to guess 1 for every impl without "loop" in its name (pallas_splitk_no_cmdbuf runs N).
     cfg, n = small_config(d=64, steps=3), 3
     opts = options.Options(
         configs=(cfg,), layouts=("shared",), impls=("xla", "xla_loop"), warmup=0, repeats=1,

@@ -6,7 +6,7 @@
 #   ceilings  the device's measured ceilings (read-only streaming rate, sustained bf16 GEMM rate)
 #             -> ceilings.json; every other stage states its floors against it, so run it first
 #             (or have results/h200/ceilings.json from an earlier run)
-#   tests     the GPU-marked tests and the tests that run PyTorch on the GPU, in parallel groups
+#   tests     every GPU-marked test, and the PyTorch/Core/chain tests whole, in 3 parallel groups
 #             (correctness only; TEST_TIMEOUT: seconds per group, default 280)
 #   compile_modes  the PyTorch Core through torch.compile in each mode (default, reduce-overhead,
 #             max-autotune-no-cudagraphs), decode and prefill: which mode is fastest
@@ -49,13 +49,12 @@ stage_tests() {
   local d=$1 limit=${TEST_TIMEOUT:-280}
   timeout "$limit" python3 -m pytest -q -m gpu tests/test_looped_matmul.py \
     > "$d/pytest_looped_matmul.txt" 2>&1 &
-  timeout "$limit" python3 -m pytest -q tests/test_decode_attention_kernel.py \
-    tests/test_decode_attention.py tests/test_prefill_attention.py tests/test_fused_gemv.py \
-    tests/test_adapter.py > "$d/pytest_attention_gemv.txt" 2>&1 &
-  timeout "$limit" python3 -m pytest -q tests/test_model.py tests/test_generate.py \
-    > "$d/pytest_model_generate.txt" 2>&1 &
   timeout "$limit" python3 -m pytest -q tests/test_torch_ref.py tests/test_core.py \
     tests/test_generate_vs_torch.py tests/test_chain.py > "$d/pytest_torch_core_chain.txt" 2>&1 &
+  timeout "$limit" python3 -m pytest -q -m gpu --ignore=tests/test_looped_matmul.py \
+    --ignore=tests/test_torch_ref.py --ignore=tests/test_core.py \
+    --ignore=tests/test_generate_vs_torch.py --ignore=tests/test_chain.py tests \
+    > "$d/pytest_other_gpu.txt" 2>&1 &
   wait
   for f in "$d"/pytest_*.txt; do echo "== $(basename "$f"): $(tail -1 "$f")"; done
 }
@@ -105,7 +104,7 @@ stage_chain() {
 stage_chain_trace() {
   local d=$1
   timeout 300 python3 -m experiments.chain --size=8MiB --layouts=shared \
-    --impls=xla,xla_loop,xla_nocb,xla_loop_nocb,xla_f32dot,xla_loop_f32dot,xla_loop_unrolled,torch_graph \
+    --impls=xla,xla_loop,xla_no_cmdbuf,xla_loop_no_cmdbuf,xla_f32dot,xla_loop_f32dot,xla_loop_unrolled,torch_graph \
     $CEILINGS --trace_dir="$d/trace" --json_out="$d/chain_trace_8MiB.json" --plot_out= \
     > "$d/chain_trace_8MiB.txt" 2>&1
   stamp "chain trace rc $?"

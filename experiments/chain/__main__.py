@@ -12,8 +12,8 @@ runs in its fastest known form, so that the "vs best" column compares best with 
   xla            the chain jitted once, plain `x @ w` in the chain's dtype (the dot accumulates
                  in float32 inside, as cuBLAS does for PyTorch); one dispatch per chain
   xla_loop       N = --chains_per_call chains in one executable (fori_loop, output fed back)
-  xla_nocb       as xla, command buffers (CUDA graphs) off; run in a child process (GPU only)
-  xla_loop_nocb  as xla_loop, command buffers off (GPU only)
+  xla_no_cmdbuf  as xla, command buffers (CUDA graphs) off; run in a child process (GPU only)
+  xla_loop_no_cmdbuf  as xla_loop, command buffers off (GPU only)
   xla_f32dot, xla_loop_f32dot  as xla, xla_loop, but each product a dot with a float32 result,
                  then a cast to the chain's dtype: the same math, yet XLA picks other kernels
                  for it (see the kernels per chain with --trace_dir); only when named
@@ -29,7 +29,7 @@ runs in its fastest known form, so that the "vs best" column compares best with 
                  step weights stacked [steps, d, d] (GPU, sm_90)
   pallas_splitk  the split-K persistent kernel (weight in registers + shared memory + L2; the
                  package's default); copies: the stacked resident kernel, as `pallas`
-  pallas_splitk_nocb  as pallas_splitk, command buffers off (GPU only)
+  pallas_splitk_no_cmdbuf  as pallas_splitk, command buffers off (GPU only)
 
 N chains per call (--chains_per_call) spread a call's fixed cost over N chains: a JAX call
 dispatches, copies its inputs and is waited for once; PyTorch's graph replay costs less.

@@ -1,6 +1,6 @@
 """The chain's child processes: `python -m experiments.chain --child=MODE` for one size.
 
-  timing  the _nocb impls, in a process whose XLA_FLAGS turn command buffers off (XLA reads
+  timing  the _no_cmdbuf impls, in a process whose XLA_FLAGS turn command buffers off (XLA reads
           them once, at start): samples and outputs (`run_timing_child`)
   ncu     every layout x impl in its own cuProfilerStart/Stop range, under Nsight Compute:
           HBM bytes and L2 hit rate per chain (`hbm_pass`)
@@ -73,11 +73,11 @@ def child_argv(
 
 def child_env(impls: Sequence[str]) -> dict[str, str]:
     """Environment of a child: importable repo, no JAX preallocation (the parent holds memory
-    too), and command buffers off for the _nocb impls (XLA reads XLA_FLAGS once, at start)."""
+    too), and command buffers off for the _no_cmdbuf impls (XLA reads XLA_FLAGS once, at start)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-    if any(i.endswith("_nocb") for i in impls):
+    if any(i.endswith("_no_cmdbuf") for i in impls):
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {COMMAND_BUFFERS_OFF}".strip()
     return env
 
@@ -100,7 +100,7 @@ def _run_child(
 def run_timing_child(
     cfg: ChainConfig, opts: Options, impls: Sequence[str]
 ) -> dict[tuple[str, str], tuple[timing.Samples, Outputs, float | None]]:
-    """Times the _nocb impls in a child process whose XLA_FLAGS turn command buffers off;
+    """Times the _no_cmdbuf impls in a child process whose XLA_FLAGS turn command buffers off;
     per (layout, impl): samples, outputs (with the chains they went through), and the first
     call's seconds."""
     with tempfile.TemporaryDirectory(prefix="chain-child-") as out:
@@ -160,8 +160,8 @@ def child_main(opts: Options, mode: str, out_dir: str) -> None:
     out = Path(out_dir)
     cfg = opts.configs[0]
     xla_flags = os.environ.get("XLA_FLAGS", "").split()
-    if any(i.endswith("_nocb") for i in opts.impls) and COMMAND_BUFFERS_OFF not in xla_flags:
-        raise UserError(f"_nocb impls need XLA_FLAGS to contain {COMMAND_BUFFERS_OFF}")
+    if any(i.endswith("_no_cmdbuf") for i in opts.impls) and COMMAND_BUFFERS_OFF not in xla_flags:
+        raise UserError(f"_no_cmdbuf impls need XLA_FLAGS to contain {COMMAND_BUFFERS_OFF}")
     x_host, w_host = host_values(cfg)
     runs, ranges, traces = [], [], []
     for layout in opts.layouts:

@@ -25,9 +25,9 @@ from huginn_jax.xla_flags import GEMM_CHOICES
 
 FLAGS = flags.FLAGS
 
-XLA_FAMILY = ("xla", "xla_loop", "xla_nocb", "xla_loop_nocb")
+XLA_FAMILY = ("xla", "xla_loop", "xla_no_cmdbuf", "xla_loop_no_cmdbuf")
 XLA_IMPLS = XLA_FAMILY + ("xla_f32dot", "xla_loop_f32dot", "xla_loop_unrolled")
-PALLAS_IMPLS = ("pallas", "pallas_splitk", "pallas_splitk_nocb")
+PALLAS_IMPLS = ("pallas", "pallas_splitk", "pallas_splitk_no_cmdbuf")
 FAMILIES = {"xla": XLA_FAMILY, "torch": torch_chain.IMPLS}
 KNOWN_IMPLS = XLA_IMPLS + torch_chain.IMPLS + PALLAS_IMPLS
 LAYOUTS = ("shared", "copies")

@@ -20,7 +20,7 @@ import numpy as np
 from experiments.chain.options import PALLAS_IMPLS, ChainConfig, Options
 from experiments.torch_ref import chain as torch_chain
 
-# XLA impl (without _nocb) -> (form of one product, how a call repeats the chain).
+# XLA impl (without _no_cmdbuf) -> (form of one product, how a call repeats the chain).
 XLA_FORMS = {
     "xla": ("plain", "once"),
     "xla_loop": ("plain", "loop"),
@@ -38,7 +38,7 @@ _SPLITK_NOT_COMPARABLE = (
 )
 LAYOUTS_NOT_COMPARABLE = {
     "pallas_splitk": _SPLITK_NOT_COMPARABLE,
-    "pallas_splitk_nocb": _SPLITK_NOT_COMPARABLE,
+    "pallas_splitk_no_cmdbuf": _SPLITK_NOT_COMPARABLE,
 }
 
 
@@ -161,14 +161,14 @@ def unrolled_chains(n: int, steps: int) -> int:
 
 def xla_runner(impl: str, x: Any, ws: Sequence[Any], *, n: int) -> Runner:
     """The XLA impls (XLA_FORMS): one chain per call ("once") or n chains per call in a
-    fori_loop or unrolled (at most `unrolled_chains`). The _nocb variants differ only in the
+    fori_loop or unrolled (at most `unrolled_chains`). The _no_cmdbuf variants differ only in the
     XLA_FLAGS of the process that runs them. The first call is timed: the compile time when
     it compiled (the other layout or size may have compiled the same executable before)."""
     import jax
 
-    if impl.removesuffix("_nocb") not in XLA_FORMS:
+    if impl.removesuffix("_no_cmdbuf") not in XLA_FORMS:
         raise ValueError(f"unknown xla impl {impl!r}")
-    form, repeat = XLA_FORMS[impl.removesuffix("_nocb")]
+    form, repeat = XLA_FORMS[impl.removesuffix("_no_cmdbuf")]
     f = _jitted(form, repeat)
     if repeat == "once":
         per_call = 1

@@ -56,10 +56,10 @@ def note_fn(notes: list[str]) -> Callable[[str], None]:
 def select_impls(opts: Options, on_gpu: bool, note: Callable[[str], None]) -> tuple[str, ...]:
     """Drops what cannot run here, each with a one-line note."""
     impls = list(opts.impls)
-    nocb = [i for i in impls if i.endswith("_nocb")]
-    if nocb and not on_gpu:
-        note(f"command buffers exist only on GPU; {', '.join(nocb)} skipped")
-        impls = [i for i in impls if i not in nocb]
+    no_cmdbuf = [i for i in impls if i.endswith("_no_cmdbuf")]
+    if no_cmdbuf and not on_gpu:
+        note(f"command buffers exist only on GPU; {', '.join(no_cmdbuf)} skipped")
+        impls = [i for i in impls if i not in no_cmdbuf]
     pallas = [i for i in impls if i in PALLAS_IMPLS]
     if pallas and not (on_gpu and runners.pallas_supported()):
         note(f"the Pallas kernels need a GPU with Mosaic GPU (sm_90); {', '.join(pallas)} skipped")
@@ -132,12 +132,12 @@ def run(opts: Options, notes: list[str], note: Callable[[str], None]) -> dict[st
     impls = select_impls(opts, on_gpu, note)
     if not impls:
         raise UserError("no implementation can run here (see the notes above)")
-    in_process = [i for i in impls if not i.endswith("_nocb")]
-    nocb = [i for i in impls if i.endswith("_nocb")]
+    in_process = [i for i in impls if not i.endswith("_no_cmdbuf")]
+    no_cmdbuf = [i for i in impls if i.endswith("_no_cmdbuf")]
     ncu = ncu_lib.find_ncu() if opts.hbm and on_gpu else None
     if opts.hbm and ncu is None:
         note(ncu_lib.SKIP_LINE + ("" if on_gpu else " (no GPU here)"))
-    holders = 1 + any(i in torch_chain.IMPLS for i in impls) + bool(nocb or ncu)
+    holders = 1 + any(i in torch_chain.IMPLS for i in impls) + bool(no_cmdbuf or ncu)
     check_memory(opts, device, holders)
     unrolled = runners.unrolled_chains(opts.chains_per_call, opts.configs[0].steps)
     if "xla_loop_unrolled" in impls and unrolled < opts.chains_per_call:
@@ -178,12 +178,14 @@ def run(opts: Options, notes: list[str], note: Callable[[str], None]) -> dict[st
     }
     for cfg in opts.configs:
         x_host, w_host = runners.host_values(cfg)
-        outputs = time_size(cfg, opts, (x_host, w_host), in_process, nocb, bw, note, data["runs"])
+        outputs = time_size(
+            cfg, opts, (x_host, w_host), in_process, no_cmdbuf, bw, note, data["runs"]
+        )
         add_checks(data, cfg, x_host, w_host, outputs, runners.LAYOUTS_NOT_COMPARABLE)
         add_vs_best(data["runs"])
         if ncu is not None:
             # Two children at most: default XLA flags, and command buffers off.
-            for group in (in_process, nocb):
+            for group in (in_process, no_cmdbuf):
                 if group:
                     add_hbm(data, cfg, opts, group, ncu, note)
         if opts.trace_dir:
@@ -199,24 +201,25 @@ def time_size(
     opts: Options,
     values: tuple[np.ndarray, np.ndarray],
     in_process: Sequence[str],
-    nocb: Sequence[str],
+    no_cmdbuf: Sequence[str],
     bw: float | None,
     note: Callable[[str], None],
     runs: list[dict[str, Any]],
 ) -> dict[tuple[str, str], Outputs]:
     """Times every layout x impl of one size, appending their records to `runs`: the in-process
-    impls one by one, the _nocb impls in one child (a failed child is a note); their outputs."""
+    impls one by one, the _no_cmdbuf impls in one child (a failed child is a note); returns their
+    outputs."""
     x_host, w_host = values
     outputs: dict[tuple[str, str], Outputs] = {}
-    # One task per in-process (layout, impl); (None, None) for the child of every _nocb impl.
+    # One task per in-process (layout, impl); (None, None) for the child of every _no_cmdbuf impl.
     tasks = [(layout, impl) for layout in opts.layouts for impl in in_process]
-    tasks += [(None, None)] if nocb else []
+    tasks += [(None, None)] if no_cmdbuf else []
     for layout, impl in program.progress(tasks, f"chain {size_label(cfg.weight_bytes)}"):
         if layout is None or impl is None:
             try:
-                child = run_timing_child(cfg, opts, nocb)
+                child = run_timing_child(cfg, opts, no_cmdbuf)
             except RuntimeError as e:
-                note(f"{', '.join(nocb)} at W={cfg.weight_bytes} B: {e}")
+                note(f"{', '.join(no_cmdbuf)} at W={cfg.weight_bytes} B: {e}")
                 child = {}
             for (layout, impl), (samples, out, seconds) in sorted(child.items()):
                 runs.append(run_record(cfg, layout, impl, samples, bw, seconds))
@@ -261,11 +264,11 @@ def trace_all(
     w_host: np.ndarray,
     note: Callable[[str], None],
 ) -> dict[str, dict[str, ChainTrace]]:
-    """layout -> impl -> trace of every impl: in this process, or in a child for the _nocb
+    """layout -> impl -> trace of every impl: in this process, or in a child for the _no_cmdbuf
     impls (their XLA_FLAGS) and the torch impls (CUPTI, see `run_trace_child`)."""
     traced: dict[str, dict[str, ChainTrace]] = {layout: {} for layout in opts.layouts}
     for impl in impls:
-        if impl.endswith("_nocb") or impl in torch_chain.IMPLS:
+        if impl.endswith("_no_cmdbuf") or impl in torch_chain.IMPLS:
             try:
                 for layout, one in run_trace_child(cfg, opts, impl).items():
                     traced[layout][impl] = one

@@ -14,7 +14,7 @@ random, never zeros); prefill = `context` new positions from position 0. Impleme
                   in XLA; the model's decode_attention_impl="xla_split")
   xla_pallas      as xla, decode attention by the Pallas split-KV kernel that reads the cache
                   slot in place (pallas_kernels.decode_attention)
-  xla_rows        as xla_pallas, and at batch 1 each GEMV one Pallas kernel that returns
+  xla_row_gemv    as xla_pallas, and at batch 1 each GEMV one Pallas kernel that returns
                   split-K partial sums unreduced or applies the SiLU gate, XLA adding the
                   partials up where it builds the next row (huginn_jax.decode_row with
                   pallas_kernels.fused_gemv)

@@ -21,7 +21,7 @@ XLA_VARIANTS = {
     "xla_cudnn": {"attention_impl": "cudnn", "decode_attention_impl": "cudnn"},
     "xla_split": {"decode_attention_impl": "xla_split"},
     "xla_pallas": {"decode_attention_impl": "pallas"},
-    "xla_rows": {"decode_attention_impl": "pallas", "decode_gemv": "pallas"},
+    "xla_row_gemv": {"decode_attention_impl": "pallas", "decode_gemv": "pallas"},
     "xla_mgpu": {"attention_impl": "mgpu", "decode_attention_impl": "pallas"},
 }
 GPU_ONLY_IMPLS = (*CUDA_ONLY_IMPLS, "xla_cudnn", "xla_mgpu")

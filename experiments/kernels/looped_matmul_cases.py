@@ -4,7 +4,7 @@ A case is a dict: `variant` ("resident", "splitk" or "barrier"), `m`, `d`, `step
 `cfg` (overrides of the picked config's fields; `split=(tiles, k_split)` another 2-D split
 filled like the picker), `stacked`, `grid_barrier=False` (an ablation), and for the barrier
 probe `poll` and `warpgroups`. Suites: `table` (resident vs split-K vs XLA, then split-K
-variants at 72 MiB), `legacy` (the resident kernel's probes), `steps` (split-K time against
+variants at 72 MiB), `resident` (the resident kernel's probes), `steps` (split-K time against
 steps), `barrier` (each way of polling the grid barrier). Also the PyTorch times and targets the
 table prints next to them (docs/looped_matmul.md, "Targets").
 """
@@ -30,7 +30,7 @@ BARRIER_EPOCHS = 65
 BARRIER_BLOCKS = 132
 
 # name: variant, m, d, steps, optional config overrides, stacked
-LEGACY_CASES: dict[str, dict[str, Any]] = {
+RESIDENT_CASES: dict[str, dict[str, Any]] = {
     "minimal_d2048_s1": dict(m=1, d=2048, steps=1),
     "minimal_d256_s3_1block_nobarrier": dict(
         m=1, d=256, steps=3, cfg=dict(block_cols=256, block_k=64, resident_chunks=2)
@@ -187,7 +187,7 @@ def _barrier_cases() -> dict[str, dict[str, Any]]:
 TABLE_CASES = _table_cases()
 SUITES = {
     "table": TABLE_CASES,
-    "legacy": LEGACY_CASES,
+    "resident": RESIDENT_CASES,
     "steps": _steps_cases(),
     "barrier": _barrier_cases(),
 }

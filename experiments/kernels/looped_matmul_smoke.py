@@ -1,7 +1,7 @@
 """GPU smoke run of the looped matmul kernels: correctness vs the reference, kernel times, a table.
 
     python -m experiments.kernels.looped_matmul_smoke               # the comparison suite + table
-    python -m experiments.kernels.looped_matmul_smoke --suite legacy  # the resident kernel
+    python -m experiments.kernels.looped_matmul_smoke --suite resident  # the resident kernel
     python -m experiments.kernels.looped_matmul_smoke --suite steps   # split-K time vs steps
     python -m experiments.kernels.looped_matmul_smoke --case NAME     # one case in this process
     python -m experiments.kernels.looped_matmul_smoke --only A,B --profile_dir DIR  # + phases

@@ -6,7 +6,8 @@ results are ready on the device (`jax.block_until_ready` on what `fn` returns, o
 such as `torch.cuda.synchronize`). A sample is the wall time of one call divided by `per_call`, the
 number of units (e.g. chains) one call performs; the summary is the median with the p10-p90 and
 min-max spread. Caches are NOT flushed between calls: data such as a weight matrix may stay in L2
-from one call to the next. That is deliberate: it is the warm-cache condition the seeds measured.
+from one call to the next. That is deliberate: it is the warm-cache condition the profiling study
+measured.
 """
 
 from __future__ import annotations
