@@ -19,6 +19,9 @@ larger than the H200's L2, so even warm calls read it from HBM. Implementations:
                  a CUDA graph; compile time recorded apart (`compile_seconds`)
 The first and last product of every row are checked against a float64 product on the host; a
 row beyond attention_bench.TOLERANCE makes the program exit 1 after writing its results.
+On a CPU the flags not given take the smaller values of CPU_DEFAULTS (one line says which, and
+the JSON records them); a problem that cannot fit in memory is refused before anything is
+allocated; Ctrl-C or SIGTERM writes the rows measured so far, marked "complete": false.
 """
 
 from __future__ import annotations
@@ -40,11 +43,11 @@ from absl import flags  # noqa: E402
 from experiments import attention_bench as bench  # noqa: E402
 from experiments import cli, program  # noqa: E402
 from experiments.cli import UserError  # noqa: E402
-from experiments.measure import compare, timing  # noqa: E402
+from experiments.measure import compare, memory, timing  # noqa: E402
 from experiments.measure import ncu as ncu_lib  # noqa: E402
 from experiments.measure.ceilings import Ceilings  # noqa: E402
 from huginn_jax import costs  # noqa: E402
-from huginn_jax.config import HuginnConfig  # noqa: E402
+from huginn_jax.config import PRESETS, HuginnConfig  # noqa: E402
 from huginn_jax.layers import truncated_normal  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -52,21 +55,29 @@ IMPLS = ("xla", *bench.TORCH_IMPLS)
 VARIANTS = ("matmul", "concat")
 CASE_KEYS = ("m", "variant")  # the fields of one case: its rows are compared in "vs best"
 CHECKED = (0, -1)  # the products of a call checked against the float64 reference
+# On a CPU, for the flags not given: a decode row and a short prefill, a few calls.
+CPU_DEFAULTS = {"m": ["1", "16"], "calls": 2, "warmup": 1, "repeats": 3}
 
 
 def define_flags() -> None:
     """Defines the flags; called only when this module runs as the program, so that tests
     and other programs can import it without clashing flag names."""
-    flags.DEFINE_list("m", ["1", "1024"], "Rows M (1 = decode, 1024 = prefill at batch 1).")
+    flags.DEFINE_list(
+        "m", ["1", "1024"], "Rows M, a list (1 = decode, 1024 = prefill at batch 1; CPU: 1,16)."
+    )
     flags.DEFINE_list("variants", list(VARIANTS), "matmul (x @ W) and/or concat.")
     flags.DEFINE_list("impls", list(IMPLS), f"Any of {', '.join(IMPLS)}.")
     flags.DEFINE_enum(
         "torch_compile_mode", "default", bench.COMPILE_MODES, bench.TORCH_COMPILE_MODE_HELP
     )
-    flags.DEFINE_string("config", "huginn_0125", "Preset whose adapter is measured.")
-    flags.DEFINE_integer("calls", 20, "Adapter calls per timed executable / graph.")
-    flags.DEFINE_integer("warmup", 3, "Untimed repeats.")
-    flags.DEFINE_integer("repeats", 20, "Timed repeats (median reported).")
+    flags.DEFINE_string(
+        "config", "huginn_0125", f"Preset whose adapter is measured ({', '.join(PRESETS)})."
+    )
+    flags.DEFINE_integer("calls", 20, "Adapter calls per timed executable / graph (CPU: 2).")
+    flags.DEFINE_integer("warmup", 3, "Untimed repeats of a timed executable (CPU: 1).")
+    flags.DEFINE_integer(
+        "repeats", 20, "Timed repeats; the median time per call is reported (CPU: 3)."
+    )
     flags.DEFINE_string("json_out", "out/adapter.json", "Results JSON ('' to skip).")
     flags.DEFINE_bool("hbm", False, "HBM bytes per call with L2 flushed (GPU + ncu).")
     flags.DEFINE_integer("seed", 0, "Seed of the weight and inputs.")
@@ -213,24 +224,34 @@ def config() -> HuginnConfig:
     try:
         return HuginnConfig.from_name(FLAGS.config)
     except ValueError as e:
-        raise UserError(str(e)) from None
+        raise UserError(f"--config: {e}") from None
+
+
+def bytes_needed(cfg: HuginnConfig, m: int, calls: int) -> tuple[int, int]:
+    """(device, host) bytes of the rows M: W [2h, h], and per call s, e [M, h], x = concat(s, e)
+    [M, 2h] and the output [M, h], all bf16; on the host the float64 reference of the CHECKED
+    calls (x in float32 and float64, the product, and the outputs it is compared with)."""
+    h = cfg.n_embd
+    device = 2 * (2 * h * h) + 2 * calls * m * (h + h + 2 * h + h)
+    host = len(CHECKED) * m * (2 * h * (4 + 8) + h * 8 + h * 8)
+    return device, host
 
 
 def parse_ms() -> list[int]:
     """The rows M; UserError for any flag value that cannot be measured."""
     ms = cli.positive_ints("m", FLAGS.m)
-    for value in FLAGS.variants:
-        if value not in VARIANTS:
-            raise UserError(f"--variants: unknown {value!r}; known: {', '.join(VARIANTS)}")
+    cli.names_in("variants", FLAGS.variants, VARIANTS)
     bench.known_impls(FLAGS.impls, IMPLS)
-    if FLAGS.calls < 1 or FLAGS.repeats < 1 or FLAGS.warmup < 0:
-        raise UserError("--calls and --repeats must be >= 1, --warmup >= 0")
+    for name, least in (("calls", 1), ("repeats", 1), ("warmup", 0)):
+        if FLAGS[name].value < least:
+            raise UserError(f"--{name}={FLAGS[name].value}: must be >= {least}")
     return ms
 
 
-def run(ms: list[int], ceilings: Ceilings | None) -> list[dict]:
+def run(ms: list[int], ceilings: Ceilings | None, records: list[dict] | None = None) -> list[dict]:
     """Every M, variant and runnable impl, in that order: one record each (`bench.time_one`),
-    with the estimate's rates, the roofline (with ceilings) and the HBM bytes (with --hbm)."""
+    with the estimate's rates, the roofline (with ceilings) and the HBM bytes (with --hbm);
+    appended to `records` as they are measured."""
     cfg = config()
     on_gpu = jax.devices()[0].platform == "gpu"
     impls = bench.runnable(bench.known_impls(FLAGS.impls, IMPLS), bench.TORCH_IMPLS, on_gpu)
@@ -276,8 +297,8 @@ def run(ms: list[int], ceilings: Ceilings | None) -> list[dict]:
                 print(f"note: ncu for {impl} {variant} M={m} failed: {e}")
         return rec
 
-    variant_impls = [(v, i) for v in FLAGS.variants for i in impls]
-    records = bench.sweep("adapter", ms, variant_impls, prepare, measure)
+    variant_impls = [(v, i) for v in dict.fromkeys(FLAGS.variants) for i in impls]
+    records = bench.sweep("adapter", ms, variant_impls, prepare, measure, records)
     bench.add_vs_best(records, CASE_KEYS)
     return records
 
@@ -286,7 +307,7 @@ def format_table(records: list[dict]) -> str:
     """One row per record; "-" where a value does not apply (no ceilings, no rival, no ncu)."""
     width = max([len("impl"), *(len(r["impl"]) for r in records)]) + 1
     head = (
-        f"{'M':>6} {'variant':<8}{'impl':<{width}}{'us/call':>9}{'ideal us':>9}{'bound':>8}"
+        f"{'M':>6} {'variant':<8}{'impl':<{width}}{'time/call':>10}{'ideal':>10}{'bound':>8}"
         f"{'%roof':>7}{'GB/s':>7}{'TFLOP/s':>9}{'vs best':>8}{'compile s':>10}{'rel err':>9}"
         f"{'HBM rd/est':>11}"
     )
@@ -296,14 +317,20 @@ def format_table(records: list[dict]) -> str:
             lines.append(f"{r['m']:>6} {r['variant']:<8}{r['impl']:<{width}}failed (see notes)")
             continue
         ratio = (r.get("hbm") or {}).get("read_over_estimate")
-        ideal = f"{r['ideal_us']:.1f}" if "ideal_us" in r else "-"
+        ideal = timing.format_us(r.get("ideal_us"))
         pct = f"{r['pct_of_roofline']:.1f}" if "pct_of_roofline" in r else "-"
         lines.append(
-            f"{r['m']:>6} {r['variant']:<8}{r['impl']:<{width}}{r['us']:>9.1f}{ideal:>9}"
+            f"{r['m']:>6} {r['variant']:<8}{r['impl']:<{width}}{timing.format_us(r['us']):>10}"
+            f"{ideal:>10}"
             f"{r.get('bound', '-'):>8}{pct:>7}{r['gbps']:>7.0f}{r['tflops']:>9.1f}"
             f"{compare.format_vs_best(r.get('vs_best')):>8}{bench.compile_cell(r):>10}"
             f"{r['rel_err_vs_f64']:>9.1e}{(f'{ratio:.4f}' if ratio else '-'):>11}"
         )
+    lines.append(
+        "time/call: median per adapter call; ideal: the estimate's roofline time, bound by "
+        "compute or memory (%roof = ideal / time); GB/s, TFLOP/s over the estimate; HBM rd/est: "
+        "bytes read (ncu, --hbm) / estimated; -: not measured (no ceilings, no rival, no --hbm)"
+    )
     return "\n".join(lines)
 
 
@@ -313,11 +340,23 @@ def main(argv: list[str]) -> None:
     if FLAGS.ncu_child:
         ncu_child(FLAGS.ncu_child)
         return
-    ms = parse_ms()
+    parse_ms(), config()  # the user's values, before the backend starts
     program.check_outputs(FLAGS.json_out)
+    cpu_line = program.cpu_defaults(CPU_DEFAULTS)
+    ms, cfg = parse_ms(), config()  # with the CPU's values
+    memory.check_fits(
+        f"--m={max(ms)}",
+        f"{FLAGS.calls} products [M, {2 * cfg.n_embd}] @ [{2 * cfg.n_embd}, {cfg.n_embd}]",
+        *bytes_needed(cfg, max(ms), FLAGS.calls),
+        hint="use a smaller --m or fewer --calls",
+    )
     device_kind = jax.devices()[0].device_kind
     ceilings = bench.load_ceilings(device_kind, FLAGS.ceilings)
-    records = run(ms, ceilings)
+    if cpu_line:
+        print(cpu_line)
+    records: list[dict] = []
+    with program.keep_partial(FLAGS.json_out, lambda: bench.payload(records, ceilings)):
+        run(ms, ceilings, records)
     table = format_table(records)
     bench.finish("adapter", FLAGS.json_out, records, table, ceilings, device_kind, CASE_KEYS)
 

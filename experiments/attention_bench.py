@@ -47,17 +47,15 @@ def runnable(impls: Sequence[str], gpu_only: Sequence[str], on_gpu: bool) -> lis
         print(f"note: {', '.join(dict.fromkeys(map(base_impl, skipped)))} need(s) CUDA; skipped")
         impls = [i for i in impls if i not in skipped]
     if any(compare.framework(i) == "torch" for i in impls) and not torch_chain.available():
-        print("note: PyTorch is not installed; torch rows skipped")
+        print(f"note: PyTorch is not installed ({torch_chain.INSTALL}); torch rows skipped")
         impls = [i for i in impls if compare.framework(i) != "torch"]
     return impls
 
 
 def known_impls(values: Sequence[str], known: Sequence[str]) -> list[str]:
-    """`--impls` without repeats; UserError naming the first value not in `known`."""
-    unknown = [i for i in values if i not in known]
-    if unknown:
-        raise UserError(f"--impls: unknown impl {unknown[0]!r}; known: {', '.join(known)}")
-    return list(dict.fromkeys(values))
+    """`--impls` without repeats; UserError when empty or naming the first value not in
+    `known`."""
+    return cli.names_in("impls", list(values), known, noun="impl")
 
 
 def with_sdpa_backends(impls: Sequence[str], backends: Sequence[str]) -> list[str]:
@@ -231,11 +229,13 @@ def sweep(
     impls: Sequence[Any],
     prepare: Callable[[Any], Any],
     measure: Callable[[Any, Any, Any], dict[str, Any]],
+    records: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """`measure(case, impl, prepare(case))` for every case, then every impl, in that order, with
     a progress bar on stderr. `prepare` runs once per case, the previous case's inputs dropped
-    first, so that two cases' inputs never share the device memory."""
-    records: list[dict[str, Any]] = []
+    first, so that two cases' inputs never share the device memory. Each record is appended to
+    `records` (a new list when None) as it is measured, so that an interrupted run has them."""
+    records = [] if records is None else records
     current, prepared = object(), None
     for case, impl in program.progress([(c, i) for c in cases for i in impls], desc):
         if case != current:
@@ -278,7 +278,7 @@ def time_one(
     err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
     ok = bool(err <= TOLERANCE)  # False for NaN too
     print(
-        f"{label}: {samples.median * 1e6:.1f} us, rel err {err:.1e}"
+        f"{label}: {timing.format_us(samples.median * 1e6)}, rel err {err:.1e}"
         + ("" if ok else f" FAILED (> {TOLERANCE:g})")
     )
     record = {
@@ -320,6 +320,18 @@ def fail_on_check(name: str, records: list[dict[str, Any]], case_keys: Sequence[
         cli.fail(name, f"rel err above {TOLERANCE:g} against the reference: {rows}", code=1)
 
 
+def payload(
+    records: list[dict[str, Any]], ceilings: ceilings_lib.Ceilings | None
+) -> dict[str, Any]:
+    """What a comparison program's JSON holds besides the environment: the records, the
+    ceilings and the check's tolerance (also what an interrupted run writes)."""
+    return {
+        "records": records,
+        "ceilings": ceilings.to_dict() if ceilings else None,
+        "check_tolerance": TOLERANCE,
+    }
+
+
 def finish(
     name: str,
     json_out: str,
@@ -329,16 +341,12 @@ def finish(
     device_kind: str,
     case_keys: Sequence[str],
 ) -> None:
-    """The end of a comparison program's run: the results JSON (records, ceilings, the check's
-    tolerance; none for an empty `json_out`) and its path, the table, the ceilings line, then
-    exit status 1 when a row failed its check (`fail_on_check`), so the results are kept."""
+    """The end of a comparison program's run: the results JSON (`payload`, "complete": true;
+    none for an empty `json_out`) and its path, the table, the ceilings line, then exit status 1
+    when a row failed its check (`fail_on_check`), so the results are kept."""
     if json_out:
-        payload = {
-            "records": records,
-            "ceilings": ceilings.to_dict() if ceilings else None,
-            "check_tolerance": TOLERANCE,
-        }
-        print(f"results: {program.write_results(json_out, payload)}")
+        complete = {**payload(records, ceilings), "complete": True}
+        print(f"results: {program.write_results(json_out, complete)}")
     print(table)
     print(ceilings_line(ceilings, device_kind))
     fail_on_check(name, records, case_keys)

@@ -31,7 +31,7 @@ from absl import flags  # noqa: E402
 from experiments import cli, program  # noqa: E402
 from experiments.cli import UserError  # noqa: E402
 from experiments.measure import ceilings as ceilings_lib  # noqa: E402
-from experiments.measure import probes, timing  # noqa: E402
+from experiments.measure import memory, probes, timing  # noqa: E402
 from huginn_jax import xla_flags  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -178,9 +178,10 @@ def format_table(records: list[dict]) -> str:
     for r in records:
         median_s = r["samples"]["median_us"] * 1e-6
         if r["kind"] == "gemm":
-            time_text, rate = f"{median_s * 1e3:.2f} ms", f"{r['flops_per_s'] / 1e12:.4g} TFLOP/s"
+            rate = f"{r['flops_per_s'] / 1e12:.4g} TFLOP/s"
         else:
-            time_text, rate = f"{median_s * 1e6:.1f} us", f"{r['bytes_per_s'] / 1e12:.4g} TB/s"
+            rate = f"{r['bytes_per_s'] / 1e12:.4g} TB/s"
+        time_text = timing.format_us(median_s * 1e6)
         lines.append(f"{r['case']:<12}{r['timing']:>7}{time_text:>13}{rate:>16}  {r['what']}")
     return "\n".join(lines)
 
@@ -198,6 +199,14 @@ def main(argv: list[str]) -> None:
     values = sizes(on_gpu)
     path = json_path(device.device_kind, on_gpu)
     program.check_outputs(str(path))
+    stream, gemm = 2 * int(values["gib"] * 2**30), 4 * 2 * values["gemm_size"] ** 2
+    memory.check_fits(
+        f"--gib={values['gib']:g}" if stream >= gemm else f"--gemm_size={values['gemm_size']}",
+        f"the streamed W and its copy, and the [{values['gemm_size']}]^2 bf16 matmul operands",
+        stream + gemm,
+        device=device,
+        hint="use a smaller --gib or --gemm_size",
+    )
     # The device's defaults and the path become the flags' values: the JSON's environment then
     # holds every value this run used.
     for name, value in {**values, "json_out": str(path)}.items():

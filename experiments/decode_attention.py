@@ -26,6 +26,9 @@ after writing its results):
                   CUDA graph; one row per SDPA backend (`--sdpa_backends`), e.g. torch_graph/flash
   torch_compile   the same function through torch.compile (`--torch_compile_mode`), replayed
                   from a CUDA graph; compile time recorded apart (`compile_seconds`)
+On a CPU the flags not given take the smaller values of CPU_DEFAULTS (one line says which, and
+the JSON records them); a problem that cannot fit in memory is refused before anything is
+allocated; Ctrl-C or SIGTERM writes the rows measured so far, marked "complete": false.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from absl import flags  # noqa: E402
 from experiments import attention_bench as bench  # noqa: E402
 from experiments import cli, program  # noqa: E402
 from experiments.cli import UserError  # noqa: E402
-from experiments.measure import compare  # noqa: E402
+from experiments.measure import compare, memory, timing  # noqa: E402
 from experiments.measure.ceilings import Ceilings  # noqa: E402
 from huginn_jax.layers import (  # noqa: E402
     DECODE_BLOCK,
@@ -59,16 +62,20 @@ FLAGS = flags.FLAGS
 IMPLS = ("xla", "xla_split", "xla_head_major", "cudnn", "pallas", *bench.TORCH_IMPLS)
 GPU_ONLY = ("cudnn", *bench.TORCH_IMPLS)
 CASE_KEYS = ("batch", "context")  # the fields of one case: its rows are compared in "vs best"
+# On a CPU, for the flags not given: one sequence, two short contexts, a few slots and calls.
+CPU_DEFAULTS = {"batch": ["1"], "context": ["256", "1024"], "slots": 4, "warmup": 1, "repeats": 3}
+MAX_CONTEXT = 2**31 - 1  # positions are int32
 
 
 def define_flags() -> None:
-    flags.DEFINE_list("batch", ["1", "8"], "Sequences (a list).")
-    flags.DEFINE_list("context", ["1024", "4096"], "Cached positions S (a list).")
+    flags.DEFINE_list("batch", ["1", "8"], "Sequences B, a list (CPU: 1).")
+    flags.DEFINE_list("context", ["1024", "4096"], "Cached positions S, a list (CPU: 256,1024).")
     flags.DEFINE_list("impls", list(IMPLS), f"Any of {', '.join(IMPLS)}.")
     flags.DEFINE_list(
         "split_blocks",
         [str(DECODE_BLOCK)],
-        "Block sizes for xla_split (a list: one row each, named xla_split/BLOCK when several).",
+        "Block sizes (positions) of xla_split, a list: one row each, named xla_split/BLOCK when "
+        "several.",
     )
     flags.DEFINE_list(
         "pallas_configs",
@@ -86,9 +93,13 @@ def define_flags() -> None:
     )
     flags.DEFINE_integer("heads", 55, "Heads H (huginn-0125: 55).")
     flags.DEFINE_integer("head_dim", 96, "Head dimension K (huginn-0125: 96).")
-    flags.DEFINE_integer("slots", 32, "Caches attended per call (no L2 reuse between them).")
-    flags.DEFINE_integer("warmup", 3, "Untimed calls.")
-    flags.DEFINE_integer("repeats", 20, "Timed calls (median reported).")
+    flags.DEFINE_integer(
+        "slots", 32, "Caches attended per call (no L2 reuse between them; CPU: 4)."
+    )
+    flags.DEFINE_integer("warmup", 3, "Untimed calls (CPU: 1).")
+    flags.DEFINE_integer(
+        "repeats", 20, "Timed calls; the median time per attention is reported (CPU: 3)."
+    )
     flags.DEFINE_integer("seed", 0, "Seed of queries and caches.")
     flags.DEFINE_string("json_out", "out/decode_attention.json", "Results JSON ('' to skip).")
     flags.DEFINE_string(
@@ -229,11 +240,40 @@ def checked_slots(out) -> np.ndarray:
 make_runner = functools.partial(bench.attention_runner, causal=False, xla_runner=XlaRunner)
 
 
+def bytes_needed(batch: int, context: int, impls: list[str]) -> tuple[int, int]:
+    """(device, host) bytes of one case: the q and the K, V caches of every slot (bf16), twice
+    with xla_head_major (its transposed copy), plus a slot's worth of temporaries; on the host
+    the float64 reference of CHECKED_SLOTS slots (K and V in float32 and float64)."""
+    slot = batch * context * FLAGS.heads * FLAGS.head_dim
+    caches = 2 * FLAGS.slots * slot * 2
+    device = caches * (2 if "xla_head_major" in impls else 1) + 4 * slot
+    return device, 2 * CHECKED_SLOTS * slot * (4 + 8)
+
+
+def check_memory(batches: list[int], contexts: list[int], impls: list[str]) -> None:
+    """UserError, before anything is allocated, for a context past int32 positions or a
+    largest case (max batch, max context) that cannot fit (`memory.check_fits`)."""
+    batch, context = max(batches), max(contexts)
+    if context > MAX_CONTEXT:
+        raise UserError(f"--context={context}: positions are int32, at most {MAX_CONTEXT}")
+    memory.check_fits(
+        f"--context={context}",
+        f"K and V caches of {FLAGS.slots} slots at B={batch}, H={FLAGS.heads}, K={FLAGS.head_dim}",
+        *bytes_needed(batch, context, impls),
+        hint="use a smaller --context or --batch, or fewer --slots",
+    )
+
+
 def run(
-    batches: list[int], contexts: list[int], impls: list[str], ceilings: Ceilings | None
+    batches: list[int],
+    contexts: list[int],
+    impls: list[str],
+    ceilings: Ceilings | None,
+    records: list[dict] | None = None,
 ) -> list[dict]:
     """Every (batch, context), then every runnable impl: one record each (`bench.time_one`),
-    with the K and V bytes of one slot and their rate (and % of the read rate, with ceilings)."""
+    with the K and V bytes of one slot and their rate (and % of the read rate, with ceilings);
+    appended to `records` as they are measured."""
     impls = bench.runnable(impls, GPU_ONLY, jax.devices()[0].platform == "gpu")
 
     def prepare(case: tuple[int, int]):
@@ -260,7 +300,7 @@ def run(
         return record
 
     cases = [(b, c) for b in batches for c in contexts]
-    records = bench.sweep("decode_attention", cases, impls, prepare, measure)
+    records = bench.sweep("decode_attention", cases, impls, prepare, measure, records)
     bench.add_vs_best(records, CASE_KEYS)
     return records
 
@@ -269,7 +309,7 @@ def format_table(records: list[dict]) -> str:
     """One row per record; "-" where a value does not apply (no ceilings, no rival)."""
     width = max([len("impl"), *(len(r["impl"]) for r in records)])
     head = (
-        f"{'impl':<{width}} {'B':>3} {'S':>5} {'µs':>8} {'p10-p90':>15} {'GB/s':>6} {'%read':>6} "
+        f"{'impl':<{width}} {'B':>3} {'S':>5} {'time':>9} {'p10-p90':>17} {'GB/s':>6} {'%read':>6} "
         f"{'vs best':>7} {'compile s':>9} {'rel err':>8}"
     )
     lines = [head, "-" * len(head)]
@@ -279,25 +319,31 @@ def format_table(records: list[dict]) -> str:
                 f"{r['impl']:<{width}} {r['batch']:>3} {r['context']:>5} failed (see notes)"
             )
             continue
-        spread = f"{r['us_p10']:.1f}-{r['us_p90']:.1f}"
+        spread = timing.format_us_range(r["us_p10"], r["us_p90"])
         pct = f"{r['pct_of_read_rate']:.1f}" if "pct_of_read_rate" in r else "-"
         lines.append(
-            f"{r['impl']:<{width}} {r['batch']:>3} {r['context']:>5} {r['us']:>8.1f} {spread:>15} "
+            f"{r['impl']:<{width}} {r['batch']:>3} {r['context']:>5} "
+            f"{timing.format_us(r['us']):>9} {spread:>17} "
             f"{r['gb_per_s']:>6.0f} {pct:>6} {compare.format_vs_best(r.get('vs_best')):>7} "
             f"{bench.compile_cell(r):>9} {r['rel_err_vs_f64']:>8.1e}"
         )
+    lines.append(
+        "time: median per attention (a call's time / slots); GB/s: K and V of one slot / time; "
+        "%read: of the read-only streaming rate; -: no ceilings file or no rival"
+    )
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
+def check_flags() -> tuple[list[int], list[int], list[str]]:
+    """The batches, contexts and impl rows of the flags; UserError for a bad value."""
     batches = cli.positive_ints("batch", FLAGS.batch)
     contexts = cli.positive_ints("context", FLAGS.context)
     impls = bench.known_impls(FLAGS.impls, IMPLS)
     for name in ("heads", "head_dim", "slots", "repeats"):
         if FLAGS[name].value < 1:
             raise UserError(f"--{name} must be >= 1, got {FLAGS[name].value}")
+    if FLAGS.warmup < 0:
+        raise UserError(f"--warmup must be >= 0, got {FLAGS.warmup}")
     if FLAGS.head_dim % 2:
         raise UserError(f"--head_dim must be even, got {FLAGS.head_dim}")
     split_blocks = cli.positive_ints("split_blocks", FLAGS.split_blocks)
@@ -308,11 +354,24 @@ def main(argv: list[str]) -> None:
                 f"--pallas_configs: {tuning!r} is not PROGRAMS_PER_SM:BLOCK_S:NUM_WARPS:NUM_STAGES"
             )
     sdpa_backends = bench.parse_sdpa_backends(FLAGS.sdpa_backends)
-    impls = expand_impls(impls, split_blocks, FLAGS.pallas_configs, sdpa_backends)
+    return batches, contexts, expand_impls(impls, split_blocks, FLAGS.pallas_configs, sdpa_backends)
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
+    check_flags()  # the user's values, before the backend starts
     program.check_outputs(FLAGS.json_out)
+    cpu_line = program.cpu_defaults(CPU_DEFAULTS)
+    batches, contexts, impls = check_flags()  # with the CPU's values
+    check_memory(batches, contexts, impls)
     device_kind = jax.devices()[0].device_kind
     ceilings = bench.load_ceilings(device_kind, FLAGS.ceilings)
-    records = run(batches, contexts, impls, ceilings)
+    if cpu_line:
+        print(cpu_line)
+    records: list[dict] = []
+    with program.keep_partial(FLAGS.json_out, lambda: bench.payload(records, ceilings)):
+        run(batches, contexts, impls, ceilings, records)
     table = format_table(records)
     bench.finish(
         "decode_attention", FLAGS.json_out, records, table, ceilings, device_kind, CASE_KEYS

@@ -49,6 +49,7 @@ from experiments.torch_ref.huginn import LOOPS as TORCH_LOOPS  # noqa: E402 (imp
 from huginn_jax.checkpoint import from_pretrained  # noqa: E402
 from huginn_jax.config import DECODE_ATTENTION_IMPLS, DECODE_GEMV_IMPLS, HuginnConfig  # noqa: E402
 from huginn_jax.generate import Generation, Plan, make_plan, run_plan  # noqa: E402
+from huginn_jax.generate.options import check_memory  # noqa: E402
 from huginn_jax.model import Huginn, random_init, with_config  # noqa: E402
 from huginn_jax.xla_flags import GEMM_CHOICES, use_gemm  # noqa: E402
 
@@ -143,16 +144,22 @@ def _plan(config: HuginnConfig) -> Plan:
     """The request, checked before any weights exist; the prompt as the generate CLI draws it."""
     if FLAGS.prompt_len < 1 or FLAGS.batch < 1:
         raise UserError("--prompt_len and --batch must be at least 1")
+    if FLAGS.prompt_len > config.block_size:  # refused before drawing that many ids
+        raise UserError(
+            f"--prompt_len={FLAGS.prompt_len}: exceeds the model's block_size={config.block_size}"
+        )
     ids = np.random.default_rng(FLAGS.seed).integers(0, config.vocab_size, FLAGS.prompt_len)
-    return make_plan(
+    plan = make_plan(  # checked for one sequence; --batch copies once they are known to fit
         config,
-        np.tile(ids.reshape(1, -1), (FLAGS.batch, 1)),
+        ids.reshape(1, -1),
         FLAGS.max_new_tokens,
         FLAGS.num_steps,
         init_scale=0.0,
         strategy="full",
         seed=FLAGS.seed,
     )
+    check_memory(config, plan, FLAGS.batch, _DTYPES[FLAGS.dtype])
+    return dataclasses.replace(plan, ids=np.tile(plan.ids, (FLAGS.batch, 1)))
 
 
 def _model(config: HuginnConfig) -> Huginn:
@@ -191,7 +198,7 @@ def run_torch(model: Huginn, plan: Plan, impls: list[str], notes: list[str]):
     if not impls:
         return {}, {}, {}
     if not torch_chain.available():
-        notes.append("torch is not installed: the PyTorch loops are skipped")
+        notes.append(f"PyTorch is not installed ({torch_chain.INSTALL}): its loops are skipped")
         return {}, {}, {}
     import torch
 

@@ -40,9 +40,9 @@ class Program:
 PROGRAMS = {
     "core": Program(("mode", "batch", "context", "iterations"), "ms_per_iteration", "ms"),
     "chain": Program(("size_bytes", "layout"), "median_us", "us"),
-    "adapter": Program(("m",), "median_us", "us"),
-    "decode_attention": Program(("batch", "context"), "median_us", "us"),
-    "prefill_attention": Program(("tokens",), "median_us", "us"),
+    "adapter": Program(("m", "variant"), "us", "us"),
+    "decode_attention": Program(("batch", "context"), "us", "us"),
+    "prefill_attention": Program(("batch", "tokens"), "us", "us"),
 }
 
 
@@ -133,6 +133,11 @@ def main(argv: list[str]) -> None:
             runs.append(results_lib.read_json(path))
         except (OSError, ValueError) as e:
             raise UserError(f"{path}: cannot read a results JSON ({e})") from None
+    for run, path in zip(runs, paths, strict=True):
+        if not isinstance(run, dict):
+            raise UserError(f"{path}: not a results JSON (expected an object)")
+        if run.get("complete") is False:
+            raise UserError(f'{path}: an interrupted run ("complete": false); rerun it')
     names = {program_of(run, path) for run, path in zip(runs, paths, strict=True)}
     if len(names) != 1:
         raise UserError(f"the files come from different programs: {', '.join(sorted(names))}")

@@ -28,6 +28,9 @@ after writing its results):
                  torch_graph/flash
   torch_compile  the same function through torch.compile (`--torch_compile_mode`), replayed
                  from a CUDA graph; compile time recorded apart (`compile_seconds`)
+On a CPU the flags not given take the smaller values of CPU_DEFAULTS (one line says which, and
+the JSON records them); a problem that cannot fit in memory is refused before anything is
+allocated; Ctrl-C or SIGTERM writes the rows measured so far, marked "complete": false.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from absl import flags  # noqa: E402
 from experiments import attention_bench as bench  # noqa: E402
 from experiments import cli, program  # noqa: E402
 from experiments.cli import UserError  # noqa: E402
-from experiments.measure import compare  # noqa: E402
+from experiments.measure import compare, memory, timing  # noqa: E402
 from experiments.measure import trace as trace_lib  # noqa: E402
 from experiments.measure.ceilings import Ceilings  # noqa: E402
 from huginn_jax.layers import attend, attend_cudnn, attend_mgpu_causal  # noqa: E402
@@ -57,11 +60,13 @@ IMPLS = ("xla", "cudnn", "mgpu", *bench.TORCH_IMPLS)
 GPU_ONLY = ("cudnn", "mgpu", *bench.TORCH_IMPLS)
 CASE_KEYS = ("batch", "tokens")  # the fields of one case: its rows are compared in "vs best"
 CHECKED_HEADS = 4  # heads of the first set checked against the float64 reference
+# On a CPU, for the flags not given: two short prompts, two sets, a few calls.
+CPU_DEFAULTS = {"tokens": ["256", "1024"], "sets": 2, "warmup": 1, "repeats": 3}
 
 
 def define_flags() -> None:
-    flags.DEFINE_list("batch", ["1"], "Sequences (a list).")
-    flags.DEFINE_list("tokens", ["1024", "4096"], "New positions T (a list).")
+    flags.DEFINE_list("batch", ["1"], "Sequences B, a list.")
+    flags.DEFINE_list("tokens", ["1024", "4096"], "New positions T, a list (CPU: 256,1024).")
     flags.DEFINE_list("impls", list(IMPLS), f"Any of {', '.join(IMPLS)}.")
     flags.DEFINE_list(
         "sdpa_backends",
@@ -73,9 +78,11 @@ def define_flags() -> None:
     )
     flags.DEFINE_integer("heads", 55, "Heads H (huginn-0125: 55).")
     flags.DEFINE_integer("head_dim", 96, "Head dimension K (huginn-0125: 96).")
-    flags.DEFINE_integer("sets", 8, "Attentions per call, each over its own inputs.")
-    flags.DEFINE_integer("warmup", 3, "Untimed calls.")
-    flags.DEFINE_integer("repeats", 20, "Timed calls (median reported).")
+    flags.DEFINE_integer("sets", 8, "Attentions per call, each over its own inputs (CPU: 2).")
+    flags.DEFINE_integer("warmup", 3, "Untimed calls (CPU: 1).")
+    flags.DEFINE_integer(
+        "repeats", 20, "Timed calls; the median time per attention is reported (CPU: 3)."
+    )
     flags.DEFINE_integer("seed", 0, "Seed of the inputs.")
     flags.DEFINE_string("json_out", "out/prefill_attention.json", "Results JSON ('' to skip).")
     flags.DEFINE_string(
@@ -154,12 +161,27 @@ def first_set_checked_heads(out) -> np.ndarray:
 make_runner = functools.partial(bench.attention_runner, causal=True, xla_runner=XlaRunner)
 
 
+def bytes_needed(batch: int, tokens: int, impls: list[str]) -> tuple[int, int]:
+    """(device, host) bytes of one case: q, k, v and the output of every set (bf16), and with
+    xla one set's float32 scores and probabilities and bf16 probabilities [B, H, T, T]; on the
+    host the float64 reference of CHECKED_HEADS heads (scores, mask, exponentials)."""
+    seq = batch * tokens * FLAGS.heads * FLAGS.head_dim
+    scores = batch * FLAGS.heads * tokens * tokens * (4 + 4 + 2) if "xla" in impls else 0
+    host = batch * CHECKED_HEADS * tokens * tokens * 8 * 3 + tokens * tokens
+    return 4 * FLAGS.sets * seq * 2 + scores, host
+
+
 def run(
-    batches: list[int], token_counts: list[int], impls: list[str], ceilings: Ceilings | None
+    batches: list[int],
+    token_counts: list[int],
+    impls: list[str],
+    ceilings: Ceilings | None,
+    records: list[dict] | None = None,
 ) -> list[dict]:
     """Every (batch, tokens), then every runnable impl: one record each (`bench.time_one`), with
     the causal FLOPs and their rate (and % of the GEMM rate, with ceilings); with --trace_dir a
-    JAX impl's record also holds its call's kernels (`trace_call`)."""
+    JAX impl's record also holds its call's kernels (`trace_call`). Appended to `records` as
+    they are measured."""
     impls = bench.runnable(impls, GPU_ONLY, jax.devices()[0].platform == "gpu")
 
     def prepare(case: tuple[int, int]):
@@ -188,7 +210,7 @@ def run(
         return record
 
     cases = [(b, t) for b in batches for t in token_counts]
-    records = bench.sweep("prefill_attention", cases, impls, prepare, measure)
+    records = bench.sweep("prefill_attention", cases, impls, prepare, measure, records)
     bench.add_vs_best(records, CASE_KEYS)
     return records
 
@@ -214,7 +236,7 @@ def format_table(records: list[dict]) -> str:
     """One row per record; "-" where a value does not apply (no ceilings, no rival)."""
     width = max([len("impl"), *(len(r["impl"]) for r in records)])
     head = (
-        f"{'impl':<{width}} {'B':>3} {'T':>5} {'µs':>9} {'p10-p90':>17} {'TFLOP/s':>8} "
+        f"{'impl':<{width}} {'B':>3} {'T':>5} {'time':>9} {'p10-p90':>17} {'TFLOP/s':>8} "
         f"{'%GEMM':>6} {'vs best':>7} {'compile s':>9} {'rel err':>8}"
     )
     lines = [head, "-" * len(head)]
@@ -224,24 +246,24 @@ def format_table(records: list[dict]) -> str:
                 f"{r['impl']:<{width}} {r['batch']:>3} {r['tokens']:>5} failed (see notes)"
             )
             continue
-        spread = f"{r['us_p10']:.1f}-{r['us_p90']:.1f}"
+        spread = timing.format_us_range(r["us_p10"], r["us_p90"])
         pct = f"{r['pct_of_gemm_rate']:.1f}" if "pct_of_gemm_rate" in r else "-"
         lines.append(
-            f"{r['impl']:<{width}} {r['batch']:>3} {r['tokens']:>5} {r['us']:>9.1f} "
+            f"{r['impl']:<{width}} {r['batch']:>3} {r['tokens']:>5} {timing.format_us(r['us']):>9} "
             f"{spread:>17} {r['tflop_per_s']:>8.1f} {pct:>6} "
             f"{compare.format_vs_best(r.get('vs_best')):>7} {bench.compile_cell(r):>9} "
             f"{r['rel_err_vs_f64']:>8.1e}"
         )
     lines.append(
-        "TFLOP/s over the causal half (2 x 2 x B x H x T(T+1)/2 x K); %GEMM: of the bf16 GEMM "
-        "rate of the ceilings below."
+        "time: median per attention (a call's time / sets); TFLOP/s over the causal half "
+        "(2 x 2 x B x H x T(T+1)/2 x K); %GEMM: of the bf16 GEMM rate of the ceilings below; "
+        "-: no ceilings file or no rival."
     )
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
+def check_flags() -> tuple[list[int], list[int], list[str]]:
+    """The batches, token counts and impl rows of the flags; UserError for a bad value."""
     batches = cli.positive_ints("batch", FLAGS.batch)
     token_counts = cli.positive_ints("tokens", FLAGS.tokens)
     impls = bench.known_impls(FLAGS.impls, IMPLS)
@@ -251,11 +273,31 @@ def main(argv: list[str]) -> None:
     if FLAGS.warmup < 0:
         raise UserError(f"--warmup must be >= 0, got {FLAGS.warmup}")
     impls = bench.with_sdpa_backends(impls, bench.parse_sdpa_backends(FLAGS.sdpa_backends))
+    return batches, token_counts, impls
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
+    check_flags()  # the user's values, before the backend starts
     # The traces go into folders under --trace_dir: a file there must be creatable.
     program.check_outputs(FLAGS.json_out, FLAGS.trace_dir and str(Path(FLAGS.trace_dir) / "probe"))
+    cpu_line = program.cpu_defaults(CPU_DEFAULTS)
+    batches, token_counts, impls = check_flags()  # with the CPU's values
+    memory.check_fits(
+        f"--tokens={max(token_counts)}",
+        f"{FLAGS.sets} sets of q, k, v at B={max(batches)}, H={FLAGS.heads}, K={FLAGS.head_dim} "
+        "(and XLA's [B, H, T, T] scores)",
+        *bytes_needed(max(batches), max(token_counts), impls),
+        hint="use fewer --tokens, a smaller --batch or fewer --sets",
+    )
     device_kind = jax.devices()[0].device_kind
     ceilings = bench.load_ceilings(device_kind, FLAGS.ceilings)
-    records = run(batches, token_counts, impls, ceilings)
+    if cpu_line:
+        print(cpu_line)
+    records: list[dict] = []
+    with program.keep_partial(FLAGS.json_out, lambda: bench.payload(records, ceilings)):
+        run(batches, token_counts, impls, ceilings, records)
     table = format_table(records)
     bench.finish(
         "prefill_attention", FLAGS.json_out, records, table, ceilings, device_kind, CASE_KEYS

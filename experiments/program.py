@@ -17,13 +17,19 @@ so that tests and other programs can import it) and hands both to `run`:
         program.run("core", define_flags, main)
 
 A program's own flags are the ones its `define_flags()` added: they go into the JSON's
-environment, so a reader sees every value the run used.
+environment, so a reader sees every value the run used. Two helpers keep a long run usable:
+`cpu_defaults` scales a GPU-sized default down on a CPU (the flags then hold what the run used),
+and `keep_partial` writes the rows measured so far, marked "complete": false, when the run is
+interrupted (Ctrl-C or SIGTERM).
 """
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
-from collections.abc import Callable, Iterable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +42,9 @@ from experiments.measure import results as results_lib
 __all__ = [
     "UserError",
     "check_outputs",
+    "cpu_defaults",
+    "keep_partial",
+    "on_interrupt",
     "own_flag_values",
     "progress",
     "run",
@@ -43,6 +52,7 @@ __all__ = [
 ]
 
 _own_flags: list[str] = []
+_name = ["program"]  # the running program's name, for the lines it ends with
 
 
 def define(define_flags: Callable[[], None]) -> list[str]:
@@ -59,7 +69,11 @@ def define(define_flags: Callable[[], None]) -> list[str]:
 
 def run(name: str, define_flags: Callable[[], None], main: Callable[[list[str]], None]) -> None:
     """Defines the program's flags, parses argv (a bad value: `name: message`, exit 2) and runs
-    `main(argv)`; a UserError from it ends in `name: message` on stderr and exit 2."""
+    `main(argv)`; a UserError from it ends in `name: message` on stderr and exit 2. Standard
+    output is line-buffered, so that note and result lines show as they happen through a pipe."""
+    _name[0] = name
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)
     define(define_flags)
     app.run(cli.main_runner(name, main), flags_parser=cli.flags_parser(name))
 
@@ -94,3 +108,65 @@ def write_results(path: str, payload: dict[str, Any]) -> Path:
     """The results JSON at `path`, atomically: the environment (device, versions, this program's
     own flag values) and `payload`."""
     return results_lib.write_results(path, own_flag_values(), payload)
+
+
+def cpu_defaults(values: Mapping[str, Any]) -> str | None:
+    """On a CPU backend, sets every flag of `values` the user did not give to its value there
+    (smaller sizes, fewer repeats: defaults sized for a GPU run for many minutes on a CPU) and
+    returns the one line that says so; None elsewhere, or when nothing changed. The flags then
+    hold what the run uses, which is what its JSON records. Starts the JAX backend."""
+    import jax
+
+    if jax.devices()[0].platform != "cpu":
+        return None
+    changed = {}
+    for name, value in values.items():
+        flag = flags.FLAGS[name]
+        if not flag.present and flag.value != value:
+            flag.value = value
+            changed[name] = ",".join(map(str, value)) if isinstance(value, list) else value
+    if not changed:
+        return None
+    shown = " ".join(f"--{name}={value}" for name, value in changed.items())
+    return f"CPU: a short run with {shown} (give a flag to override it)"
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread by `on_interrupt`'s handler (a BaseException, as
+    KeyboardInterrupt, so that no `except Exception` of a measurement swallows it)."""
+
+
+@contextlib.contextmanager
+def on_interrupt(save: Callable[[], Path | str | None]) -> Iterator[None]:
+    """Runs the block; on Ctrl-C or SIGTERM inside it calls `save()` (which writes what was
+    measured so far and returns its path, or None when nothing is written), prints one line on
+    stderr and exits with status 130 (Ctrl-C) or 143 (SIGTERM), without a traceback."""
+
+    def terminate(signum: int, frame: Any) -> None:
+        raise Terminated
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, terminate) if main_thread else None
+    try:
+        yield
+    except (KeyboardInterrupt, Terminated) as e:
+        if main_thread:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        path = save()
+        kept = f'what was measured is in {path} ("complete": false)' if path else "nothing written"
+        cli.fail(_name[0], f"interrupted; {kept}", 143 if isinstance(e, Terminated) else 130)
+    finally:
+        if main_thread and previous is not None:  # None: a handler not set from Python
+            signal.signal(signal.SIGTERM, previous)
+
+
+def keep_partial(
+    path: str | None, payload: Callable[[], dict[str, Any]]
+) -> contextlib.AbstractContextManager[None]:
+    """`on_interrupt` that writes `write_results(path, payload())` marked "complete": false
+    (nothing for an empty `path`); `payload` reads the rows measured so far when called."""
+
+    def save() -> Path | None:
+        return write_results(path, {**payload(), "complete": False}) if path else None
+
+    return on_interrupt(save)

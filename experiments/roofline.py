@@ -6,7 +6,9 @@
 No GPU needed: everything comes from `huginn_jax.costs` (analytic counts over peak limits).
 Tables: parameter storage per op, matmul FLOPs per op, and the roofline per op for decode and
 prefill; the headline numbers (the study's Chapter 2 and Appendix A) are printed last.
-Units: MB = 1e6 B, GB = 1e9 B, us = microseconds.
+Units: MB = 1e6 B, GB = 1e9 B, us = microseconds. A problem whose Core weights and KV cache
+(`--iterations` Core iterations of slots at `--context` + 1 positions) exceed the device's memory
+is refused: its roofline would be no device's.
 """
 
 from __future__ import annotations
@@ -24,15 +26,17 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-    flags.DEFINE_enum("device", "b200", list(costs.DEVICES), "Peak limits to use.")
+    flags.DEFINE_enum(
+        "device", "b200", list(costs.DEVICES), "Peak limits and memory to use (huginn_jax.costs)."
+    )
     flags.DEFINE_enum("config", "huginn_0125", list(PRESETS), "Model preset.")
     flags.DEFINE_integer(
-        "context", 1024, "Prefill positions / decode cached positions.", lower_bound=1
+        "context", 1024, "Prefill positions / decode cached positions (tokens).", lower_bound=1
     )
     flags.DEFINE_integer("batch", 1, "Sequences processed together.", lower_bound=1)
     flags.DEFINE_integer("iterations", 32, "Core iterations per token.", lower_bound=1)
     flags.DEFINE_bool("per_layer", False, "One row per layer op instead of per kind.")
-    flags.DEFINE_string("json_out", None, "Write tables and headline numbers as JSON.")
+    flags.DEFINE_string("json_out", None, "Write tables and headline numbers as JSON (unset: no).")
 
 
 def format_table(header: list[str], rows: list[list[str]]) -> str:
@@ -161,6 +165,36 @@ def headline_lines(h: dict) -> list[str]:
     ]
 
 
+def _decimal(n: float) -> str:
+    """Bytes in the largest decimal unit below them, 3 significant digits: '279 PB'."""
+    for unit, scale in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if n >= scale or unit == "MB":
+            break
+    value = n / scale
+    return f"{value:.3g} {unit}" if value < 1000 else f"{value:,.0f} {unit}"
+
+
+def check_fits(
+    config: HuginnConfig, device: costs.DeviceSpec, batch: int, context: int, iterations: int
+) -> None:
+    """UserError when the adapter and Core weights and the KV cache of one decode step (a slot
+    per prelude and coda layer and per Core layer and iteration, `context` + 1 positions, bf16)
+    exceed the device's memory."""
+    weights = costs.totals(
+        costs.core_iteration_ops(config, batch=batch, context=1, mode="decode")
+    ).param_bytes
+    slots = config.n_layers_in_prelude + iterations * config.n_core + config.n_layers_in_coda
+    per_position = 2 * slots * batch * config.n_heads * config.head_dim * 2  # K and V, bf16
+    need = weights + per_position * (context + 1)
+    if need > device.memory_bytes:
+        raise UserError(
+            f"--context={context}: the KV cache of {iterations} iterations at batch {batch} "
+            f"({per_position / 1e6:,.2f} MB per position) and the weights need "
+            f"{_decimal(need)}; a {device.name} holds {_decimal(device.memory_bytes)}: "
+            "use a smaller --context, --batch or --iterations"
+        )
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
@@ -169,6 +203,7 @@ def main(argv: list[str]) -> None:
         device = costs.get_device(FLAGS.device)
         config = HuginnConfig.from_name(FLAGS.config)
         batch, context, iterations = FLAGS.batch, FLAGS.context, FLAGS.iterations
+        check_fits(config, device, batch, context, iterations)
         kw = dict(batch=batch, context=context)
         decode = costs.core_iteration_ops(config, mode="decode", **kw)
         prefill = costs.core_iteration_ops(config, mode="prefill", **kw)

@@ -7,26 +7,26 @@ one error and nothing is half-loaded.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import struct
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.flax import save_file
 
+from huginn_jax import parallel
 from huginn_jax.config import HuginnConfig
+from huginn_jax.files import CheckpointError, write_atomic, write_text_atomic
 from huginn_jax.model import Huginn
 
 _FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
 _IGNORED_KEYS = {"freqs_cis"}  # the reference's RoPE buffer; recomputed here
 _TIED_HEAD = "lm_head.weight"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded: missing file, key, shape or dtype."""
 
 
 def param_table(cfg: HuginnConfig) -> dict[str, tuple[tuple, tuple[int, ...], bool]]:
@@ -65,27 +65,69 @@ def param_table(cfg: HuginnConfig) -> dict[str, tuple[tuple, tuple[int, ...], bo
     return table
 
 
-def _weight_files(path: Path) -> dict[str, Path]:
-    """Key → file, from one `model.safetensors` or a sharded index."""
+@contextlib.contextmanager
+def _open(file: Path, framework: str = "numpy"):
+    """`safe_open(file)`; a file that is not a whole safetensors file (too short, a header
+    length past its end, a damaged header, tensors past its end) raises CheckpointError naming
+    it. The header length is checked here, for a clearer message than the reader's."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            head = f.read(8)
+    except OSError as e:
+        raise CheckpointError(f"{file}: cannot read it ({e.strerror or e})") from None
+    if len(head) < 8:
+        raise CheckpointError(
+            f"{file}: {size} bytes, too short for a safetensors file (truncated or empty)"
+        )
+    (header_len,) = struct.unpack("<Q", head)
+    if 8 + header_len > size:
+        raise CheckpointError(
+            f"{file}: its header length ({header_len} bytes) runs past the end of the file "
+            f"({size} bytes): truncated, or not a safetensors file"
+        )
+    try:
+        handle = safe_open(file, framework=framework)
+    except (SafetensorError, OSError) as e:
+        reason = str(e).removeprefix("Error while deserializing header: ")
+        if "not fully covered" in reason:  # the header's tensor offsets disagree with the size
+            raise CheckpointError(
+                f"{file}: truncated or damaged (its header's tensors do not fill the "
+                f"{size} bytes of the file)"
+            ) from None
+        raise CheckpointError(f"{file}: not a valid safetensors file ({reason})") from None
+    with handle as f:
+        yield f
+
+
+def _weight_files(path: Path) -> tuple[dict[str, Path], Path]:
+    """(key → file, the file that lists the keys), from one `model.safetensors` or a sharded
+    index; CheckpointError naming the file that is missing or damaged."""
     index = path / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text()).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index}: no 'weight_map' object")
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+            raise CheckpointError(f"{index}: not a readable JSON object") from None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(name, str) for name in weight_map.values()
+        ):
+            raise CheckpointError(f"{index}: no 'weight_map' object of file names")
         files = {key: path / name for key, name in weight_map.items()}
         for file in sorted(set(files.values())):
             if not file.exists():
                 raise CheckpointError(f"{index} names {file.name}, which does not exist")
-        return files
+        return files, index
     single = path / "model.safetensors"
     if not single.exists():
         raise CheckpointError(f"{path}: neither model.safetensors nor model.safetensors.index.json")
-    with safe_open(single, framework="numpy") as f:
-        return {key: single for key in f.keys()}
+    with _open(single) as f:
+        return {key: single for key in f.keys()}, single
 
 
-def _check(cfg: HuginnConfig, files: dict[str, Path]) -> None:
-    """Raises one CheckpointError listing every missing, unexpected, misshapen or non-float key."""
+def _check(cfg: HuginnConfig, files: dict[str, Path], source: Path) -> None:
+    """Raises one CheckpointError listing every missing, unexpected, misshapen or non-float key,
+    naming `source` (the weights file or the index) and the first problem's key."""
     table = param_table(cfg)
     problems = []
     present = {key for key in files if key not in _IGNORED_KEYS}
@@ -95,7 +137,7 @@ def _check(cfg: HuginnConfig, files: dict[str, Path]) -> None:
     for key in sorted(unexpected):
         problems.append(f"unexpected key {key}")
     for key in sorted(present & table.keys()):
-        with safe_open(files[key], framework="numpy") as f:
+        with _open(files[key]) as f:
             tensor = f.get_slice(key)
             shape, dtype = tuple(tensor.get_shape()), tensor.get_dtype()
         if shape != table[key][1]:
@@ -110,25 +152,31 @@ def _check(cfg: HuginnConfig, files: dict[str, Path]) -> None:
             if len(problems) > 1
             else ""
         )
-        raise CheckpointError(f"cannot load checkpoint: {problems[0]}{more}")
+        raise CheckpointError(f"{source}: {problems[0]}{more}")
 
 
-def from_pretrained(path: str | Path, dtype=jnp.float32) -> Huginn:
-    """Loads `config.json` and `model.safetensors` (or shards) from `path`, params in `dtype`."""
+def from_pretrained(
+    path: str | Path, dtype=jnp.float32, *, mesh: jax.sharding.Mesh | None = None
+) -> Huginn:
+    """Loads `config.json` and `model.safetensors` (or shards) from `path`, params in `dtype`.
+    With `mesh`, the model split over its "model" axis (`parallel.shard_model`).
+
+    A missing or damaged file, a wrong-typed config.json value and a missing or misshapen
+    tensor raise CheckpointError: one line naming the file and the key."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist")
     if not (path / "config.json").exists():
         raise CheckpointError(f"{path}: no config.json")
     cfg = HuginnConfig.from_hf_json(path / "config.json")
-    files = _weight_files(path)
-    _check(cfg, files)
+    files, source = _weight_files(path)
+    _check(cfg, files, source)
 
     abstract = nnx.eval_shape(lambda: Huginn(cfg, rngs=nnx.Rngs(0), dtype=dtype))
     graphdef, state = nnx.split(abstract)
     values: dict = {}
     for key, (param_path, _, transposed) in param_table(cfg).items():
-        with safe_open(files[key], framework="flax") as f:
+        with _open(files[key], framework="flax") as f:
             array = f.get_tensor(key)
         array = (array.T if transposed else array).astype(dtype)
         node = values
@@ -136,7 +184,8 @@ def from_pretrained(path: str | Path, dtype=jnp.float32) -> Huginn:
             node = node.setdefault(part, {})
         node[param_path[-1]] = array
     nnx.replace_by_pure_dict(state, values)
-    return nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, state)
+    return model if mesh is None else parallel.shard_model(model, mesh)
 
 
 def hf_config_dict(cfg: HuginnConfig) -> dict:
@@ -173,7 +222,9 @@ def hf_config_dict(cfg: HuginnConfig) -> dict:
 
 
 def save_pretrained(model: Huginn, path: str | Path) -> None:
-    """Writes `config.json` and `model.safetensors` in the reference's layout."""
+    """Writes `config.json` and `model.safetensors` in the reference's layout, each atomically
+    with the usual file mode (`files.write_atomic`)."""
+    model = parallel.gather_model(model)  # a model on a mesh: back to the checkpoint's layout
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state = nnx.to_pure_dict(nnx.state(model, nnx.Param))
@@ -186,8 +237,8 @@ def save_pretrained(model: Huginn, path: str | Path) -> None:
     if model.config.tie_embeddings:
         tensors[_TIED_HEAD] = tensors["transformer.wte.weight"]
     tensors = {key: jax.device_get(value) for key, value in tensors.items()}
-    save_file(
-        {k: jnp.asarray(np.ascontiguousarray(v)) for k, v in tensors.items()},
-        path / "model.safetensors",
+    arrays = {k: jnp.asarray(np.ascontiguousarray(v)) for k, v in tensors.items()}
+    write_atomic(path / "model.safetensors", lambda tmp: save_file(arrays, tmp))
+    write_text_atomic(
+        path / "config.json", json.dumps(hf_config_dict(model.config), indent=2) + "\n"
     )
-    (path / "config.json").write_text(json.dumps(hf_config_dict(model.config), indent=2) + "\n")

@@ -6,6 +6,10 @@ import dataclasses
 import json
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
 
 # The names each kernel choice accepts: HuginnConfig checks its fields against these, and the
 # command lines offer them.
@@ -60,6 +64,12 @@ class HuginnConfig:
     # gate: huginn_jax.decode_row with pallas_kernels.fused_gemv). One of DECODE_GEMV_IMPLS;
     # huginn_jax.ops maps each name to its code.
     decode_gemv: str = "xla"
+    # Tensor parallelism (huginn_jax.parallel): a mesh whose "model" axis splits every layer's
+    # heads and MLP columns across its devices, Megatron-style; None: one device. Under a mesh
+    # the layers hold their heads and MLP columns in device-major groups, padded with zero
+    # weights to a multiple of the "model" axis (`attention_heads`, `mlp_width`). Build such a
+    # model with parallel.shard_model, or random_init / from_pretrained with `mesh=`.
+    mesh: Mesh | None = None
 
     def __post_init__(self):
         if self.attention_impl not in ATTENTION_IMPLS:
@@ -76,6 +86,10 @@ class HuginnConfig:
         for name in ("n_embd", "n_heads", "intermediate_size", "vocab_size", "block_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        counts = ("n_layers_in_prelude", "n_layers_in_recurrent_block", "n_layers_in_coda")
+        for name in (*counts, "head_dim", "mean_recurrence", "effective_expected_depth"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         if self.head_dim == 0:
             if self.n_embd % self.n_heads:
                 raise ValueError(
@@ -88,6 +102,8 @@ class HuginnConfig:
             raise ValueError(
                 f"n_heads * head_dim = {self.n_heads * self.head_dim} != n_embd={self.n_embd}"
             )
+        if self.mesh is not None:
+            _check_mesh(self)
         if self.effective_expected_depth == 0:
             depth = (
                 self.n_layers_in_prelude
@@ -98,6 +114,8 @@ class HuginnConfig:
         if self.init_std == 0.0:
             object.__setattr__(self, "init_std", math.sqrt(2 / (5 * self.n_embd)))
         if self.out_proj_std == 0.0:
+            if self.effective_expected_depth == 0:
+                raise ValueError("effective_expected_depth=0: the model has no layers")
             std = self.init_std / math.sqrt(2 * self.effective_expected_depth)
             object.__setattr__(self, "out_proj_std", std)
         if self.embed_scale == 0.0:
@@ -108,6 +126,21 @@ class HuginnConfig:
         """Layers in the recurrent Core block."""
         return self.n_layers_in_recurrent_block
 
+    @property
+    def model_shards(self) -> int:
+        """Devices along the mesh's "model" axis (1 without a mesh)."""
+        return 1 if self.mesh is None else int(self.mesh.shape["model"])
+
+    @property
+    def attention_heads(self) -> int:
+        """Heads the layers hold: n_heads padded to a multiple of `model_shards`."""
+        return -(-self.n_heads // self.model_shards) * self.model_shards
+
+    @property
+    def mlp_width(self) -> int:
+        """MLP columns the layers hold: intermediate_size padded to a multiple of `model_shards`."""
+        return -(-self.intermediate_size // self.model_shards) * self.model_shards
+
     @classmethod
     def from_name(cls, name: str) -> HuginnConfig:
         try:
@@ -117,35 +150,119 @@ class HuginnConfig:
 
     @classmethod
     def from_hf_json(cls, path: str | Path) -> HuginnConfig:
-        """Reads a Hugging Face `config.json` written by the reference `save_pretrained()`."""
-        raw = json.loads(Path(path).read_text())
-        missing = [
-            k for k in ("n_embd", "n_heads", "intermediate_size", "vocab_size") if k not in raw
-        ]
-        if missing:
-            raise ValueError(f"{path}: config.json lacks {', '.join(missing)}")
-        init_values = raw.get("init_values", {})
-        return cls(
-            n_embd=raw["n_embd"],
-            n_heads=raw["n_heads"],
-            intermediate_size=raw["intermediate_size"],
-            vocab_size=raw.get("padded_vocab_size", raw["vocab_size"]),
-            n_layers_in_prelude=raw.get("n_layers_in_prelude", 2),
-            n_layers_in_recurrent_block=raw.get("n_layers_in_recurrent_block", 4),
-            n_layers_in_coda=raw.get("n_layers_in_coda", 2),
-            head_dim=raw.get("head_dim", 0),
-            block_size=raw.get("block_size", 4096),
-            rope_base=float(raw.get("rope_base", 50_000)),
-            norm_eps=float(raw.get("norm_eps", 1e-6)),
-            qk_bias=bool(raw.get("qk_bias", True)),
-            tie_embeddings=bool(raw.get("tie_embeddings", True)),
-            mean_recurrence=raw.get("mean_recurrence", 32),
-            mean_backprop_depth=raw.get("mean_backprop_depth", 8),
-            init_std=init_values.get("std", 0.0),
-            out_proj_std=init_values.get("out_proj", 0.0),
-            embed_scale=init_values.get("embed_scale", 0.0),
-            effective_expected_depth=raw.get("effective_expected_depth", 0),
+        """Reads a Hugging Face `config.json` written by the reference `save_pretrained()`.
+
+        Raises CheckpointError naming the file and the key for an unreadable file, invalid
+        JSON, a missing required key, a value of the wrong type, or values the model refuses."""
+        from huginn_jax.files import CheckpointError
+
+        try:
+            return cls(**_hf_fields(Path(path)))
+        except CheckpointError:
+            raise
+        except ValueError as e:  # the values' own checks (__post_init__)
+            raise CheckpointError(f"{path}: {e}") from None
+
+
+# config.json key ("init_values.std": the "std" of the "init_values" object) -> (HuginnConfig
+# field, JSON type, default; _REQUIRED: the file must hold it; absent or null: the default).
+# "padded_vocab_size", when present, is the vocabulary the weights hold and wins over
+# "vocab_size".
+_REQUIRED = object()
+_HF_KEYS = (
+    ("n_embd", "n_embd", int, _REQUIRED),
+    ("n_heads", "n_heads", int, _REQUIRED),
+    ("intermediate_size", "intermediate_size", int, _REQUIRED),
+    ("vocab_size", "vocab_size", int, _REQUIRED),
+    ("padded_vocab_size", "vocab_size", int, None),
+    ("n_layers_in_prelude", "n_layers_in_prelude", int, 2),
+    ("n_layers_in_recurrent_block", "n_layers_in_recurrent_block", int, 4),
+    ("n_layers_in_coda", "n_layers_in_coda", int, 2),
+    ("head_dim", "head_dim", int, 0),
+    ("block_size", "block_size", int, 4096),
+    ("rope_base", "rope_base", float, 50_000.0),
+    ("norm_eps", "norm_eps", float, 1e-6),
+    ("qk_bias", "qk_bias", bool, True),
+    ("tie_embeddings", "tie_embeddings", bool, True),
+    ("mean_recurrence", "mean_recurrence", int, 32),
+    ("mean_backprop_depth", "mean_backprop_depth", int, 8),
+    ("effective_expected_depth", "effective_expected_depth", int, 0),
+    ("init_values.std", "init_std", float, 0.0),
+    ("init_values.out_proj", "out_proj_std", float, 0.0),
+    ("init_values.embed_scale", "embed_scale", float, 0.0),
+)
+_TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false"}
+
+
+def _has_type(value, kind: type) -> bool:
+    if kind is bool or isinstance(value, bool):
+        return kind is bool and isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int)
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
+def _hf_fields(path: Path) -> dict:
+    """HuginnConfig's fields from the `config.json` at `path`, each checked for presence and
+    type; CheckpointError naming the file and the key otherwise."""
+    from huginn_jax.files import CheckpointError
+
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read it ({e.strerror or e})") from None
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path}: not a text file (expected JSON)") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(
+            f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})"
+        ) from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, found {type(raw).__name__}")
+    init_values = raw.get("init_values", {})
+    if not isinstance(init_values, dict):
+        raise CheckpointError(
+            f"{path}: key 'init_values' is {_show(init_values)}; expected an object"
         )
+    fields: dict = {}
+    for key, field, kind, default in _HF_KEYS:
+        prefix, _, name = key.rpartition(".")
+        table = init_values if prefix else raw
+        if table.get(name) is None:  # absent, or null: the default
+            if default is _REQUIRED:
+                raise CheckpointError(f"{path}: key '{key}' is missing")
+            if default is not None:
+                fields.setdefault(field, default)
+            continue
+        value = table[name]
+        if not _has_type(value, kind):
+            raise CheckpointError(
+                f"{path}: key '{key}' is {_show(value)}; expected {_TYPE_WORDS[kind]}"
+            )
+        fields[field] = float(value) if kind is float else value
+    return fields
+
+
+def _show(value) -> str:
+    """A JSON value as the file spells it, cut to a readable length."""
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _check_mesh(cfg: HuginnConfig) -> None:
+    """A mesh needs a "model" axis and kernels that XLA can partition: the Pallas kernels
+    (decode_attention_impl="pallas", decode_gemv="pallas", attention_impl="mgpu") run on one
+    device's whole arrays."""
+    if "model" not in cfg.mesh.axis_names:
+        raise ValueError(
+            f"the mesh has axes {cfg.mesh.axis_names}; tensor parallelism needs 'model'"
+        )
+    single = {"attention_impl": "mgpu", "decode_attention_impl": "pallas", "decode_gemv": "pallas"}
+    for name, impl in single.items():
+        if getattr(cfg, name) == impl:
+            raise ValueError(
+                f"{name}={impl!r} runs on one device; a mesh needs an XLA or cuDNN choice"
+            )
 
 
 huginn_0125 = HuginnConfig(n_embd=5280, n_heads=55, intermediate_size=17920, vocab_size=65536)

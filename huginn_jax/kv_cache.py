@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from huginn_jax import parallel
 from huginn_jax.config import HuginnConfig
 
 UNLIMITED_STEPS = 2**31 - 1  # compress-sN reuses its slots, so any step count fits
@@ -60,9 +61,10 @@ def _num_core_slots(config: HuginnConfig, num_steps: int, strategy: str) -> int:
 
 
 def _shape(config: HuginnConfig, batch: int, max_len: int, num_core_slots: int) -> tuple:
-    """[L, B, S, H, K] with L = prelude slots + Core slots + coda slots."""
+    """[L, B, S, H, K] with L = prelude slots + Core slots + coda slots; H = the heads the layers
+    hold (n_heads, padded to a multiple of the mesh's "model" axis under a mesh)."""
     slots = config.n_layers_in_prelude + num_core_slots + config.n_layers_in_coda
-    return (slots, batch, max_len, config.n_heads, config.head_dim)
+    return (slots, batch, max_len, config.attention_heads, config.head_dim)
 
 
 @jax.tree_util.register_dataclass
@@ -90,7 +92,8 @@ class KVCache:
         strategy: str = "full",
     ) -> KVCache:
         """A zeroed cache: a slot per prelude layer, the strategy's Core slots, a slot per coda
-        layer. `num_steps` is the most Core iterations a token may run (ignored by compress-sN)."""
+        layer. `num_steps` is the most Core iterations a token may run (ignored by compress-sN).
+        Under a mesh (config.mesh) the cache is split by heads over its "model" axis."""
         if max_len > config.block_size:
             raise ValueError(
                 f"max_len={max_len} exceeds the model's block_size={config.block_size}"
@@ -99,9 +102,10 @@ class KVCache:
             raise ValueError(f"{batch=}, {max_len=} and {num_steps=} must be positive")
         num_core_slots = _num_core_slots(config, num_steps, strategy)
         shape = _shape(config, batch, max_len, num_core_slots)
+        sharding = parallel.kv_cache_sharding(config)
         return cls(
-            k=jnp.zeros(shape, dtype),
-            v=jnp.zeros(shape, dtype),
+            k=jnp.zeros(shape, dtype, device=sharding),
+            v=jnp.zeros(shape, dtype, device=sharding),
             num_prelude=config.n_layers_in_prelude,
             num_core_layers=config.n_core,
             num_core_slots=num_core_slots,

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from huginn_jax import ops
+from huginn_jax import ops, parallel
 from huginn_jax.config import HuginnConfig
 from huginn_jax.kv_cache import KVCache
 
@@ -216,15 +216,20 @@ def attend_decode_cudnn(q_Bx1xHxK, k_BxSxHxK, v_BxSxHxK, q_pos_T, k_pos_S) -> ja
 
 
 class Attention(nnx.Module):
-    """Multi-head attention with fused Wqkv, a learned qk_bias added before RoPE, and a KV slot."""
+    """Multi-head attention with fused Wqkv, a learned qk_bias added before RoPE, and a KV slot.
+
+    Under a mesh (cfg.mesh) the weights are in `parallel`'s layout: cfg.attention_heads heads
+    (zero-padded), Wqkv's columns grouped per device."""
 
     def __init__(self, cfg: HuginnConfig, *, rngs: nnx.Rngs, dtype):
-        d, h, k = cfg.n_embd, cfg.n_heads, cfg.head_dim
+        d, h, k = cfg.n_embd, cfg.attention_heads, cfg.head_dim
         self.cfg = cfg
-        self.Wqkv = Linear(truncated_normal(rngs.params(), (d, 3 * d), cfg.init_std, dtype))
+        wqkv = truncated_normal(rngs.params(), (d, 3 * d), cfg.init_std, dtype)
+        self.Wqkv = Linear(parallel.group_qkv(wqkv, cfg))
         if cfg.qk_bias:
             self.qk_bias = nnx.Param(jnp.zeros((2, 1, h, k), dtype))
-        self.proj = Linear(truncated_normal(rngs.params(), (d, d), cfg.out_proj_std, dtype))
+        proj = truncated_normal(rngs.params(), (d, d), cfg.out_proj_std, dtype)
+        self.proj = Linear(parallel.pad_head_rows(proj, cfg))
 
     def __call__(
         self, x_BxTxD: jax.Array, start: jax.Array, cache: KVCache | None, slot
@@ -232,16 +237,20 @@ class Attention(nnx.Module):
         """Attends the T new positions [start, start + T) to themselves and, with a cache, to
         every earlier position stored in `slot`; writes their K/V into that slot in place."""
         out_BxTxD, cache = self.attend_qkv(self.Wqkv(x_BxTxD), start, cache, slot)
-        return self.proj(out_BxTxD), cache
+        return parallel.constrain(self.proj(out_BxTxD), self.cfg, None), cache
 
     def attend_qkv(
         self, qkv_BxTx3D: jax.Array, start: jax.Array, cache: KVCache | None, slot
     ) -> tuple[jax.Array, KVCache | None]:
         """`__call__` from the Wqkv product on, without the output projection: [B, T, H * K]."""
         b, t, _ = qkv_BxTx3D.shape
-        h, k = self.cfg.n_heads, self.cfg.head_dim
-        q, key, v = jnp.split(qkv_BxTx3D.reshape(b, t, 3, h, k), 3, axis=2)
-        q, key, v = q[:, :, 0], key[:, :, 0], v[:, :, 0]
+        h, k, g = self.cfg.attention_heads, self.cfg.head_dim, self.cfg.model_shards
+        # G groups (one per device of the mesh's "model" axis, 1 without) of [q | k | v] heads.
+        q, key, v = jnp.split(qkv_BxTx3D.reshape(b, t, g, 3, h // g, k), 3, axis=3)
+        q, key, v = (x.reshape(b, t, h, k) for x in (q, key, v))
+        q, key, v = (
+            parallel.constrain(x, self.cfg, parallel.MODEL_AXIS, None) for x in (q, key, v)
+        )
         if self.cfg.qk_bias:
             bias = self.qk_bias[...]
             q, key = q + bias[0], key + bias[1]
@@ -273,21 +282,30 @@ class Attention(nnx.Module):
 
 
 class GatedMLP(nnx.Module):
-    """proj(silu(gate) * up) with [gate; up] = fc(x): the first half of fc's output is the gate."""
+    """proj(silu(gate) * up) with [gate; up] = fc(x): the first half of fc's output is the gate.
+
+    Under a mesh (cfg.mesh) fc holds cfg.mlp_width zero-padded columns of each, as G groups
+    [gate | up] (one per device of the "model" axis): `parallel.group_gate_up`."""
 
     def __init__(self, cfg: HuginnConfig, *, rngs: nnx.Rngs, dtype):
         d, f = cfg.n_embd, cfg.intermediate_size
-        self.intermediate_size = f
+        self.cfg = cfg
         # The reference draws the gate half with init_std and the up half with out_proj_std.
         gate = truncated_normal(rngs.params(), (d, f), cfg.init_std, dtype)
         up = truncated_normal(rngs.params(), (d, f), cfg.out_proj_std, dtype)
-        self.fc = Linear(jnp.concatenate([gate, up], axis=1))
-        self.proj = Linear(truncated_normal(rngs.params(), (f, d), cfg.out_proj_std, dtype))
+        self.fc = Linear(parallel.group_gate_up(jnp.concatenate([gate, up], axis=1), cfg))
+        proj = truncated_normal(rngs.params(), (f, d), cfg.out_proj_std, dtype)
+        self.proj = Linear(parallel.pad_mlp_rows(proj, cfg))
 
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
         gate_up = self.fc(x_BxTxD)
-        gate, up = gate_up[..., : self.intermediate_size], gate_up[..., self.intermediate_size :]
-        return self.proj(jax.nn.silu(gate) * up)
+        g, f = self.cfg.model_shards, self.cfg.mlp_width
+        if g == 1:
+            gate, up = gate_up[..., :f], gate_up[..., f:]
+        else:
+            grouped = gate_up.reshape(*gate_up.shape[:-1], g, 2, f // g)
+            gate, up = (grouped[..., i, :].reshape(*gate_up.shape[:-1], f) for i in (0, 1))
+        return parallel.constrain(self.proj(jax.nn.silu(gate) * up), self.cfg, None)
 
 
 class SandwichBlock(nnx.Module):

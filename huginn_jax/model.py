@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from huginn_jax import decode_row
+from huginn_jax import decode_row, parallel
 from huginn_jax.config import HuginnConfig
 from huginn_jax.kv_cache import KVCache
 from huginn_jax.layers import Linear, RMSNorm, SandwichBlock, dot_precision, truncated_normal
@@ -211,9 +211,21 @@ def _forward_jit(graphdef, state, input_ids, init_state, cache, start, *, num_st
     return forward(nnx.merge(graphdef, state), input_ids, init_state, cache, start, num_steps)
 
 
-def random_init(config: HuginnConfig, key: jax.Array, dtype=jnp.float32) -> Huginn:
-    """A model with the reference's initialisation (truncated normals; norms 1; qk_bias 0)."""
-    return Huginn(config, rngs=nnx.Rngs(params=key), dtype=dtype)
+def random_init(
+    config: HuginnConfig,
+    key: jax.Array,
+    dtype=jnp.float32,
+    *,
+    mesh: jax.sharding.Mesh | None = None,
+) -> Huginn:
+    """A model with the reference's initialisation (truncated normals; norms 1; qk_bias 0).
+
+    With `mesh` (or config.mesh), the same weights split over its "model" axis
+    (`parallel.shard_model`)."""
+    mesh = mesh if mesh is not None else config.mesh
+    config = dataclasses.replace(config, mesh=None)
+    model = Huginn(config, rngs=nnx.Rngs(params=key), dtype=dtype)
+    return model if mesh is None else parallel.shard_model(model, mesh)
 
 
 KERNEL_CHOICES = ("attention_impl", "decode_attention_impl", "decode_gemv")
@@ -222,7 +234,9 @@ KERNEL_CHOICES = ("attention_impl", "decode_attention_impl", "decode_gemv")
 def with_config(model: Huginn, config: HuginnConfig) -> Huginn:
     """`model`'s parameters under `config`, which may differ from `model.config` only in its
     kernel choices (KERNEL_CHOICES): those are static, held by the modules, not the parameters,
-    so a loaded checkpoint gets them this way."""
+    so a loaded checkpoint gets them this way. The mesh stays the model's: it shapes the
+    parameters."""
+    config = dataclasses.replace(config, mesh=model.config.mesh)
     same = dataclasses.replace(config, **{f: getattr(model.config, f) for f in KERNEL_CHOICES})
     if same != model.config:
         raise ValueError(

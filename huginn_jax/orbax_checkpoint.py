@@ -7,8 +7,9 @@ expected tree (orbax alone would cast dtypes and ignore shapes), reads the array
 digest, so a missing, truncated, partial or bit-flipped step is caught. Such a step is reported
 in one line, moved aside to `<dir>/corrupt-<step>` (kept for inspection, out of orbax's step list
 so that keep-N and later saves ignore it) and the next older step is tried: the last good
-checkpoint is what a run resumes from. An intact checkpoint of another run is refused
-(CheckpointMismatch), never moved.
+checkpoint is what a run resumes from; when every step is damaged that is a CheckpointError, not
+a fresh start. An intact checkpoint of another run is refused (CheckpointMismatch), never moved.
+Every error names the step directory.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from huginn_jax.checkpoint import CheckpointError
+from huginn_jax.files import CheckpointError
 
 _REQUIRED = ("state", "meta")  # the items every finished step directory holds
 
@@ -142,9 +143,9 @@ class TrainCheckpoints:
     def restore(
         self, step: int, abstract: Any, *, validate: Callable[[dict], None] | None = None
     ) -> tuple[Any, dict]:
-        """(tree, meta) of `step`; raises CheckpointError naming what is wrong with the files, or
-        CheckpointMismatch when they are intact but hold another run's tree (or `validate(meta)`
-        raises it).
+        """(tree, meta) of `step`; raises CheckpointError naming the step directory and what is
+        wrong with its files, or CheckpointMismatch when they are intact but hold another run's
+        tree (or `validate(meta)` raises it).
 
         `abstract`: the expected tree of `jax.ShapeDtypeStruct`s. Orbax itself would cast dtypes
         and ignore shapes silently, hence the leaf-by-leaf comparison against the saved list.
@@ -152,26 +153,28 @@ class TrainCheckpoints:
         step_dir = self.directory / str(step)
         missing = [name for name in _REQUIRED if not (step_dir / name).is_dir()]
         if missing:
-            raise CheckpointError(f"incomplete, no {' or '.join(missing)} item")
+            raise CheckpointError(f"{step_dir}: incomplete, no {' or '.join(missing)} item")
         meta = self._read(step, ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
         if not isinstance(meta, dict) or "sha256" not in meta or "leaves" not in meta:
-            raise CheckpointError("incomplete, meta lacks the digest or the leaf list")
+            raise CheckpointError(f"{step_dir}: incomplete, meta lacks the digest or the leaf list")
         if validate is not None:
             validate(meta)
         expected = tree_signature(abstract)
         for saved, want in zip(meta["leaves"], expected, strict=False):
             if saved != want:
                 raise CheckpointMismatch(
-                    f"step {step} holds {saved[0]} {saved[2]}{saved[1]}, this run expects "
+                    f"{step_dir} holds {saved[0]} {saved[2]}{saved[1]}, this run expects "
                     f"{want[0]} {want[2]}{want[1]}"
                 )
         if len(meta["leaves"]) != len(expected):
             raise CheckpointMismatch(
-                f"step {step} holds {len(meta['leaves'])} arrays, this run expects {len(expected)}"
+                f"{step_dir} holds {len(meta['leaves'])} arrays, this run expects {len(expected)}"
             )
         state = self._read(step, ocp.args.Composite(state=ocp.args.StandardRestore(abstract))).state
         if tree_digest(jax.device_get(state)) != meta["sha256"]:
-            raise CheckpointError("contents differ from what was saved (sha256 mismatch)")
+            raise CheckpointError(
+                f"{step_dir}: contents differ from what was saved (sha256 mismatch)"
+            )
         return state, meta
 
     def _read(self, step: int, args: ocp.args.Composite):
@@ -180,19 +183,31 @@ class TrainCheckpoints:
         except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many kinds; all mean "bad"
             _quiet_closed_loop_callbacks()
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise CheckpointError(f"unreadable: {type(e).__name__}: {first[:200]}") from e
+            raise CheckpointError(
+                f"{self.directory / str(step)}: unreadable: {type(e).__name__}: {first[:200]}"
+            ) from e
 
     def restore_latest(
         self, abstract: Any, *, validate: Callable[[dict], None] | None = None
     ) -> tuple[int, Any, dict] | None:
-        """(step, tree, meta) of the newest intact step, or None (reported) if there is none.
+        """(step, tree, meta) of the newest intact step, or None (reported) if the directory
+        holds no checkpoint at all.
 
         Each damaged step met on the way is reported in one line and moved to `corrupt-<step>`;
-        a CheckpointMismatch (another run's checkpoint) is raised, nothing is moved.
+        when no intact step is left (all damaged now, or only damaged ones set aside earlier) a
+        CheckpointError says so: there is nothing to resume from, and starting afresh is the
+        caller's choice. A CheckpointMismatch (another run's checkpoint) is raised, nothing is
+        moved.
         """
         self.wait()
         steps = self.all_steps()
         if not steps:
+            aside = sorted(p.name for p in self.directory.glob("corrupt-*"))
+            if aside:
+                raise CheckpointError(
+                    f"{self.directory}: no intact checkpoint, only damaged ones set aside "
+                    f"({', '.join(aside)}); nothing to resume from"
+                )
             self.report(f"checkpoint: no checkpoint in {self.directory}")
             return None
         for step in reversed(steps):
@@ -205,12 +220,14 @@ class TrainCheckpoints:
                 older = [s for s in steps if s < step]
                 then = f"trying step {older[-1]}" if older else "no older checkpoint left"
                 self.report(
-                    f"checkpoint: step {step} in {self.directory} is {e}; moved to {aside.name}; "
-                    f"{then}"
+                    f"checkpoint: step {step} is damaged ({e}); moved to {aside.name}; {then}"
                 )
                 continue
             return step, tree, meta
-        return None
+        raise CheckpointError(
+            f"{self.directory}: every checkpoint is damaged (steps {', '.join(map(str, steps))}, "
+            "each moved aside to corrupt-<step>); nothing to resume from"
+        )
 
     def _set_aside(self, step: int) -> Path:
         """Renames a bad step directory out of orbax's view."""

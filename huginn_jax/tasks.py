@@ -66,8 +66,8 @@ class PointerChase:
     def __post_init__(self):
         if self.nodes < 2 or self.max_hops < 1 or self.queries < 1:
             raise ValueError(
-                f"khop needs nodes >= 2, max_hops >= 1, queries >= 1; got {self.nodes=} "
-                f"{self.max_hops=} {self.queries=}"
+                f"khop needs nodes >= 2, max_hops >= 1, queries >= 1; got nodes={self.nodes}, "
+                f"max_hops={self.max_hops}, queries={self.queries}"
             )
 
     @property
@@ -159,7 +159,7 @@ class ChainRoot:
         if self.nodes < 2 or not 1 <= self.max_chain <= self.nodes or self.queries < 1:
             raise ValueError(
                 f"root needs nodes >= 2, 1 <= max_chain <= nodes, queries >= 1; got "
-                f"{self.nodes=} {self.max_chain=} {self.queries=}"
+                f"nodes={self.nodes}, max_chain={self.max_chain}, queries={self.queries}"
             )
 
     @property
@@ -253,7 +253,7 @@ class Addition:
 
     def __post_init__(self):
         if not 1 <= self.digits <= 18:
-            raise ValueError(f"add needs 1 <= digits <= 18 (int64 sums); got {self.digits=}")
+            raise ValueError(f"add needs 1 <= digits <= 18 (int64 sums); got digits={self.digits}")
 
     @property
     def vocab_size(self) -> int:

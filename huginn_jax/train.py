@@ -35,6 +35,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from huginn_jax import parallel
 from huginn_jax.config import HuginnConfig
 from huginn_jax.model import (
     Huginn,
@@ -73,12 +74,12 @@ class TrainConfig:
 
     def __post_init__(self):
         positive = ("batch", "lr", "total_steps", "clip", "mean_recurrence", "backprop_depth")
-        for name in positive:
-            if not getattr(self, name) > 0:
+        for name in positive:  # NaN and inf fail too
+            if not 0 < getattr(self, name) < float("inf"):
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
         for name in ("warmup_steps", "weight_decay", "sigma", "init_scale"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+            if not 0 <= getattr(self, name) < float("inf"):
+                raise ValueError(f"{name}={getattr(self, name)} must be a number >= 0")
         if not (0 <= self.b1 < 1 and 0 <= self.b2 < 1):
             raise ValueError(f"betas must lie in [0, 1); got b1={self.b1} b2={self.b2}")
         if self.schedule not in ("constant", "cosine"):
@@ -299,19 +300,30 @@ def step_keys(state: TrainState) -> tuple[jax.Array, jax.Array, jax.Array]:
 
 
 def make_train_step(
-    graphdef: nnx.GraphDef, task: Task, tx: optax.GradientTransformation, cfg: TrainConfig
+    graphdef: nnx.GraphDef,
+    task: Task,
+    tx: optax.GradientTransformation,
+    cfg: TrainConfig,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> Callable[[TrainState], tuple[TrainState, dict[str, jax.Array]]]:
     """The jitted step: `new_state, metrics = step(state)`; `state` is donated.
 
     metrics (scalars): loss, accuracy (answer tokens), grad_norm (before clipping), lr,
-    n_nograd, n_grad.
+    n_nograd, n_grad. With a `mesh` over a "data" axis the batch is split over it (data
+    parallel; the state must be replicated on the mesh: `parallel.replicate`); the batch, the
+    recurrence and the loss are those of one device.
     """
+    if cfg.batch % parallel.data_shards(mesh):
+        raise ValueError(
+            f"batch={cfg.batch} must be a multiple of the mesh's data axis "
+            f"({parallel.data_shards(mesh)})"
+        )
     schedule = make_schedule(cfg)
 
     @functools.partial(jax.jit, donate_argnums=0)
     def train_step(state: TrainState):
         k_data, k_depth, k_state = step_keys(state)
-        batch = task.sample(k_data, cfg.batch)
+        batch = parallel.split_batch(task.sample(k_data, cfg.batch), mesh)
         n_nograd, n_grad = sample_recurrence(
             k_depth, cfg.mean_recurrence, cfg.backprop_depth, cfg.sigma
         )

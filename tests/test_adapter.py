@@ -127,7 +127,7 @@ def test_ceilings_of_another_device_exit_2_with_one_line(tmp_path):
 @pytest.mark.parametrize(
     "flag",
     ["--m=0", "--m=x", "--variants=transpose", "--impls=torch", "--calls=z",
-     "--torch_compile_mode=fast", "--ceilings=/no/such/file.json"],
+     "--torch_compile_mode=fast", "--ceilings=/no/such/file.json", "--m=10000000000"],
 )  # fmt: skip
 def test_bad_flags_exit_2_with_one_line(tmp_path, flag):
     proc = run_cli(flag, f"--json_out={tmp_path / 'a.json'}")
@@ -141,7 +141,7 @@ def test_bad_flags_exit_2_with_one_line(tmp_path, flag):
 def test_torch_products_compile_whole_and_match_the_reference(variant):
     """What torch_compile compiles, through Inductor on the CPU: one graph (fullgraph), the
     products of every call, within the check's tolerance of the float64 reference."""
-    pytest.importorskip("torch")
+    pytest.importorskip("torch", reason='needs PyTorch: pip install -e ".[torch]"')
     ss, es, w = adapter.stacked_inputs(HuginnConfig.from_name("tiny"), 4, 3, seed=1)
     args = adapter.torch_args(variant, ss, es, w)
     compiled, seconds = bench.compile_timed(adapter.torch_products(variant), args, "default")
@@ -157,7 +157,7 @@ def test_torch_products_compile_whole_and_match_the_reference(variant):
 def test_torch_runner_holds_its_inputs(monkeypatch):
     """The graph reads its inputs at their addresses: xs = cat(s, e), made for the runner and
     owned by no one else, must live as long as the runner (else torch reuses its memory)."""
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason='needs PyTorch: pip install -e ".[torch]"')
     monkeypatch.setattr(bench.torch_chain, "capture_graph", lambda fn, warmup: ("graph", fn()))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     ss, es, w = adapter.stacked_inputs(HuginnConfig.from_name("tiny"), 2, 2, seed=0)

@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -117,3 +118,138 @@ def test_missing_files(tmp_path):
     )
     with pytest.raises(CheckpointError, match="x.safetensors, which does not exist"):
         huginn_jax.from_pretrained(tmp_path)
+
+
+# ---------------------------------------------------------------- damaged files
+
+
+def _damage_weights(path, how):
+    """Damages path/model.safetensors in place: truncated, random bytes, empty, or a header
+    length past the end of the file."""
+    import struct
+
+    file = path / "model.safetensors"
+    data = file.read_bytes()
+    damaged = {
+        "truncated": data[: len(data) // 2],
+        "random": np.random.default_rng(0).bytes(4096),
+        "empty": b"",
+        "header_length": struct.pack("<Q", 10**12) + data[8:],
+    }[how]
+    file.write_bytes(damaged)
+
+
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("truncated", "truncated or damaged"),
+        ("random", "runs past the end of the file"),
+        ("empty", "0 bytes, too short for a safetensors file"),
+        ("header_length", r"header length \(1000000000000 bytes\) runs past the end"),
+    ],
+)
+def test_damaged_weights_file_is_one_error_naming_it(tiny_copy, how, message):
+    path, tensors = tiny_copy
+    write(path, tensors)
+    _damage_weights(path, how)
+    with pytest.raises(CheckpointError, match=message) as error:
+        huginn_jax.from_pretrained(path)
+    assert str(error.value).startswith(f"{path / 'model.safetensors'}: ")
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda c: c.update(n_heads="four"), """key 'n_heads' is "four"; expected an integer"""),
+        (lambda c: c.update(n_heads=2.5), "key 'n_heads' is 2.5; expected an integer"),
+        (lambda c: c.pop("n_embd"), "key 'n_embd' is missing"),
+        (lambda c: c.update(qk_bias="yes"), """key 'qk_bias' is "yes"; expected true or false"""),
+        (lambda c: c.update(init_values=3), "key 'init_values' is 3; expected an object"),
+        (lambda c: c["init_values"].update(std="x"), "key 'init_values.std' is"),
+        (lambda c: c.update(n_layers_in_coda=-1), "n_layers_in_coda=-1 must be >= 0"),
+        (lambda c: c.update(n_heads=5), "n_embd=96 must be a multiple of n_heads=5|head_dim"),
+    ],
+)
+def test_bad_config_json_names_the_file_and_the_key(tiny_copy, edit, message):
+    path, _ = tiny_copy
+    config = json.loads((path / "config.json").read_text())
+    edit(config)
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=message) as error:
+        huginn_jax.from_pretrained(path)
+    assert str(error.value).startswith(f"{path / 'config.json'}: ")
+
+
+def test_config_json_that_is_not_json(tmp_path):
+    for text, message in (("{", "not valid JSON"), ("[1]", "expected a JSON object, found list")):
+        (tmp_path / "config.json").write_text(text)
+        with pytest.raises(CheckpointError, match=message):
+            HuginnConfig.from_hf_json(tmp_path / "config.json")
+
+
+def test_missing_or_misshapen_tensor_names_file_and_key(tiny_copy):
+    path, tensors = tiny_copy
+    write(path, {k: v for k, v in tensors.items() if k != "transformer.ln_f.weight"})
+    with pytest.raises(CheckpointError, match=r"missing key transformer\.ln_f\.weight") as error:
+        huginn_jax.from_pretrained(path)
+    assert str(error.value).startswith(f"{path / 'model.safetensors'}: ")
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_saved_files_get_the_usual_mode(tmp_path, umask):
+    """save_pretrained and the atomic writers of huginn_jax and of the experiments (results
+    JSON, plots) give a file the mode open() would (0666 less the umask), not the temporary
+    file's 0600, and leave no temporary file behind."""
+    import os
+
+    from experiments.measure import results
+    from huginn_jax.files import write_atomic, write_text_atomic
+
+    previous = os.umask(umask)
+    try:
+        model = huginn_jax.random_init(HuginnConfig.from_name("micro"), jax.random.key(0))
+        huginn_jax.save_pretrained(model, tmp_path / "out")
+        write_text_atomic(tmp_path / "out" / "a.json", "{}\n")
+        results.write_json_atomic(tmp_path / "out" / "b.json", {})
+        write_atomic(tmp_path / "out" / "c.png", lambda tmp: tmp.write_bytes(b""))
+    finally:
+        os.umask(previous)
+    names = ["a.json", "b.json", "c.png", "config.json", "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == names
+    for name in names:
+        assert (tmp_path / "out" / name).stat().st_mode & 0o777 == 0o666 & ~umask, name
+
+
+def test_programs_end_a_damaged_model_in_one_line(tiny_copy):
+    """`python -m huginn_jax.generate` and an experiment program (through experiments.cli's
+    runner, as core and generate_vs_torch use it): one line naming the file, exit status 2."""
+    import subprocess
+    import sys
+
+    path, tensors = tiny_copy
+    write(path, tensors)
+    _damage_weights(path, "truncated")
+    repo = Path(__file__).parents[1]
+    generate = subprocess.run(
+        [sys.executable, "-m", "huginn_jax.generate", f"--checkpoint={path}", "--prompt_ids=1,2"],
+        capture_output=True, text=True, cwd=repo, timeout=120,
+    )  # fmt: skip
+    assert generate.returncode == 2
+    assert generate.stderr.splitlines() == [
+        f"generate: {path / 'model.safetensors'}: truncated or damaged (its header's "
+        f"tensors do not fill the {(path / 'model.safetensors').stat().st_size} bytes of the file)"
+    ]
+    script = (
+        "import sys; from absl import app; import huginn_jax; from experiments import cli; "
+        "main = lambda argv: huginn_jax.from_pretrained(sys.argv[1]); "
+        "app.run(cli.main_runner('prog', main), argv=sys.argv[:1])"
+    )
+    program = subprocess.run(
+        [sys.executable, "-c", script, str(path)],
+        capture_output=True, text=True, cwd=repo, timeout=120,
+    )  # fmt: skip
+    assert program.returncode == 2
+    lines = [line for line in program.stderr.splitlines() if "tpu" not in line.lower()]
+    assert len(lines) == 1, program.stderr
+    assert lines[0].startswith(f"prog: {path / 'model.safetensors'}: truncated or damaged")

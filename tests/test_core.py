@@ -183,13 +183,16 @@ def test_agreement_checks_fail_beyond_tolerance():
 @pytest.mark.parametrize(
     "flag, message",
     [
-        ("--mode=sideways", "expected decode or prefill"),
+        ("--mode=sideways", "--mode: unknown 'sideways'; known: decode, prefill"),
         ("--context=0", "must be >= 1"),
         ("--iterations=x", "expected integers"),
         ("--impls=jax", "unknown 'jax'"),
         ("--config=huge", "unknown preset"),
+        ("--config=/no/such/dir", "no such directory (presets: huginn_0125"),
+        ("--context=100000000", "the Core's cache takes at most 1048576"),
+        ("--context=1000000", "for prefill at batch 1"),  # device or host memory
         ("--weights=trained", "needs --config=DIR"),
-        ("--torch_compile_mode=fastest", "value should be one of"),
+        ("--torch_compile_mode=fast", "value should be one of"),
     ],
 )
 def test_cli_bad_flags_exit_2(tmp_path, flag, message):
@@ -249,7 +252,7 @@ def xla_output(graphdef, params, case) -> np.ndarray:
 @pytest.mark.parametrize("mode", ["decode", "prefill"])
 def test_torch_runners_compute_what_xla_computes(mode):
     """All five torch impls (on the CPU without CUDA graphs) against xla, float32."""
-    pytest.importorskip("torch")
+    pytest.importorskip("torch", reason='needs PyTorch: pip install -e ".[torch]"')
     from experiments.torch_ref.core_runner import TORCH_IMPLS
 
     graphdef, params = runners.build_core(CFG, jnp.float32, 0)
@@ -267,7 +270,7 @@ def test_torch_runners_compute_what_xla_computes(mode):
 def test_torch_runners_on_cuda(mode, compile_mode):
     """CUDA graphs (torch_graph, torch_reference, torch_compile) replay what xla computes; with
     "reduce-overhead", Inductor records its CUDA graphs (no skip) and nothing recompiles."""
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason='needs PyTorch: pip install -e ".[torch]"')
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA")
     from torch._dynamo.utils import counters
@@ -288,7 +291,7 @@ def test_torch_runners_on_cuda(mode, compile_mode):
 def test_cli_torch_impls_on_cpu(tmp_path):
     """--impls=torch: the runnable torch impls timed, each one's Core checked once against the
     conformance checkpoint (on a GPU all five, torch_compile with compile_seconds)."""
-    pytest.importorskip("torch")
+    pytest.importorskip("torch", reason='needs PyTorch: pip install -e ".[torch]"')
     import json
 
     out = tmp_path / "core.json"

@@ -181,7 +181,10 @@ def test_program_prints_seed_numbers(tmp_path):
     assert {r["name"] for r in result["tables"]["decode"]} >= {"adapter", "core.3.mlp.proj"}
 
 
-@pytest.mark.parametrize("flag", ["--device=banana", "--context=0", "--batch=-1", "--context=x"])
+@pytest.mark.parametrize(
+    "flag",
+    ["--device=banana", "--context=0", "--batch=-1", "--context=x", "--context=100000000000"],
+)
 def test_program_bad_flag_one_line_exit_2(flag):
     proc = _run(flag)
     assert proc.returncode == 2

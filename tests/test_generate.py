@@ -384,8 +384,51 @@ def test_cli_bad_input_exits_2_with_one_line():
     result = _cli("--config=micro", "--random_weights", "--prompt_ids=", "--max_new_tokens=2")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "error: the prompt is empty (input_ids shape (1, 0)); give at least a token"
+        "generate: the prompt is empty (input_ids shape (1, 0)); give at least a token"
     ]
+
+
+def test_cli_help_lists_its_flags_with_defaults():
+    out = " ".join(_cli("--help").stdout.split())  # absl wraps the help text
+    assert "--prompt_len: A random prompt of this many token ids" in out
+    assert "--max_new_tokens: Tokens to generate per sequence (>= 1). (default: '32')" in out
+    assert "kl 0.0005" in out and "argmax-stability 5" in out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prompt_len=-4"], "--prompt_len=-4: must be positive"),
+        (["--prompt_len=3", "--criterion=kl", "--threshold=-1"], "needs > 0"),
+        (["--prompt_len=3", "--criterion=argmax-stability", "--threshold=0"], "needs >= 1"),
+        (["--prompt_len=3", "--threshold=0.1"], "--threshold applies to an adaptive exit"),
+        (["--prompt_len=3", "--min_steps=2"], "--min_steps applies to an adaptive exit"),
+        (["--prompt_len=3", "--criterion=kl", "--min_steps=40"], "--min_steps=40: must lie in"),
+        (["--prompt_len=3", "--cache_len=-5"], "--cache_len=-5: must be >= 0"),
+        (["--prompt_len=3", "--seed=-1"], "--seed=-1: must be >= 0"),
+        (["--prompt_len=3", "--batch=0"], "--batch=0: must be at least 1"),
+        (["--prompt_len=3", "--temperature=nan"], "--temperature=nan: must be a number >= 0"),
+        (["--prompt_len=3", "--top_k=5"], "need --temperature > 0"),
+        (["--prompt_len=3", "--temperature=1", "--top_p=0"], r"--top_p=0.0: must lie in \(0, 1\]"),
+        (["--prompt_ids=1,-2"], "token ids >= 0"),
+        (["--prompt_len=3", "--checkpoint=x", "--random_weights"], "goes with --config"),
+        (
+            ["--prompt_len=3", "--json_out=/proc/none/x.json"],
+            "--json_out=/proc/none/x.json: cannot",
+        ),
+    ],
+)
+def test_cli_refuses_bad_values_before_any_loading(args, message):
+    """Every flag is checked against its range before a config, weights or a compile."""
+    from absl import flags
+
+    from huginn_jax.generate import options
+
+    fv = flags.FlagValues()
+    options.define_flags(fv)
+    fv(["prog", "--config=micro", *args])
+    with pytest.raises(options.UsageError, match=message):
+        options.check_flags(fv)
 
 
 def test_cli_kernel_flags_offer_the_configs_names():
@@ -426,7 +469,7 @@ def test_cli_kernel_choices(tmp_path):
         if attention == "cudnn" and not on_gpu:
             assert result.returncode == 2
             assert result.stderr.strip().splitlines() == [
-                "error: decode_attention_impl='cudnn' needs an NVIDIA GPU (cuDNN's fused "
+                "generate: decode_attention_impl='cudnn' needs an NVIDIA GPU (cuDNN's fused "
                 f"attention); the backend here is {jax.default_backend()}"
             ]
             continue
@@ -442,7 +485,7 @@ def test_cli_kernel_choices(tmp_path):
     refused = _cli("--config=micro", "--random_weights", "--decode_attention=flash")
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines() == [
-        "error: flag --decode_attention=flash: value should be one of "
+        "generate: flag --decode_attention=flash: value should be one of "
         f"<{'|'.join(DECODE_ATTENTION_IMPLS)}>"
     ]
 
@@ -458,7 +501,7 @@ def test_cli_checkpoint_takes_the_kernel_choices(micro, tmp_path):
     if jax.default_backend() != "gpu":
         result = _cli(*args, "--decode_attention=cudnn")
         assert result.returncode == 2
-        assert "error: decode_attention_impl='cudnn' needs an NVIDIA GPU" in result.stderr
+        assert "generate: decode_attention_impl='cudnn' needs an NVIDIA GPU" in result.stderr
         return
     tokens = []
     for impl in ("xla", "pallas"):
@@ -471,7 +514,9 @@ def test_cli_checkpoint_takes_the_kernel_choices(micro, tmp_path):
 
 
 def test_cli_runs_and_writes_json(micro, tmp_path):
-    tokenizers = pytest.importorskip("tokenizers")
+    tokenizers = pytest.importorskip(
+        "tokenizers", reason='needs tokenizers: pip install -e ".[text]"'
+    )
     checkpoint = tmp_path / "ckpt"
     huginn_jax.save_pretrained(micro, checkpoint)
     vocab = {f"w{i}": i for i in range(MICRO.vocab_size)}

@@ -84,7 +84,7 @@ def test_program_with_every_torch_loop(tmp_path):
     """Every torch loop by default: one record per loop with vs_best against the other
     framework's fastest, its tokens equal to JAX's (float32), its conformance check passed,
     compile time apart; the table prints one row per loop."""
-    pytest.importorskip("torch")
+    pytest.importorskip("torch", reason='needs PyTorch: pip install -e ".[torch]"')
     out = tmp_path / "r.json"
     proc = run_program(out)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -119,7 +119,7 @@ def test_program_with_every_torch_loop(tmp_path):
 def test_program_exits_1_after_the_json_when_a_loop_fails_conformance(tmp_path):
     """RoPE left out of the reference-faithful PyTorch code: its conformance check fails, the
     JSON is written all the same, the exit code is 1."""
-    pytest.importorskip("torch")
+    pytest.importorskip("torch", reason='needs PyTorch: pip install -e ".[torch]"')
     out = tmp_path / "r.json"
     prelude = "import experiments.torch_ref.core as core\ncore._rope = lambda x, positions, base: x"
     proc = run_program(out, "--torch_impls=torch_reference", prelude=prelude)

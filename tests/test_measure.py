@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from experiments.measure import hlo, ncu, plot, results, timing, trace
+from experiments.cli import UserError
+from experiments.measure import hlo, memory, ncu, plot, results, timing, trace
 
 DATA = Path(__file__).parent / "data"
 
@@ -115,6 +116,16 @@ def test_time_fn_rejects_bad_counts(kw):
     args = {"warmup": 0, "repeats": 1, "per_call": 1} | kw
     with pytest.raises(ValueError):
         timing.time_fn(lambda: None, sync=lambda: None, **args)
+
+
+def test_times_print_in_the_unit_their_size_calls_for():
+    assert [timing.format_us(us) for us in (852101.0, 49199.0, 649.1, 20.34, 0.5)] == [
+        "852 ms", "49.2 ms", "649 µs", "20.3 µs", "500 ns",
+    ]  # fmt: skip
+    assert timing.format_us(3.2e9) == "3200 s" and timing.format_us(float("nan")) == "-"
+    assert timing.format_us_range(538.0, 855.0) == "538-855 µs"
+    assert timing.format_us_range(538.0, 1200.0) == "0.538-1.2 ms"  # the larger one's unit
+    assert timing.format_us_range(None, 1.0) == "-"
 
 
 # ---------------------------------------------------------------- ncu
@@ -468,10 +479,20 @@ def _fake_results(hbm: bool) -> dict:
 
 @pytest.mark.parametrize("hbm", [False, True])
 def test_plot_from_json(tmp_path, hbm):
-    src = results.write_json_atomic(tmp_path / "r.json", _fake_results(hbm))
+    data = _fake_results(hbm)
+    if hbm:  # with the device's ceilings: the floor lines
+        data["env"]["ceilings"] = {"read_bytes_per_s": 4.2e12, "bf16_flops_per_s": 7e14}
+    src = results.write_json_atomic(tmp_path / "r.json", data)
     out = plot.plot_chain(src, tmp_path / "plots" / "r.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in out.parent.iterdir()) == ["r.png"]
+
+
+def test_l2_line_is_the_measured_size_else_the_datasheets_labelled_nominal():
+    assert plot.l2_marker({"l2_bytes": 50 * 2**20}) == (50 * 2**20, "L2 50 MiB")
+    nominal = plot.l2_marker({"l2_bytes": None, "device_kind": "NVIDIA H200"})
+    assert nominal == (60 * 2**20, "L2 60 MiB (nominal, h200)")
+    assert plot.l2_marker({"l2_bytes": None, "device_kind": "cpu"}) is None
 
 
 def test_loop_report_finds_cache_slots_materialized_in_the_loop():
@@ -486,3 +507,41 @@ def test_loop_report_finds_cache_slots_materialized_in_the_loop():
     assert report["big_buffer_copies"] == []
     other = hlo.loop_report(text, None, big_buffer_dims=cache, slice_dims=(1, 1024, 55, 96))
     assert other["slice_copies_per_iteration"] == []
+
+
+# ---------------------------------------------------------------- memory
+
+
+class FakeDevice:
+    def __init__(self, platform: str, limit: int | None = None):
+        self.platform, self.device_kind, self.limit = platform, f"Fake {platform}", limit
+
+    def memory_stats(self):
+        return {"bytes_limit": self.limit} if self.limit else None
+
+
+def test_check_fits_names_the_flag_the_need_and_what_there_is(monkeypatch):
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 16 * 2**30)
+    gpu = FakeDevice("gpu", limit=80 * 2**30)
+    memory.check_fits("--context=1", "caches", 79 * 2**30, 15 * 2**30, device=gpu)  # fits
+    with pytest.raises(UserError) as e:
+        memory.check_fits("--context=9", "caches", 81 * 2**30, device=gpu, hint="use less")
+    assert str(e.value) == (
+        "--context=9: needs 81 GiB of device memory for caches; Fake gpu allows 80 GiB: use less"
+    )
+    with pytest.raises(UserError, match="needs 17 GiB of host memory for caches; 16 GiB"):
+        memory.check_fits("--m=9", "caches", 1, 17 * 2**30, device=gpu)
+    # On a CPU the device's arrays are host memory: both needs count against it.
+    cpu = FakeDevice("cpu")
+    memory.check_fits("--m=1", "x", 8 * 2**30, 8 * 2**30, device=cpu)
+    with pytest.raises(UserError, match=r"needs 17 GiB of host memory \(the CPU device's"):
+        memory.check_fits("--m=2", "x", 9 * 2**30, 8 * 2**30, device=cpu)
+    # A device that reports no limit, a host that reports no memory: nothing to check against.
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: None)
+    memory.check_fits("--m=3", "x", 2**60, 2**60, device=FakeDevice("gpu"))
+    assert memory.format_bytes(1.5 * 2**30) == "1.5 GiB" and memory.format_bytes(512) == "512 B"
+
+
+def test_host_available_bytes_is_at_most_the_physical_memory():
+    available, physical = memory.host_available_bytes(), results.host_memory_bytes()
+    assert available is None or physical is None or 0 < available <= physical

@@ -10,6 +10,7 @@ import pytest
 
 from huginn_jax import train
 from huginn_jax.config import HuginnConfig
+from huginn_jax.files import CheckpointError
 from huginn_jax.orbax_checkpoint import CheckpointMismatch, TrainCheckpoints, tree_digest
 
 CFG = HuginnConfig(
@@ -118,12 +119,21 @@ def test_missing_and_all_bad(tmp_path, state):
         is None
     )
     assert messages == [f"checkpoint: no checkpoint in {tmp_path / 'empty'}"]
-    save_steps(tmp_path / "bad", state, [1])
-    (tmp_path / "bad" / "1" / "meta").rename(tmp_path / "bad" / "1" / "gone")
+    save_steps(tmp_path / "bad", state, [1, 2])
+    for step in (1, 2):
+        (tmp_path / "bad" / str(step) / "meta").rename(tmp_path / "bad" / str(step) / "gone")
     messages.clear()
     ckpt = TrainCheckpoints(tmp_path / "bad", report=messages.append)
-    assert ckpt.restore_latest(abstract(state)) is None
-    assert "step 1" in messages[0] and "no older checkpoint left" in messages[0]
+    # Nothing intact to resume from is an error naming the directory, not a fresh start.
+    with pytest.raises(CheckpointError, match="every checkpoint is damaged") as error:
+        ckpt.restore_latest(abstract(state))
+    assert str(error.value).startswith(f"{tmp_path / 'bad'}: ") and "steps 1, 2" in str(error.value)
+    assert "step 2" in messages[0] and f"{tmp_path / 'bad' / '2'}: incomplete" in messages[0]
+    assert "step 1" in messages[1] and "no older checkpoint left" in messages[1]
+    with pytest.raises(
+        CheckpointError, match=r"only damaged ones set aside \(corrupt-1, corrupt-2\)"
+    ):
+        TrainCheckpoints(tmp_path / "bad").restore_latest(abstract(state))
 
 
 def test_another_runs_checkpoint_is_refused_not_set_aside(tmp_path, state):

@@ -157,7 +157,7 @@ def test_known_impls_keeps_order_drops_repeats_and_names_the_unknown():
 def test_torch_causal_attention_compiles_whole_and_matches_the_reference():
     """What torch_compile compiles, through Inductor on the CPU: one graph (fullgraph) over
     every set, outputs in the model's layout [B, T, H, K], within tolerance of the reference."""
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason='needs PyTorch: pip install -e ".[torch]"')
     q, k, v = pa.inputs(2, 1, 24, pa.CHECKED_HEADS + 1, 8, seed=7)
     args = [torch.from_dlpack(x) for x in (q, k, v)]
     compiled, seconds = bench.compile_timed(
@@ -194,6 +194,7 @@ def test_cli_trace_dir_breaks_each_jax_call_down(tmp_path):
         ("--impls=flash", "unknown impl"),
         ("--tokens=0", "must be >= 1"),
         ("--sets=0", "--sets must be >= 1"),
+        ("--tokens=10000000", "--tokens=10000000: needs"),
         ("--sdpa_backends=", "--sdpa_backends: give at least one backend"),
         ("--torch_compile_mode=max-autotune", "torch_compile_mode"),
     ],

@@ -12,7 +12,7 @@ from flax import nnx
 
 import huginn_jax
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason='needs PyTorch: pip install -e ".[torch]"')
 
 from experiments.torch_ref import core as core_lib  # noqa: E402
 from experiments.torch_ref.conformance import (  # noqa: E402
@@ -399,3 +399,12 @@ def test_compiled_generation_replays_graphs_on_cuda(jax_model, reference, mode):
     assert gen.graph and gen.graphs_compiled == 6 and len(gen.latencies_s) == 5
     np.testing.assert_array_equal(gen.tokens, reference["greedy_tokens"])
     np.testing.assert_allclose(gen.logits, eager.logits, **TOL)
+
+
+def test_fastest_compile_mode_per_case_mode():
+    from experiments.torch_ref.core import COMPILE_MODES, compile_mode_for
+
+    assert compile_mode_for("fastest", "decode") == "max-autotune-no-cudagraphs"
+    assert compile_mode_for("fastest", "prefill") == "default"
+    for mode in COMPILE_MODES:  # a named mode is used as given, for either kind of case
+        assert compile_mode_for(mode, "decode") == compile_mode_for(mode, "prefill") == mode

@@ -295,6 +295,7 @@ def test_bad_flag_is_one_line_and_exit_2():
         ["--eval_iterations=1,x"],
         ["--layers=1,0,1"],
         ["--layers=2,2"],
+        ["--steps=0"],
     ):
         proc = subprocess.run(
             [sys.executable, "-m", "experiments.train", *args],
@@ -304,7 +305,7 @@ def test_bad_flag_is_one_line_and_exit_2():
         )
         assert proc.returncode == 2, (args, proc.stderr)
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-        assert proc.stderr.startswith("train: error:")
+        assert proc.stderr.startswith("train: ")
 
 
 def test_time_limit_stops_within_a_few_steps():
@@ -336,3 +337,80 @@ def test_time_limit_stops_within_a_few_steps():
     assert 5 <= timing["stopped_by_time_limit_at_step"] <= 15  # ~10 steps of 0.05 s
     assert int(state.step) == timing["stopped_by_time_limit_at_step"]
     assert history and history[-1]["step"] == int(state.step)
+
+
+def _options(*args):
+    from absl import flags
+
+    from experiments.train import options
+
+    fv = flags.FlagValues()
+    options.define_flags(fv)
+    fv(["train", "--config=micro", "--task=add", "--digits=2", *args])
+    return options.options_from_flags(fv)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--steps=0"], "--steps must be >= 1, got 0"),
+        (["--max_train_seconds=-5"], r"--max_train_seconds must be a number >= 0 \(0: no limit\)"),
+        (["--kl_threshold=0"], "--kl_threshold must be a number > 0"),
+        (["--eval_init_scale=nan"], "--eval_init_scale must be a number >= 0"),
+        (["--seed=-1"], "--seed must be >= 0"),
+        (["--weight_decay=nan"], "weight_decay=nan must be a number >= 0"),
+    ],
+)
+def test_bad_values_are_refused_before_training(args, message):
+    from experiments.program import UserError
+
+    with pytest.raises(UserError, match=message):
+        _options(*args)
+
+
+def test_what_is_not_saved_is_said_first(tmp_path):
+    assert _options().paths.unsaved().startswith("no --out_dir: nothing will be saved")
+    assert _options(f"--out_dir={tmp_path}").paths.unsaved() is None
+    partial = _options(f"--out_dir={tmp_path}", "--export_dir=", "--plot_out=")
+    assert partial.paths.unsaved() == "this run will not save: plot, trained weights"
+
+
+def test_resume_with_only_damaged_checkpoints_is_an_error(tmp_path):
+    """--resume never turns every checkpoint being damaged into a silent restart at step 0."""
+    from experiments.train import loop
+    from huginn_jax.files import CheckpointError
+
+    ckpt = TrainCheckpoints(tmp_path / "ckpt")
+    ckpt.save(5, {"x": np.zeros(2, np.float32)}, {})
+    ckpt.close()
+    (tmp_path / "ckpt" / "5" / "meta").rename(tmp_path / "ckpt" / "5" / "gone")
+    opts = _options(f"--out_dir={tmp_path}", "--resume", "--steps=10", "--layers=1,1,1")
+    notes = []
+    with pytest.raises(CheckpointError, match="every checkpoint is damaged"):
+        loop.run_training(opts, notes.append)
+    assert len(notes) == 1 and "step 5 is damaged" in notes[0]
+
+
+def test_progress_rate_leaves_out_the_compiled_first_step(capsys):
+    """The bar (its rate, hence its ETA) starts after the first step, which compiles."""
+    import re
+    import time
+
+    from experiments.train import loop as train_exp
+
+    State = collections.namedtuple("State", "step")
+
+    def step(state):
+        time.sleep(1.0 if int(state.step) == 0 else 0.005)  # a slow "compile", then fast steps
+        one = jnp.float32(1.0)
+        metrics = dict(loss=one, accuracy=one, grad_norm=one, n_nograd=one, n_grad=one, lr=one)
+        return State(state.step + 1), metrics
+
+    train_exp.train_loop(
+        step, State(jnp.int32(0)), steps=20, tokens_per_step=1, log_every=100, ckpt=None,
+        meta={}, history=[],
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    assert "compiling the training step (step 1)" in err
+    rate = float(re.findall(r"([\d.]+)step/s", err)[-1])
+    assert rate > 30, err  # counting the first step, 20 steps would take over 1 s: < 20 step/s

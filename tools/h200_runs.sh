@@ -6,8 +6,8 @@
 #   ceilings  the device's measured ceilings (read-only streaming rate, sustained bf16 GEMM rate)
 #             -> ceilings.json; every other stage states its floors against it, so run it first
 #             (or have results/h200/ceilings.json from an earlier run)
-#   tests     every GPU-marked test, and the PyTorch/Core/chain tests whole, in 3 parallel groups
-#             (correctness only; TEST_TIMEOUT: seconds per group, default 280)
+#   tests     every GPU-marked test, and the PyTorch/Core/chain tests whole, in $TEST_SHARDS
+#             parallel shards (default 12; correctness only; TEST_TIMEOUT: seconds, default 420)
 #   compile_modes  the PyTorch Core through torch.compile in each mode (default, reduce-overhead,
 #             max-autotune-no-cudagraphs), decode and prefill: which mode is fastest
 #   core      the Core side by side (XLA impls and every PyTorch impl), decode and prefill,
@@ -19,13 +19,18 @@
 #             XLA form, against PyTorch's graph
 #   adapter, decode_attention, prefill_attention  one process each
 #   generate  JAX generation against PyTorch's compiled decode loop, 32 steps per token
+#   core_stream  the Core's weight stream as one persistent kernel (pallas_kernels/core_step)
+#             against XLA's chain of the same products, batch 1 and 8
+#   multi_gpu  tensor parallelism (docs/tensor_parallel.md): all-reduce latency and bandwidth at
+#             the Core's activation sizes -> allreduce.json, then the Core (xla, xla_cudnn) on 1,
+#             2 and 4 GPUs (as many as present) -> core_tpN.json, and each time against 1 GPU
 #
 # Each stage writes under $OUT/STAGE (default out/h200/STAGE) and packs it into $OUT/STAGE.tgz;
 # $OUT/STAGE.txt keeps what the stage printed last. Carry `.wheels` (a flax wheel: installed
 # only when the machine's flax lacks nnx.List).
 set -u
 [ $# -ge 1 ] || { echo "usage: $0 STAGE [STAGE...] (see the list above)" >&2; exit 2; }
-STAGES="ceilings tests compile_modes core chain chain_trace adapter decode_attention prefill_attention generate"
+STAGES="ceilings tests compile_modes core chain chain_trace adapter decode_attention prefill_attention generate core_stream multi_gpu"
 for stage in "$@"; do
   [[ " $STAGES " == *" $stage "* ]] || { echo "unknown stage $stage; known: $STAGES" >&2; exit 2; }
 done
@@ -46,17 +51,33 @@ stage_ceilings() {
 }
 
 stage_tests() {
-  local d=$1 limit=${TEST_TIMEOUT:-280}
-  timeout "$limit" python3 -m pytest -q -m gpu tests/test_looped_matmul.py \
-    > "$d/pytest_looped_matmul.txt" 2>&1 &
-  timeout "$limit" python3 -m pytest -q tests/test_torch_ref.py tests/test_core.py \
-    tests/test_generate_vs_torch.py tests/test_chain.py > "$d/pytest_torch_core_chain.txt" 2>&1 &
-  timeout "$limit" python3 -m pytest -q -m gpu --ignore=tests/test_looped_matmul.py \
-    --ignore=tests/test_torch_ref.py --ignore=tests/test_core.py \
-    --ignore=tests/test_generate_vs_torch.py --ignore=tests/test_chain.py tests \
-    > "$d/pytest_other_gpu.txt" 2>&1 &
+  # every GPU-marked test and the PyTorch/Core/chain test files whole, split round-robin over
+  # $TEST_SHARDS parallel pytest processes (compilation is CPU-bound); junit XML per shard, then
+  # the counts per file
+  local d=$1 limit=${TEST_TIMEOUT:-420} shards=${TEST_SHARDS:-12} i
+  local files="tests/test_torch_ref.py tests/test_core.py tests/test_generate_vs_torch.py tests/test_chain.py"
+  { python3 -m pytest -q --collect-only -m gpu tests; python3 -m pytest -q --collect-only $files; } \
+    2>/dev/null | grep "::" | sort -u > "$d/test_ids.txt"
+  for i in $(seq 0 $((shards - 1))); do
+    awk -v n="$shards" -v i="$i" 'NR % n == i' "$d/test_ids.txt" > "$d/shard_$i.txt"
+    xargs -a "$d/shard_$i.txt" -d '\n' timeout "$limit" python3 -m pytest -q -p no:cacheprovider \
+      --junitxml="$d/junit_$i.xml" > "$d/pytest_$i.txt" 2>&1 &
+  done
   wait
   for f in "$d"/pytest_*.txt; do echo "== $(basename "$f"): $(tail -1 "$f")"; done
+  python3 - "$d" <<'PY'
+import collections, glob, sys, xml.etree.ElementTree as ET
+counts = collections.defaultdict(collections.Counter)
+for path in glob.glob(f"{sys.argv[1]}/junit_*.xml"):
+    for case in ET.parse(path).iter("testcase"):
+        outcome = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
+        counts[case.get("classname", "?").rsplit(".", 1)[-1]][outcome] += 1
+total = collections.Counter()
+for name in sorted(counts):
+    total.update(counts[name])
+    print(f"{name:32s} " + " ".join(f"{k} {v}" for k, v in sorted(counts[name].items())))
+print(f"{'total':32s} " + " ".join(f"{k} {v}" for k, v in sorted(total.items())))
+PY
 }
 
 stage_compile_modes() {
@@ -142,6 +163,40 @@ stage_generate() {
   timeout 500 python3 -m experiments.generate_vs_torch --prompt_len=1024 --max_new_tokens=32 \
     --num_steps=32 --json_out="$d/generate_vs_torch.json" > "$d/generate_vs_torch.txt" 2>&1
   tail -20 "$d/generate_vs_torch.txt"
+}
+
+stage_core_stream() {
+  local d=$1
+  timeout 240 python3 -m experiments.kernels.core_stream --json_out="$d/core_stream.json" \
+    > "$d/core_stream.txt" 2>&1
+  echo "== core_stream rc $?"; grep -v "it/s\]" "$d/core_stream.txt" | tail -12
+}
+
+stage_multi_gpu() {
+  local d=$1 n mesh gpus
+  gpus=$(nvidia-smi -L | wc -l)
+  timeout 300 python3 -m experiments.allreduce --batch=1,8 --context=1024,4096 \
+    --json_out="$d/allreduce.json" > "$d/allreduce.txt" 2>&1
+  stamp "allreduce rc $?"; grep -v "it/s\]" "$d/allreduce.txt" | tail -20
+  for n in 1 2 4; do
+    [ "$n" -le "$gpus" ] || { echo "== $n GPUs: only $gpus present, skipped"; continue; }
+    mesh=""; [ "$n" -gt 1 ] && mesh="--mesh=model:$n"
+    timeout "${CORE_TIMEOUT:-400}" python3 -m experiments.core --mode=decode,prefill \
+      --iterations=8 --impls=xla,xla_cudnn $mesh $CEILINGS --json_out="$d/core_tp$n.json" \
+      > "$d/core_tp$n.txt" 2>&1
+    stamp "core on $n GPU(s) rc $?"
+  done
+  python3 - "$d" <<'PY'
+import json, pathlib, sys
+runs = {}
+for path in sorted(pathlib.Path(sys.argv[1]).glob("core_tp*.json")):
+    for r in json.loads(path.read_text())["records"]:
+        runs[(int(path.stem[7:]), r["mode"], r["batch"], r["context"], r["impl"])] = r
+for (n, mode, b, ctx, impl), r in sorted(runs.items()):
+    one = runs.get((1, mode, b, ctx, impl))
+    ratio = f"{r['ms_per_iteration'] / one['ms_per_iteration']:.3f} x 1 GPU" if one else "-"
+    print(f"{n} GPU(s) {impl:10s} {mode:8s} B={b} ctx={ctx}: {r['ms_per_iteration']:.3f} ms/iter, {ratio}")
+PY
 }
 
 for stage in "$@"; do

@@ -45,7 +45,7 @@ from __future__ import annotations
 import os
 import sys
 
-from absl import flags, logging
+from absl import flags
 
 from experiments import program
 from experiments.chain import options as options_lib
@@ -64,12 +64,12 @@ def main(argv: list[str]) -> None:
     """The chain, or one of its children (--child)."""
     # Before the JAX backend starts: the parent, torch and child processes share the GPU.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    if not FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)  # keep backend and profiler INFO lines off stderr
     if len(argv) > 1:
         raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
     opts = options_lib.options_from_flags()
-    program.check_outputs(opts.json_out, opts.plot_out)
+    # Traces go into folders under --trace_dir: a file there must be creatable.
+    trace_probe = opts.trace_dir and os.path.join(opts.trace_dir, "probe")
+    program.check_outputs(opts.json_out, opts.plot_out, trace_probe)
     from huginn_jax.xla_flags import use_gemm
 
     use_gemm(opts.gemm)  # XLA reads XLA_FLAGS once; children inherit them and get --gemm

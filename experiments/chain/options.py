@@ -18,8 +18,9 @@ from typing import Any
 import numpy as np
 from absl import flags
 
+from experiments import program
 from experiments.cli import UserError
-from experiments.measure import results as results_lib
+from experiments.measure import memory
 from experiments.torch_ref import chain as torch_chain
 from huginn_jax.xla_flags import GEMM_CHOICES
 
@@ -292,46 +293,31 @@ def options_from_flags() -> Options:
 
 
 def cpu_options(opts: Options, note: Callable[[str], None]) -> Options:
-    """Fewer warm-ups, repeats and chains per call on CPU, for the flags the user did not give."""
-    reduced = {
-        k: v for k, v in CPU_DEFAULTS.items() if not FLAGS[k].present and getattr(opts, k) > v
-    }
-    if reduced:
-        note(
-            "CPU: using "
-            + ", ".join(f"--{k}={v}" for k, v in reduced.items())
-            + " (give the flags to override)"
-        )
-    return dataclasses.replace(opts, **reduced)
+    """Fewer warm-ups, repeats and chains per call on CPU, for the flags the user did not give
+    (`program.cpu_defaults`)."""
+    line = program.cpu_defaults(CPU_DEFAULTS)
+    if line:
+        note(line)
+    return dataclasses.replace(opts, **{k: FLAGS[k].value for k in CPU_DEFAULTS})
 
 
 def check_memory(opts: Options, device: Any, holders: int) -> None:
     """Raises UserError, before anything is allocated, when the largest problem cannot fit.
 
     Device: `holders` processes/libraries may each hold steps*W of copies at once (the JAX
-    pool, torch's cache, a child process), plus a workspace, against the JAX allocator's
-    limit. Host: the numpy values (W in fp32 for generation and reference, W in the dtype),
-    plus the device need when the device is the CPU."""
+    pool, torch's cache, a child process), plus a workspace. Host: the numpy values (W in fp32
+    for generation and reference, W in the dtype); on a CPU the device's arrays too
+    (`memory.check_fits`)."""
     copies = "copies" in opts.layouts
     worst = max(opts.configs, key=lambda c: c.weight_bytes)
     w = worst.weight_bytes
-    device_need = holders * (worst.steps if copies else 1) * w + WORKSPACE_BYTES
-    host_need = 2 * 4 * worst.d * worst.d + w
-    gib = 2**30
-    if device.platform == "cpu":
-        host_need += device_need
-    else:
-        limit = results_lib.device_memory_bytes(device)
-        if limit is not None and device_need > limit:
-            raise UserError(
-                f"W = {w / gib:.2f} GiB x {worst.steps if copies else 1} "
-                f"({'copies' if copies else 'shared'}) x {holders} holder(s) needs "
-                f"{device_need / gib:.1f} GiB of device memory; {device.device_kind} allows "
-                f"{limit / gib:.1f} GiB: use a smaller --size, fewer --steps or --layouts=shared"
-            )
-    host = results_lib.host_memory_bytes()
-    if host is not None and host_need > 0.9 * host:
-        raise UserError(
-            f"W = {w / gib:.2f} GiB needs {host_need / gib:.1f} GiB of host memory; this host "
-            f"has {host / gib:.1f} GiB: use a smaller --size, fewer --steps or --layouts=shared"
-        )
+    held = worst.steps if copies else 1
+    memory.check_fits(
+        "--d" if "d" in FLAGS and FLAGS["d"].present else "--size",
+        f"W = {memory.format_bytes(w)} x {held} ({'copies' if copies else 'shared'}) x "
+        f"{holders} holder(s)",
+        holders * held * w + WORKSPACE_BYTES,
+        2 * 4 * worst.d * worst.d + w,
+        device=device,
+        hint="use a smaller --size, fewer --steps or --layouts=shared",
+    )

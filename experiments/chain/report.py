@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.measure import compare
+from experiments.measure import compare, timing
 from experiments.measure import trace as trace_lib
 
 # Unit roundoff of the chain's dtype; fp32 uses 2^-20 because accumulation order dominates.
@@ -155,11 +155,6 @@ def _fmt(value: float | None, spec: str) -> str:
     return format(value, spec)
 
 
-def _us(value: float) -> str:
-    """Microseconds with one decimal below 1000, none above (keeps the columns aligned)."""
-    return f"{value:.1f}" if value < 1000 else f"{value:.0f}"
-
-
 def _identical_cell(check: Mapping[str, Any] | None) -> str:
     if check is None:
         return "-"
@@ -182,7 +177,7 @@ def format_table(data: Mapping[str, Any]) -> str:
     one = {(c["weight_bytes"], c["layout"], c["impl"]): c for c in checks.get("one_chain", [])}
     same = {(c["weight_bytes"], c["impl"]): c for c in checks["layouts"]}
     head = (
-        f"{'W':>9} {'d':>6} {'layout':<7} {'impl':<18} {'µs/chain':>9} {'p10-p90':>17} "
+        f"{'W':>9} {'d':>6} {'layout':<7} {'impl':<18} {'time/chain':>10} {'p10-p90':>17} "
         f"{'vs best':>7} {'GB/s':>7} {'%floor W':>8} {f'%floor {steps}W':>10} {'shared x':>8} "
         f"{'HBM xW':>7} {'L2 hit%':>7} {'=bits':>5} {'err/tol':>7}"
     )
@@ -197,7 +192,8 @@ def format_table(data: Mapping[str, Any]) -> str:
         ident = same.get((r["weight_bytes"], r["impl"])) if r["layout"] == "shared" else None
         lines.append(
             f"{size_label(r['weight_bytes']):>9} {r['d']:>6d} {r['layout']:<7} {r['impl']:<18} "
-            f"{_us(r['median_us']):>9} {_us(r['p10_us']):>8}-{_us(r['p90_us']):<8} "
+            f"{timing.format_us(r['median_us']):>10} "
+            f"{timing.format_us_range(r['p10_us'], r['p90_us']):>17} "
             f"{compare.format_vs_best(r.get('vs_best')):>7} {r['gbps']:>7.0f} "
             f"{_fmt(r['pct_floor_once'], '.1f'):>8} {_fmt(r['pct_floor_steps'], '.1f'):>10} "
             f"{_fmt(speedup, '.2f'):>8} {_fmt(hbm.get('read_x_w'), '.2f'):>7} "
@@ -212,8 +208,8 @@ def format_table(data: Mapping[str, Any]) -> str:
         else "- (no ceilings measured for this device)"
     )
     lines += [
-        f"µs/chain: median of {data['config']['repeats']} calls (p10-p90), per chain; vs best = "
-        "the other framework's fastest µs/chain at this W and layout / this row's.",
+        f"time/chain: median of {data['config']['repeats']} calls (p10-p90), per chain; vs best "
+        "= the other framework's fastest time/chain at this W and layout / this row's.",
         f"GB/s = {steps}·W / time; %floor W ({steps}W) = time to read W ({steps}·W) at {floor} "
         "/ time.",
         "shared x = copies time / shared time; HBM xW = HBM bytes read per chain / W; "

@@ -3,7 +3,8 @@ optional ncu and trace passes, into the results dict the JSON holds.
 
 `run` keeps the JSON's layout (experiment, config, env, runs, checks, traces, notes, complete):
 experiments.headline, the plot and the tests read it. After each size the partial results go
-to --json_out with "complete": false, so that an interrupted sweep keeps what it measured.
+to --json_out with "complete": false, and on Ctrl-C or SIGTERM the rows measured so far
+(`program.on_interrupt`), so that an interrupted sweep keeps what it measured.
 """
 
 from __future__ import annotations
@@ -67,7 +68,10 @@ def select_impls(opts: Options, on_gpu: bool, note: Callable[[str], None]) -> tu
     torch_impls = [i for i in impls if i in torch_chain.IMPLS]
     if torch_impls:
         if not torch_chain.available():
-            note(f"torch is not installed; {', '.join(torch_impls)} skipped")
+            note(
+                f"PyTorch is not installed ({torch_chain.INSTALL}); "
+                f"{', '.join(torch_impls)} skipped"
+            )
             impls = [i for i in impls if i not in torch_impls]
         elif not on_gpu or not torch_chain.cuda_available():
             note(f"torch impls need a CUDA GPU; {', '.join(torch_impls)} skipped")
@@ -176,22 +180,30 @@ def run(opts: Options, notes: list[str], note: Callable[[str], None]) -> dict[st
         "traces": [],
         "notes": notes,
     }
-    for cfg in opts.configs:
-        x_host, w_host = runners.host_values(cfg)
-        outputs = time_size(
-            cfg, opts, (x_host, w_host), in_process, no_cmdbuf, bw, note, data["runs"]
-        )
-        add_checks(data, cfg, x_host, w_host, outputs, runners.LAYOUTS_NOT_COMPARABLE)
-        add_vs_best(data["runs"])
-        if ncu is not None:
-            # Two children at most: default XLA flags, and command buffers off.
-            for group in (in_process, no_cmdbuf):
-                if group:
-                    add_hbm(data, cfg, opts, group, ncu, note)
-        if opts.trace_dir:
-            add_traces(data, cfg, trace_all(cfg, opts, impls, x_host, w_host, note), opts)
-        if opts.json_out:  # what is done survives an interrupted sweep
-            results_lib.write_json_atomic(opts.json_out, {**data, "complete": False})
+
+    def save_partial():
+        """The rows measured so far, "complete": false (also after each size: a crash keeps
+        what is done)."""
+        if opts.json_out:
+            return results_lib.write_json_atomic(opts.json_out, {**data, "complete": False})
+        return None
+
+    with program.on_interrupt(save_partial):
+        for cfg in opts.configs:
+            x_host, w_host = runners.host_values(cfg)
+            outputs = time_size(
+                cfg, opts, (x_host, w_host), in_process, no_cmdbuf, bw, note, data["runs"]
+            )
+            add_checks(data, cfg, x_host, w_host, outputs, runners.LAYOUTS_NOT_COMPARABLE)
+            add_vs_best(data["runs"])
+            if ncu is not None:
+                # Two children at most: default XLA flags, and command buffers off.
+                for group in (in_process, no_cmdbuf):
+                    if group:
+                        add_hbm(data, cfg, opts, group, ncu, note)
+            if opts.trace_dir:
+                add_traces(data, cfg, trace_all(cfg, opts, impls, x_host, w_host, note), opts)
+            save_partial()
     data["complete"] = True
     return data
 

@@ -36,6 +36,9 @@ against the conformance checkpoint (experiments.torch_ref.conformance); a failur
 Timing: `measure.timing.time_fn`, caches not flushed; each call restarts from the same state and
 history, as in the study. Implementations whose output states disagree beyond the tolerance
 (report.check_tolerance) end the run with exit status 2 after the results are written.
+On a CPU the flags not given take the smaller values of CPU_DEFAULTS (one line says which, and
+the JSON records them); a problem that cannot fit in memory is refused before anything is
+allocated; Ctrl-C or SIGTERM writes the rows measured so far, marked "complete": false.
 """
 
 from __future__ import annotations
@@ -44,34 +47,55 @@ from pathlib import Path
 
 from absl import flags
 
-from experiments import program
+from experiments import cli, program
 from experiments.cli import UserError
 from experiments.core import cases as cases_lib
+from experiments.core import mesh as core_mesh
 from experiments.core import profiling, report, sweep
 from experiments.torch_ref.core_runner import COMPILE_MODES  # imports no torch
+from huginn_jax.config import HuginnConfig
 from huginn_jax.xla_flags import GEMM_CHOICES, use_command_buffers, use_gemm
 
 FLAGS = flags.FLAGS
+# On a CPU, for the flags not given: the small preset and a few short cases (a check that the
+# program runs; the huginn-0125 Core's CPU times say nothing about a GPU's).
+CPU_DEFAULTS = {
+    "config": "small",
+    "context": ["64"],
+    "iterations": ["2"],
+    "warmup": 1,
+    "repeats": 3,
+}
 
 
 def define_flags() -> None:
     """The program's flags; defined here, in the main module, so that --help lists them."""
     flags.DEFINE_list("mode", ["decode", "prefill"], "decode and/or prefill.")
-    flags.DEFINE_list("iterations", ["1", "8"], "Core iterations per call (a list).")
-    flags.DEFINE_list("context", ["1024"], "Cached positions (decode) or new positions (prefill).")
-    flags.DEFINE_list("batch", ["1"], "Sequences (a list).")
-    flags.DEFINE_list("impls", ["xla", "torch"], "xla, torch (= the five torch_* impls) or names.")
+    flags.DEFINE_list("iterations", ["1", "8"], "Core iterations r per call, a list (CPU: 2).")
+    flags.DEFINE_list(
+        "context",
+        ["1024"],
+        "Positions, a list: cached ones (decode) or new ones (prefill); at most 1048576 (CPU: 64).",
+    )
+    flags.DEFINE_list("batch", ["1"], "Sequences B, a list.")
+    core_mesh.define_flag()
+    flags.DEFINE_list(
+        "impls", ["xla", "torch"], "xla, torch (= the five torch_* impls) or the impl names above."
+    )
     flags.DEFINE_enum(
         "torch_compile_mode",
-        "default",
-        list(COMPILE_MODES),
-        "torch.compile's mode for torch_compile (reduce-overhead: Inductor's CUDA graphs, "
-        "otherwise one CUDA graph captured around the r compiled iterations).",
+        "fastest",
+        ["fastest", *COMPILE_MODES],
+        "torch.compile's mode for torch_compile (fastest: the mode measured fastest for the "
+        "case's kind, max-autotune-no-cudagraphs for decode and default for prefill; "
+        "reduce-overhead: Inductor's CUDA graphs, otherwise one CUDA graph captured around the "
+        "r compiled iterations).",
     )
     flags.DEFINE_string(
         "config",
         "huginn_0125",
-        "Model preset whose Core is measured, or a from_pretrained directory (its config.json).",
+        "Model preset whose Core is measured (huginn_0125, tiny, micro, small; CPU: small), or a "
+        "from_pretrained directory (its config.json).",
     )
     flags.DEFINE_enum(
         "weights",
@@ -96,18 +120,33 @@ def define_flags() -> None:
         "Measured ceilings JSON (experiments.ceilings); '' = results/<device>/ceilings.json "
         "when it exists.",
     )
-    flags.DEFINE_integer("warmup", 3, "Untimed calls.")
-    flags.DEFINE_integer("repeats", 20, "Timed calls (median reported).")
+    flags.DEFINE_integer("warmup", 3, "Untimed calls (CPU: 1).")
+    flags.DEFINE_integer("repeats", 20, "Timed calls; the median time per iteration (CPU: 3).")
     flags.DEFINE_integer("seed", 0, "Seed of weights, state and history.")
     flags.DEFINE_string("json_out", "out/core.json", "Results JSON ('' to skip).")
     flags.DEFINE_bool("hbm", False, "HBM bytes per iteration from Nsight Compute (GPU + ncu).")
-    flags.DEFINE_list("hbm_impls", ["xla", "torch_graph"], "Impls that --hbm profiles.")
+    flags.DEFINE_list("hbm_impls", ["xla", "torch_graph"], "Impl names that --hbm profiles.")
     flags.DEFINE_integer("ncu_timeout", 300, "Seconds an --hbm child may run under ncu.")
     flags.DEFINE_string("trace_dir", None, "Write profiler traces; print per-kernel breakdowns.")
     flags.DEFINE_string("hlo_dir", None, "Write each XLA executable's optimized HLO here.")
     flags.DEFINE_string(
         "ncu_child", None, "Internal: impl:mode:batch:context:iterations under ncu."
     )
+
+
+def check_flags() -> tuple[list[cases_lib.Case], list[str], HuginnConfig]:
+    """The cases, impls and Core config of the flags; UserError for a bad value (no backend
+    started, no file read but a --config directory's config.json)."""
+    cases, impls = cases_lib.cases_from_flags(), cases_lib.impls_from_flags()
+    cfg = cases_lib.core_config(FLAGS.config)
+    if FLAGS.weights == "trained" and not Path(FLAGS.config).is_dir():
+        raise UserError("--weights=trained needs --config=DIR, a from_pretrained directory")
+    for name, least in (("warmup", 0), ("repeats", 1), ("ncu_timeout", 1)):
+        if FLAGS[name].value < least:
+            raise UserError(f"--{name}={FLAGS[name].value}: must be >= {least}")
+    cli.names_in("hbm_impls", FLAGS.hbm_impls, cases_lib.IMPLS)
+    core_mesh.shards_from_flag()
+    return cases, impls, cfg
 
 
 def main(argv: list[str]) -> None:
@@ -118,16 +157,19 @@ def main(argv: list[str]) -> None:
     if FLAGS.ncu_child:
         profiling.ncu_child(FLAGS.ncu_child)
         return
-    cases, impls = cases_lib.cases_from_flags(), cases_lib.impls_from_flags()
-    cases_lib.core_config(FLAGS.config)  # a bad preset fails here, before any device work
-    if FLAGS.weights == "trained" and not Path(FLAGS.config).is_dir():
-        raise UserError("--weights=trained needs --config=DIR, a from_pretrained directory")
-    if FLAGS.warmup < 0 or FLAGS.repeats < 1:
-        raise UserError("--warmup must be >= 0 and --repeats >= 1")
+    check_flags()  # the user's values, before the backend starts
     # Traces and HLO files go under their folders: a file there must be creatable.
     folders = [str(Path(d) / "probe") for d in (FLAGS.trace_dir, FLAGS.hlo_dir) if d]
     program.check_outputs(FLAGS.json_out, *folders)
-    result = sweep.run(cases, impls)
+    cpu_line = program.cpu_defaults(CPU_DEFAULTS)  # the backend starts here
+    cases, impls, cfg = check_flags()  # with the CPU's values
+    cases_lib.check_cases(cfg, cases, impls, 2 if FLAGS.dtype == "bf16" else 4)
+    if cpu_line:
+        print(cpu_line)
+    result: dict = {}
+    with program.keep_partial(FLAGS.json_out, lambda: result):
+        sweep.run(cases, impls, result)
+    result["complete"] = True
     path = program.write_results(FLAGS.json_out, result) if FLAGS.json_out else None
     for line in report.report_lines(result):
         print(line)

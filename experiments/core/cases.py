@@ -11,8 +11,10 @@ from absl import flags
 
 from experiments import cli
 from experiments.cli import UserError
+from experiments.measure import memory
 from experiments.torch_ref.core_runner import CUDA_ONLY_IMPLS, TORCH_IMPLS  # imports no torch
-from huginn_jax.config import HuginnConfig
+from huginn_jax import costs
+from huginn_jax.config import PRESETS, HuginnConfig
 
 FLAGS = flags.FLAGS
 
@@ -27,6 +29,7 @@ XLA_VARIANTS = {
 GPU_ONLY_IMPLS = (*CUDA_ONLY_IMPLS, "xla_cudnn", "xla_mgpu")
 XLA_IMPLS = ("xla", *XLA_VARIANTS)
 IMPLS = (*XLA_IMPLS, *TORCH_IMPLS)
+MAX_POSITIONS = 1 << 20  # the Core's cache length limit (RoPE is computed, not tabled)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,11 +61,8 @@ class Case:
 
 def cases_from_flags() -> list[Case]:
     """Every mode x batch x context x iterations of the flags; UserError for a bad value."""
-    for mode in FLAGS.mode:
-        if mode not in ("decode", "prefill"):
-            raise UserError(f"--mode={mode}: expected decode or prefill")
     grid = itertools.product(
-        FLAGS.mode,
+        cli.names_in("mode", FLAGS.mode, ("decode", "prefill")),
         cli.positive_ints("batch", FLAGS.batch),
         cli.positive_ints("context", FLAGS.context),
         cli.positive_ints("iterations", FLAGS.iterations),
@@ -73,6 +73,8 @@ def cases_from_flags() -> list[Case]:
 def impls_from_flags() -> list[str]:
     """`--impls` without repeats, "torch" expanded to the five torch impls; UserError for an
     unknown name."""
+    if not FLAGS.impls:
+        raise UserError(f"--impls is empty: give one or more of torch, {', '.join(IMPLS)}")
     names = []
     for name in FLAGS.impls:
         expanded = TORCH_IMPLS if name == "torch" else (name,)
@@ -86,19 +88,66 @@ def impls_from_flags() -> list[str]:
 def core_config(preset: str) -> HuginnConfig:
     """The preset's (or checkpoint directory's) config without prelude and coda layers, so that
     caches hold Core slots only. RoPE is computed on the fly, so positions may run past the
-    preset's block_size (decode at 4096)."""
-    if Path(preset).is_dir():
-        if not (Path(preset) / "config.json").exists():
+    preset's block_size (decode at 4096), up to MAX_POSITIONS."""
+    path, presets = Path(preset), ", ".join(PRESETS)
+    if path.is_dir():
+        if not (path / "config.json").exists():
             raise UserError(f"--config={preset} is a directory without config.json")
-        cfg = HuginnConfig.from_hf_json(Path(preset) / "config.json")
+        try:
+            cfg = HuginnConfig.from_hf_json(path / "config.json")
+        except ValueError as e:
+            raise UserError(f"--config: {e}") from None
+    elif path.exists():
+        raise UserError(f"--config={preset} is a file; give its directory or a preset: {presets}")
+    elif preset not in PRESETS and ("/" in preset or preset.startswith(".")):
+        raise UserError(f"--config={preset}: no such directory (presets: {presets})")
     else:
         try:
             cfg = HuginnConfig.from_name(preset)
         except ValueError as e:
-            raise UserError(f"{e} (or pass a from_pretrained directory)") from None
+            raise UserError(f"--config: {e} (or a from_pretrained directory)") from None
+    block_size = max(cfg.block_size, MAX_POSITIONS)
     return dataclasses.replace(
-        cfg, n_layers_in_prelude=0, n_layers_in_coda=0, block_size=max(cfg.block_size, 1 << 20)
+        cfg, n_layers_in_prelude=0, n_layers_in_coda=0, block_size=block_size
     )
+
+
+def check_cases(cfg: HuginnConfig, cases: list[Case], impls: list[str], dtype_bytes: int) -> None:
+    """UserError, before anything is allocated, for a case whose positions exceed the Core's
+    cache (`block_size`) or whose largest case cannot fit in memory (`bytes_needed`)."""
+    for case in cases:
+        if case.max_len > cfg.block_size:
+            raise UserError(
+                f"--context={case.context}: a {case.mode} case holds {case.max_len} positions; "
+                f"the Core's cache takes at most {cfg.block_size}"
+            )
+    worst = max(cases, key=lambda c: bytes_needed(cfg, c, impls, dtype_bytes))
+    memory.check_fits(
+        f"--context={worst.context}",
+        f"{worst.mode} at batch {worst.batch} with {worst.iterations} iteration(s) (weights, "
+        "KV cache, activations)",
+        bytes_needed(cfg, worst, impls, dtype_bytes),
+        hint="use a smaller --context, --batch or --iterations",
+    )
+
+
+def bytes_needed(cfg: HuginnConfig, case: Case, impls: list[str], dtype_bytes: int) -> int:
+    """Device bytes one case needs, estimated: the adapter and Core weights, the KV cache (twice
+    with a torch impl, which may copy it), and the largest temporaries: XLA's float32 attention
+    scores and probabilities [B, H, T, T] in prefill, the MLP's [B, T, I] and one cache slot
+    drawn in float32 in decode."""
+    one = costs.totals(
+        costs.core_iteration_ops(
+            cfg, batch=case.batch, context=case.context, mode=case.mode, dtype_bytes=dtype_bytes
+        )
+    )
+    slot = case.batch * case.max_len * cfg.n_heads * cfg.head_dim
+    cache = 2 * slot * case.iterations * cfg.n_core * dtype_bytes
+    tokens = case.batch * case.new_tokens
+    scores = 2 * 4 * case.batch * cfg.n_heads * case.new_tokens * case.max_len
+    temporaries = max(scores + 3 * tokens * cfg.intermediate_size * 4, 4 * slot)
+    copies = 2 if any(i in TORCH_IMPLS for i in impls) else 1
+    return one.param_bytes + copies * cache + temporaries
 
 
 def jax_dtype(name: str):

@@ -16,6 +16,7 @@ from experiments.core.runners import core_weights, make_runner
 from experiments.measure import ncu as ncu_lib
 from experiments.measure import timing
 from experiments.measure import trace as trace_lib
+from experiments.torch_ref.core import compile_mode_for  # imports no torch
 
 FLAGS = flags.FLAGS
 NCU_CALLS = 2  # calls inside the child's profiler range
@@ -31,7 +32,7 @@ def runner_for(impl: str, cfg, graphdef, params, case: Case):
         case,
         FLAGS.dtype,
         seed=FLAGS.seed,
-        compile_mode=FLAGS.torch_compile_mode,
+        compile_mode=compile_mode_for(FLAGS.torch_compile_mode, case.mode),
     )
 
 

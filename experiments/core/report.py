@@ -145,8 +145,10 @@ def report_lines(result: dict) -> list[str]:
 
 
 TABLE_LEGEND = """\
-vs best   the other framework's fastest ms/iter in the same case / this row's (> 1: ahead)
-%floor    (weights + KV read) at the measured read-only streaming rate / ms/iter
+time/iter median time per Core iteration (a call's wall time / r), p10-p90 of the calls
+vs best   the other framework's fastest time/iter in the same case / this row's (> 1: ahead)
+GB/s w+kv (Core weights + KV cache read) per iteration / time/iter
+%floor    (weights + KV read) at the measured read-only streaming rate / time/iter
 %gemm     TFLOP/s / the measured sustained bf16 GEMM rate
 HBM/pred  bytes read (ncu, --hbm) / the cost model's
 -         not measured: no ceilings file for this device, no rival of the other framework,
@@ -154,27 +156,28 @@ HBM/pred  bytes read (ncu, --hbm) / the cost model's
 
 
 def _optional(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
+    return "-" if value is None or value != value else format(value, spec)  # None, NaN: "-"
 
 
 def format_table(records: list[dict]) -> str:
     """One row per record, then the legend; "-" where a value was not measured."""
     head = (
-        f"{'mode':<8}{'B':>4}{'ctx':>6}{'r':>4} {'impl':<16}{'ms/iter':>9}{'p10-p90':>15}"
+        f"{'mode':<8}{'B':>4}{'ctx':>6}{'r':>4} {'impl':<16}{'time/iter':>10}{'p10-p90':>17}"
         f"{'vs best':>8}{'GB/s w+kv':>10}{'%floor':>7}{'TFLOP/s':>9}{'%gemm':>6}{'HBM/pred':>9}"
     )
     lines = [head, "-" * len(head)]
     for r in records:
         s = r["samples"]
         it = r["iterations"]
-        spread = f"{s['p10_us'] / 1e3:.3f}-{s['p90_us'] / 1e3:.3f}"
+        spread = timing.format_us_range(s["p10_us"], s["p90_us"])
         hbm = r.get("hbm") or {}
         ratio = hbm.get("read_over_prediction")
         lines.append(
             f"{r['mode']:<8}{r['batch']:>4}{r['context']:>6}{it:>4} {r['impl']:<16}"
-            f"{r['ms_per_iteration']:>9.3f}{spread:>15}"
-            f"{compare.format_vs_best(r.get('vs_best')):>8}{r['weights_kv_gbps']:>10.0f}"
-            f"{_optional(r.get('pct_hbm_floor'), '.1f'):>7}{r['tflops']:>9.1f}"
+            f"{timing.format_us(r['ms_per_iteration'] * 1e3):>10}{spread:>17}"
+            f"{compare.format_vs_best(r.get('vs_best')):>8}"
+            f"{_optional(r['weights_kv_gbps'], '.0f'):>10}"
+            f"{_optional(r.get('pct_hbm_floor'), '.1f'):>7}{_optional(r['tflops'], '.1f'):>9}"
             f"{_optional(r.get('pct_bf16_gemm'), '.1f'):>6}"
             f"{_optional(ratio, '.3f'):>9}"
         )

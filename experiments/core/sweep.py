@@ -16,15 +16,23 @@ from absl import flags
 
 from experiments import program
 from experiments.cli import UserError
+from experiments.core import mesh as core_mesh
 from experiments.core import profiling, report
 from experiments.core.cases import GPU_ONLY_IMPLS, XLA_IMPLS, Case, core_config, jax_dtype
 from experiments.core.runners import core_weights, to_numpy
 from experiments.measure import compare, timing
 from experiments.measure import hlo as hlo_lib
 from experiments.torch_ref import chain as torch_chain  # imports no torch
+from experiments.torch_ref.core import compile_mode_for  # imports no torch
 from experiments.torch_ref.core_runner import TORCH_IMPLS, torch_device  # imports no torch
 
 FLAGS = flags.FLAGS
+
+
+def local_shape(x) -> tuple[int, ...]:
+    """One device's shape of `x` (its whole shape on one device; a shard's under --mesh, as the
+    per-device HLO names it)."""
+    return tuple(x.sharding.shard_shape(x.shape))
 
 
 def run_case(impl, cfg, graphdef, params, case, ceilings) -> tuple[dict, Any]:
@@ -37,8 +45,8 @@ def run_case(impl, cfg, graphdef, params, case, ceilings) -> tuple[dict, Any]:
         xla_report = hlo_lib.loop_report(
             text,
             memory,
-            big_buffer_dims=tuple(runner.cache.k.shape),
-            slice_dims=tuple(runner.cache.k.shape[-4:]),  # one slot, [B, S, H, K]
+            big_buffer_dims=local_shape(runner.cache.k),
+            slice_dims=local_shape(runner.cache.k)[-4:],  # one slot, [B, S, H, K]
         )
         live = runner.cache.nbytes + sum(x.nbytes for x in jax.tree.leaves(params))
         xla_report["temp_pct_of_weights_and_cache"] = 100 * xla_report.get("temp_bytes", 0) / live
@@ -59,10 +67,10 @@ def run_case(impl, cfg, graphdef, params, case, ceilings) -> tuple[dict, Any]:
         runner.sync()
     cost = report.cost_of(cfg, case, 2 if FLAGS.dtype == "bf16" else 4)
     rec = report.record(case, impl, samples, cost, ceilings)
-    rec.update(extra)
+    rec.update(extra, **core_mesh.comm_record(cfg, case, 2 if FLAGS.dtype == "bf16" else 4))
     if getattr(runner, "compile_seconds", None) is not None:  # torch_compile: apart from timing
         rec["compile_seconds"] = runner.compile_seconds
-        rec["torch_compile_mode"] = FLAGS.torch_compile_mode
+        rec["torch_compile_mode"] = compile_mode_for(FLAGS.torch_compile_mode, case.mode)
     runner.release()
     return rec, out
 
@@ -89,20 +97,22 @@ def runnable(impls: list[str], on_gpu: bool) -> list[str]:
         if skipped:
             print(f"note: {', '.join(skipped)} need(s) CUDA; skipped on this device")
     if any(i in TORCH_IMPLS for i in impls) and not torch_chain.available():
-        print("note: PyTorch is not installed; torch impls skipped")
+        print(f"note: PyTorch is not installed ({torch_chain.INSTALL}); torch impls skipped")
         impls = [i for i in impls if i not in TORCH_IMPLS]
     return impls
 
 
-def check_conformance(impl: str, conformance: dict[str, dict]) -> None:
-    """A torch impl's Core against the conformance checkpoint, once per run; UserError when it
-    misses, as its timings would then be void."""
-    if impl not in TORCH_IMPLS or impl in conformance:
+def check_conformance(impl: str, case_mode: str, conformance: dict[str, dict]) -> None:
+    """A torch impl's Core (torch_compile: in the case's compile mode) against the conformance
+    checkpoint, once per run; UserError when it misses, as its timings would then be void."""
+    compile_mode = compile_mode_for(FLAGS.torch_compile_mode, case_mode)
+    key = f"{impl} ({compile_mode})" if impl == "torch_compile" else impl
+    if impl not in TORCH_IMPLS or key in conformance:
         return
-    check = torch_conformance(impl, torch_device(), FLAGS.torch_compile_mode)
-    conformance[impl] = check
+    check = torch_conformance(impl, torch_device(), compile_mode)
+    conformance[key] = check
     print(
-        f"conformance {impl} ({check['core']} Core) vs huginn_tiny_a: max abs err "
+        f"conformance {key} ({check['core']} Core) vs huginn_tiny_a: max abs err "
         f"{check['max_abs_err']:.2e} (tolerance {check['tolerance']:.0e})"
     )
     if not check["passed"]:
@@ -112,20 +122,24 @@ def check_conformance(impl: str, conformance: dict[str, dict]) -> None:
         )
 
 
-def run(cases: list[Case], impls: list[str]) -> dict:
+def run(cases: list[Case], impls: list[str], result: dict | None = None) -> dict:
     """Every case, then every runnable impl, timed (a case that runs out of device memory is
-    noted and skipped); then traces, "vs best", agreement checks and the ncu pass."""
+    noted and skipped); then traces, "vs best", agreement checks and the ncu pass. The records
+    and failures go into `result` as they are measured (what an interrupted run writes); it is
+    returned, complete."""
+    result = {} if result is None else result
+    records = result.setdefault("records", [])
+    failures = result.setdefault("failures", [])
     device = jax.devices()[0]
     on_gpu = device.platform == "gpu"
-    impls = runnable(impls, on_gpu)
+    impls = core_mesh.runnable_on_mesh(runnable(impls, on_gpu))
     cfg = core_config(FLAGS.config)
     ceilings = report.device_ceilings(device.device_kind, FLAGS.ceilings)
     graphdef, params = core_weights(
         cfg, jax_dtype(FLAGS.dtype), weights=FLAGS.weights, path=FLAGS.config, seed=FLAGS.seed
     )
-    records = []
+    cfg, graphdef, params = core_mesh.shard_core(cfg, graphdef, params)  # --mesh: split
     outputs: dict[tuple, np.ndarray] = {}
-    failures = []
     conformance: dict[str, dict] = {}  # torch impl -> its Core's check against huginn_tiny_a
     grid = [(c, i) for c in cases for i in impls]
     for case, impl in program.progress(grid, "core"):
@@ -141,7 +155,7 @@ def run(cases: list[Case], impls: list[str]) -> dict:
             continue
         records.append(rec)
         outputs[(case, impl)] = out
-        check_conformance(impl, conformance)
+        check_conformance(impl, case.mode, conformance)
     if FLAGS.trace_dir:
         profiling.trace_all(records, cfg, graphdef, params)
     compare.add_vs_best(
@@ -149,10 +163,9 @@ def run(cases: list[Case], impls: list[str]) -> dict:
     )
     checks = report.agreement_checks(cases, impls, outputs, FLAGS.dtype)
     profiling.add_hbm(records, on_gpu)
-    return {
-        "records": records,
-        "checks": checks,
-        "ceilings": ceilings.to_dict() if ceilings else None,
-        "failures": failures,
-        "conformance": list(conformance.values()),
-    }
+    result.update(
+        checks=checks,
+        ceilings=ceilings.to_dict() if ceilings else None,
+        conformance=list(conformance.values()),
+    )
+    return result

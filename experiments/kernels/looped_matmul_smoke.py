@@ -28,13 +28,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
 import time
 import traceback
-from typing import Any
+from typing import Any, NoReturn
 
+from experiments import cli
 from experiments.kernels.looped_matmul_cases import (
     BARRIER_BLOCKS,
     BARRIER_EPOCHS,
@@ -308,28 +310,67 @@ def print_barrier_table(rows: list[dict[str, Any]]) -> None:
         print(f"{poll:<12} {row}")
 
 
+PROGRAM = "looped_matmul_smoke"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a bad command line ending in one line on stderr (exit 2, no usage)."""
+
+    def error(self, message: str) -> NoReturn:
+        cli.fail(PROGRAM, message)
+
+
+def _check(args: argparse.Namespace, all_cases: dict[str, Any]) -> list[str]:
+    """The case names to run; one line and exit 2 for a bad value or a backend without a GPU
+    (every kernel here is Mosaic GPU's), before any case starts."""
+    names = [args.case] if args.case else [n for n in args.only.split(",") if n]
+    unknown = [n for n in names if n not in all_cases]
+    if unknown:
+        cli.fail(PROGRAM, f"unknown case {unknown[0]!r}; --list shows a suite's cases")
+    if args.only and not names:
+        cli.fail(PROGRAM, "--only is empty: give at least one case name")
+    if args.reps < 1:
+        cli.fail(PROGRAM, f"--reps={args.reps}: must be >= 1")
+    if args.calls < 0:
+        cli.fail(PROGRAM, f"--calls={args.calls}: must be >= 0")
+    for name in ("timeout", "budget"):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value > 0):
+            cli.fail(PROGRAM, f"--{name}={value}: must be a number of seconds > 0")
+    import jax
+
+    platform = jax.devices()[0].platform
+    if platform != "gpu":
+        cli.fail(PROGRAM, f"needs an sm_90 GPU (Mosaic GPU); the backend here is {platform}")
+    return names or list(SUITES[args.suite])
+
+
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--suite", choices=sorted(SUITES), default="table")
+    p = _Parser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--suite", choices=sorted(SUITES), default="table", help="cases to run")
     p.add_argument("--case", help="run one case in this process")
-    p.add_argument("--list", action="store_true")
-    p.add_argument("--only", default="", help="comma list of case names (default: the suite)")
+    p.add_argument("--list", action="store_true", help="print the suite's case names")
+    p.add_argument("--only", default="", help="comma list of case names; empty: the suite's")
     p.add_argument("--timeout", type=float, default=75.0, help="seconds per case")
     p.add_argument("--budget", type=float, default=560.0, help="stop launching after this (s)")
-    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--reps", type=int, default=10, help="timed calls per case (median)")
     p.add_argument(
         "--calls", type=int, default=0,
         help="with --case: only call the kernel this many times, no timing (for ncu)",
     )  # fmt: skip
     p.add_argument(
         "--profile_dir", default="",
-        help="split-K cases: also profile the phases of each step, traces written here",
+        help="split-K cases: also profile each step's phases, traces written here; empty: no",
     )  # fmt: skip
     args = p.parse_args()
     all_cases = {name: spec for suite in SUITES.values() for name, spec in suite.items()}
     if args.list:
         print("\n".join(SUITES[args.suite]))
         return
+    names = _check(args, all_cases)
     if args.case:
         try:
             run_case(
@@ -351,7 +392,6 @@ def main() -> None:
         f"cc={getattr(dev, 'compute_capability', None)} sms={getattr(dev, 'core_count', None)}",
         flush=True,
     )
-    names = [n for n in args.only.split(",") if n] or list(SUITES[args.suite])
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     start, rows, hung_polls = time.perf_counter(), [], set()
     for name in names:

@@ -3,14 +3,15 @@
 Left: µs per chain (median, p10-p90 band) against weight size W. Right, when `--hbm` ran: HBM
 bytes read per chain in units of W. Each implementation has its own colour and each layout its
 own marker and line style (shared: circles, solid; copies: squares, dashed), so that the two
-layouts of one implementation stay apart; a vertical line marks the device's L2 size; log axes.
+layouts of one implementation stay apart; log axes. A vertical line marks the device's L2 size
+(as the run measured it, else the datasheet's, labelled nominal); with the device's ceilings,
+two grey lines mark the floors: reading W once, and steps x W, at the measured streaming rate.
 """
 
 from __future__ import annotations
 
 import collections
 import os
-import tempfile
 from pathlib import Path
 
 import matplotlib
@@ -22,6 +23,7 @@ from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
 from experiments.measure import results as results_lib  # noqa: E402
+from huginn_jax.files import write_atomic  # noqa: E402
 
 MIB = 1024**2
 # Layout -> how its lines look; a layout not listed here gets the last style.
@@ -36,6 +38,20 @@ def impl_colours(impls: list[str]) -> dict[str, object]:
     """One distinct colour per implementation: tab10 up to 10 of them, tab20 up to 20."""
     cmap = plt.get_cmap("tab10" if len(impls) <= 10 else "tab20")
     return {impl: cmap(i % cmap.N) for i, impl in enumerate(sorted(impls))}
+
+
+def l2_marker(env: dict) -> tuple[int, str] | None:
+    """(bytes, legend label) of the L2 line: the size the run read from the device, else the
+    datasheet value of a device kind `huginn_jax.costs` knows (labelled nominal); else None."""
+    if env.get("l2_bytes"):
+        return env["l2_bytes"], f"L2 {env['l2_bytes'] / MIB:.0f} MiB"
+    from huginn_jax.costs import DEVICES
+
+    kind = str(env.get("device_kind", "")).lower()
+    for name, spec in DEVICES.items():
+        if name.isalnum() and name in kind.split():
+            return spec.l2_bytes, f"L2 {spec.l2_bytes / MIB:.0f} MiB (nominal, {name})"
+    return None
 
 
 def plot_chain(json_path: str | os.PathLike, out_path: str | os.PathLike) -> Path:
@@ -70,8 +86,17 @@ def plot_chain(json_path: str | os.PathLike, out_path: str | os.PathLike) -> Pat
             axes[1].plot(*zip(*hbm, strict=True), **style)
 
     env = data.get("env", {})
-    l2 = env.get("l2_bytes")
+    l2_mark = l2_marker(env)
+    l2 = l2_mark[0] if l2_mark else None
     steps = data.get("config", {}).get("steps")
+    bw = (env.get("ceilings") or {}).get("read_bytes_per_s")
+    floors = [(1, ":", "W once"), (steps, "--", f"{steps} x W")] if bw and steps else []
+    sizes = sorted({r["weight_bytes"] for r in runs})
+    for times, ls, _ in floors:
+        axes[0].plot(
+            [w / MIB for w in sizes], [times * w / bw * 1e6 for w in sizes], color="grey",
+            ls=ls, lw=1.2,
+        )  # fmt: skip
     axes[0].set_ylabel("time per chain (µs, median; band p10-p90)")
     axes[0].set_yscale("log")
     if has_hbm:
@@ -92,29 +117,21 @@ def plot_chain(json_path: str | os.PathLike, out_path: str | os.PathLike) -> Pat
         Line2D([], [], color="dimgrey", **LAYOUT_STYLES.get(layout, _OTHER_LAYOUT), label=layout)
         for layout in layouts
     ]
-    if l2:
-        handles.append(Line2D([], [], color="black", lw=1, ls="-.", label=f"L2 {l2 / MIB:.0f} MiB"))
+    if l2_mark:
+        handles.append(Line2D([], [], color="black", lw=1, ls="-.", label=l2_mark[1]))
+    handles += [
+        Line2D([], [], color="grey", lw=1.2, ls=ls, label=f"floor: read {label} at "
+               f"{bw / 1e12:.2f} TB/s")
+        for _, ls, label in floors
+    ]  # fmt: skip
     if has_hbm and steps:
         handles.append(Line2D([], [], color="grey", lw=0.8, ls=":", label=f"{steps} x W"))
     axes[-1].legend(handles=handles, fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.suptitle(f"chain of {steps} dependent x @ W on {env.get('device_kind', '?')}")
+    no_floor = "" if floors else " (no ceilings measured for this device: no floor)"
+    fig.suptitle(f"chain of {steps} dependent x @ W on {env.get('device_kind', '?')}{no_floor}")
     fig.tight_layout()
 
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(
-        prefix=f".{out_path.stem}.", suffix=out_path.suffix, dir=out_path.parent
-    )
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=120, bbox_inches="tight")
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it 0600; a plot is as readable as its JSON
-        os.replace(tmp, out_path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        return write_atomic(out_path, lambda tmp: fig.savefig(tmp, dpi=120, bbox_inches="tight"))
     finally:
         plt.close(fig)
-    return out_path

@@ -17,9 +17,10 @@ import os
 import platform
 import socket
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from huginn_jax.files import write_text_atomic
 
 _PACKAGES = ("jax", "jaxlib", "flax", "numpy", "absl-py", "matplotlib", "torch")
 _CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE = 38  # from cuda.h
@@ -76,13 +77,9 @@ def l2_cache_bytes(device: Any) -> int | None:
 
 def device_memory_bytes(device: Any) -> int | None:
     """Bytes the JAX allocator may use on `device` (`memory_stats()['bytes_limit']`), or None."""
-    try:
-        stats = device.memory_stats()
-    except Exception:  # noqa: BLE001 - backends without memory stats raise various errors
-        return None
-    if stats and stats.get("bytes_limit"):
-        return int(stats["bytes_limit"])
-    return None
+    from huginn_jax.memory import device_limit_bytes
+
+    return device_limit_bytes(device)
 
 
 def host_memory_bytes() -> int | None:
@@ -122,25 +119,6 @@ def _clean(obj: Any) -> Any:
     if isinstance(obj, list | tuple):
         return [_clean(v) for v in obj]
     return obj
-
-
-def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
-    """Writes `text` to `path` via a temporary file and a rename (readers never see half a
-    file); creates parent dirs; the file gets the usual 0644-style mode (umask applied)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:

@@ -113,3 +113,33 @@ def time_fn(
         call_and_wait()
         seconds.append((time.perf_counter() - t0) / per_call)
     return Samples(seconds=seconds, warmup=warmup, per_call=per_call)
+
+
+_TIME_UNITS = (("s", 1e6), ("ms", 1e3), ("µs", 1.0), ("ns", 1e-3))
+
+
+def _time_unit(us: float) -> tuple[str, float]:
+    """The largest unit in which `us` microseconds is at least 1 (ns below 1 ns)."""
+    return next(((u, scale) for u, scale in _TIME_UNITS if abs(us) >= scale), _TIME_UNITS[-1])
+
+
+def _digits(value: float) -> str:
+    return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+
+
+def format_us(us: float | None) -> str:
+    """A time given in µs, 3 significant digits in the unit its size calls for: 852101 ->
+    '852 ms', 20.34 -> '20.3 µs'; '-' for None or NaN."""
+    if us is None or us != us:
+        return "-"
+    unit, scale = _time_unit(us)
+    return f"{_digits(us / scale)} {unit}"
+
+
+def format_us_range(lo_us: float | None, hi_us: float | None) -> str:
+    """Two times in µs as one range in the unit of the larger: (538, 855) -> '538-855 µs',
+    (538, 1200) -> '0.538-1.2 ms'; '-' when either is missing."""
+    if lo_us is None or hi_us is None or lo_us != lo_us or hi_us != hi_us:
+        return "-"
+    unit, scale = _time_unit(max(lo_us, hi_us))
+    return f"{_digits(lo_us / scale)}-{_digits(hi_us / scale)} {unit}"

@@ -18,6 +18,7 @@ import numpy as np
 IMPLS = ("torch_eager", "torch_graph", "torch_compile")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 _GRAPH_WARMUP = 3  # side-stream runs before capture, as the CUDA-graph docs ask
+INSTALL = 'pip install -e ".[torch]"'  # what a note about missing PyTorch tells the user to run
 
 
 def available() -> bool:

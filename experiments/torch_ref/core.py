@@ -27,6 +27,14 @@ from typing import Any
 import numpy as np
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
+# The fastest mode of the Core step per kind of case on the H200 (each mode timed in one
+# process per mode; docs/peers.md): experiments.core's default `--torch_compile_mode=fastest`.
+FASTEST_COMPILE_MODE = {"decode": "max-autotune-no-cudagraphs", "prefill": "default"}
+
+
+def compile_mode_for(flag_value: str, case_mode: str) -> str:
+    """torch.compile's mode for a Core case: the flag's, or with "fastest" the case mode's."""
+    return FASTEST_COMPILE_MODE[case_mode] if flag_value == "fastest" else flag_value
 
 
 def _rope(x_BxTxHxK, positions_T, base: float):

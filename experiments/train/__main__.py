@@ -1,4 +1,4 @@
-"""Trains a small Huginn on a synthetic task with the reference recipe; evaluates test-time compute.
+r"""Trains a small Huginn on a synthetic task with the reference recipe; scores test-time compute.
 
     python -m experiments.train --config=micro --vocab_size=128 --nodes=10 --max_chain=6 \
         --queries=6 --steps=3000 --mean_recurrence=8 --backprop_depth=4 --lr=2e-3 --out_dir=DIR
@@ -39,14 +39,12 @@ from typing import Any
 
 from absl import flags, logging
 
-from experiments import cli, program
+from experiments import program
 from experiments.program import UserError
 from experiments.train import compare, loop, options, report
 from experiments.train.options import Options, options_from_flags
 
 NAME = "train"
-# Every error line starts with this (a bad flag value and a UserError alike).
-ERROR_PREFIX = f"{NAME}: error"
 
 
 def define_flags() -> None:
@@ -124,10 +122,10 @@ def run(opts: Options, notes: list[str]) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> None:
-    """Flags and output paths checked, `run`, then the JSON, the plot and the table (last); a
-    checkpoint that cannot be read ends in one line and exit status 1."""
+    """Flags and output paths checked, `run`, then the JSON, the plot and the table (last). A
+    run that saves nothing says so first; a checkpoint directory with no intact step to resume
+    from (huginn_jax's CheckpointError) ends in one line and exit status 2, as a bad flag."""
     from experiments.measure import results as results_lib
-    from huginn_jax.checkpoint import CheckpointError
 
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # keep orbax/backend INFO lines off stderr
@@ -136,11 +134,12 @@ def main(argv: list[str]) -> None:
     opts = options_from_flags()  # every flag checked before the backend starts
     paths = opts.paths
     paths.check_writable()  # and every output path, before any training
+    loop.check_fits(opts)  # and a size that cannot fit, before anything is allocated
+    unsaved = paths.unsaved()
+    if unsaved:
+        print(f"{NAME}: warning: {unsaved}", file=sys.stderr, flush=True)
     notes: list[str] = []
-    try:
-        data = run(opts, notes)
-    except CheckpointError as e:
-        cli.fail(ERROR_PREFIX, f"checkpoint: {e}", code=1)
+    data = run(opts, notes)
     json_path = results_lib.write_json_atomic(paths.json_out, data) if paths.json_out else None
     plot_path = None
     if json_path and paths.plot_out:
@@ -152,4 +151,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    program.run(ERROR_PREFIX, define_flags, main)
+    program.run(NAME, define_flags, main)

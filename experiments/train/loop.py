@@ -87,7 +87,8 @@ def train_loop(
     one `window_entry` to `history`, and the bar shows its loss and tokens/s. The host runs at
     most MAX_STEPS_IN_FLIGHT steps ahead of the device, so that the clock (and the bar) follow
     the device and a time limit stops within a few steps of it. The first step is timed apart
-    (it includes compilation).
+    (it includes compilation): the bar starts after it, so that its rate and ETA count compiled
+    steps only.
     """
     import jax
     from tqdm import tqdm
@@ -118,14 +119,19 @@ def train_loop(
         pending.clear()
         window_t0, window_steps = time.perf_counter(), 0
 
-    bar = tqdm(
-        total=steps,
-        initial=start,
-        unit="step",
-        dynamic_ncols=True,
-        file=sys.stderr,
-        mininterval=0.5 if sys.stderr.isatty() else 15.0,  # a log file gets a line per 15 s
-    )
+    def new_bar(initial: int):
+        return tqdm(
+            total=steps,
+            initial=initial,
+            unit="step",
+            dynamic_ncols=True,
+            file=sys.stderr,
+            mininterval=0.5 if sys.stderr.isatty() else 15.0,  # a log file gets a line per 15 s
+        )
+
+    bar = None
+    if start < steps:
+        print(f"compiling the training step (step {start + 1})", file=sys.stderr, flush=True)
     loop_t0 = time.perf_counter()
     for step in range(start + 1, steps + 1):
         t0 = time.perf_counter()
@@ -134,13 +140,14 @@ def train_loop(
             jax.block_until_ready(metrics)
             timing["compile_and_first_step_s"] = time.perf_counter() - t0
             window_t0, window_steps = time.perf_counter(), 0
+            bar = new_bar(step)  # rate and ETA from here: compiled steps only
         else:
             window_steps += 1
+            bar.update(1)
         pending.append((step, metrics))
         if len(pending) > MAX_STEPS_IN_FLIGHT:
             jax.block_until_ready(pending[-1 - MAX_STEPS_IN_FLIGHT][1])
         timing["steps_run"] += 1
-        bar.update(1)
         log_point = step % log_every == 0
         if log_point:
             flush()  # also waits for the device
@@ -155,11 +162,25 @@ def train_loop(
             timing["stopped_by_time_limit_at_step"] = step
             break
     flush()
-    bar.close()
+    if bar is not None:
+        bar.close()
     if steady_steps:
         timing["steady_tokens_per_s"] = steady_steps * tokens_per_step / steady_s
         timing["steady_step_s"] = steady_s / steady_steps
     return state, history, timing
+
+
+def data_mesh(devices: int):
+    """A mesh of `devices` devices over a "data" axis (None for one); UserError when fewer are
+    present."""
+    if devices == 1:
+        return None
+    from huginn_jax import parallel
+
+    try:
+        return parallel.make_mesh({parallel.DATA_AXIS: devices})
+    except ValueError as e:
+        raise UserError(f"--mesh: {e}") from None
 
 
 @dataclasses.dataclass
@@ -174,6 +195,32 @@ class Trained:
     tokens_per_step: int
 
 
+def check_fits(opts: Options) -> None:
+    """UserError when a training step cannot fit on a device: float32 parameters, their
+    gradients and AdamW's two moments, and what the backward pass keeps at least (one float32
+    [batch, T, n_embd] tensor per layer run with gradient, and the [batch, T, vocab] logits) for
+    the device's share of --batch. A lower bound, checked before anything is allocated; starts
+    the backend."""
+    from experiments.measure import memory
+    from huginn_jax import costs
+
+    config, cfg = opts.config, opts.train
+    state = 4 * 4 * costs.model_param_count(config)
+    layers = (
+        config.n_layers_in_prelude
+        + cfg.backprop_depth * config.n_layers_in_recurrent_block
+        + config.n_layers_in_coda
+    )
+    tokens = -(-cfg.batch // opts.data_devices) * opts.task.seq_len
+    kept = 4 * tokens * (layers * config.n_embd + config.vocab_size)
+    memory.check_fits(
+        f"--batch={cfg.batch}",
+        "a training step (parameters, gradients, optimizer state, activations)",
+        state + kept,
+        hint="use a smaller --batch or --backprop_depth",
+    )
+
+
 def run_training(opts: Options, note: Callable[[str], None]) -> Trained:
     """Initial state (or with --resume the newest good checkpoint, which must match model, task
     and seed), `train_loop` to --steps, and the checkpoints closed. UserError where a
@@ -184,6 +231,7 @@ def run_training(opts: Options, note: Callable[[str], None]) -> Trained:
     from huginn_jax.orbax_checkpoint import TrainCheckpoints
 
     config, task, cfg, ckpt_dir = opts.config, opts.task, opts.train, opts.paths.ckpt_dir
+    mesh = data_mesh(opts.data_devices)
     tx = train.make_optimizer(cfg)
     graphdef, state = train.init_train_state(config, tx, opts.seed)
     meta = run_meta(config, task, cfg, opts.seed)
@@ -218,7 +266,11 @@ def run_training(opts: Options, note: Callable[[str], None]) -> Trained:
     if resumed_from is not None and resumed_from > opts.steps:
         raise UserError(f"checkpoint is at step {resumed_from}, beyond --steps={opts.steps}")
 
-    step_fn = train.make_train_step(graphdef, task, tx, cfg)
+    if mesh is not None:
+        from huginn_jax import parallel
+
+        state = parallel.replicate(state, mesh)
+    step_fn = train.make_train_step(graphdef, task, tx, cfg, mesh)
     tokens_per_step = cfg.batch * (task.seq_len - 1)
     state, history, timing = train_loop(
         step_fn,

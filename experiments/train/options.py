@@ -8,6 +8,7 @@ can parse a command line of its own without touching the program's flags.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,7 +46,8 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
     flags.DEFINE_integer(
         "vocab_size",
         None,
-        "Override the preset's vocabulary (e.g. to fit a task's edge tokens).",
+        "Override the preset's vocabulary; unset: the preset's, raised to the task's token "
+        "count when the task needs more.",
         **on,
     )
     flags.DEFINE_list(
@@ -60,6 +62,13 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
     flags.DEFINE_integer("digits", 8, "add: digits per operand.", **on)
     flags.DEFINE_integer("steps", 1000, "Total optimizer steps (a resumed run continues).", **on)
     flags.DEFINE_integer("batch", 64, "Sequences per step.", **on)
+    flags.DEFINE_string(
+        "mesh",
+        "",
+        "Data parallelism: data:N splits each batch over N devices (--batch a multiple of N); "
+        "'' = one device.",
+        **on,
+    )
     flags.DEFINE_float("lr", 1e-3, "Peak learning rate.", **on)
     flags.DEFINE_enum(
         "schedule",
@@ -144,6 +153,22 @@ class Paths:
             else:
                 program.check_outputs(str(folder))  # its parent can hold a new folder
 
+    def unsaved(self) -> str | None:
+        """One line naming what this run will not save (None when everything is saved), said
+        before training, so that a long run without --out_dir is no surprise at its end."""
+        names = {
+            "json_out": "results JSON",
+            "plot_out": "plot",
+            "ckpt_dir": "checkpoints",
+            "export_dir": "trained weights",
+        }
+        missing = [words for field, words in names.items() if getattr(self, field) is None]
+        if not missing:
+            return None
+        if len(missing) == len(names):
+            return "no --out_dir: nothing will be saved (results JSON, plot, checkpoints, weights)"
+        return f"this run will not save: {', '.join(missing)}"
+
 
 def paths_from_flags(fv: flags.FlagValues = FLAGS) -> Paths:
     """Each output at its own flag's path, else under --out_dir; '' turns an output off."""
@@ -178,12 +203,21 @@ def setup_from_flags(fv: flags.FlagValues = FLAGS):
     from huginn_jax import tasks, train
     from huginn_jax.config import HuginnConfig
 
-    for flag in ("steps", "batch", "save_every", "keep", "log_every", "eval_examples"):
-        minimum = 0 if flag == "steps" else 1
-        if fv[flag].value < minimum:
-            raise UserError(f"--{flag} must be >= {minimum}, got {fv[flag].value}")
-    if fv.compare_steps < 1 or fv.compare_repeats < 1:
-        raise UserError("--compare_steps and --compare_repeats must be >= 1")
+    counts = ("steps", "batch", "save_every", "keep", "log_every", "eval_examples")
+    for flag in (*counts, "compare_steps", "compare_repeats"):
+        if fv[flag].value < 1:
+            raise UserError(f"--{flag} must be >= 1, got {fv[flag].value}")
+    if fv.seed < 0:
+        raise UserError(f"--seed must be >= 0, got {fv.seed}")
+    floats = {
+        "max_train_seconds": (lambda v: v >= 0, ">= 0 (0: no limit)"),
+        "eval_init_scale": (lambda v: v >= 0, ">= 0 (0: zeros)"),
+        "kl_threshold": (lambda v: v > 0, "> 0"),
+    }
+    for flag, (ok, words) in floats.items():
+        value = fv[flag].value
+        if not (math.isfinite(value) and ok(value)):
+            raise UserError(f"--{flag} must be a number {words}, got {value}")
     if fv.resume and paths_from_flags(fv).ckpt_dir is None:
         raise UserError("--resume needs --ckpt_dir (or --out_dir)")
     try:
@@ -191,7 +225,7 @@ def setup_from_flags(fv: flags.FlagValues = FLAGS):
             batch=fv.batch,
             lr=fv.lr,
             warmup_steps=fv.warmup_steps,
-            total_steps=max(fv.steps, 1),
+            total_steps=fv.steps,
             schedule=fv.schedule,
             clip=fv.clip,
             weight_decay=fv.weight_decay,
@@ -235,10 +269,11 @@ def setup_from_flags(fv: flags.FlagValues = FLAGS):
         )
     config = train.run_config(config, cfg)
     if task.vocab_size > config.vocab_size:
-        raise UserError(
-            f"task {task.name} needs {task.vocab_size} tokens; --config={fv.config} has "
-            f"vocab_size={config.vocab_size} (raise it with --vocab_size)"
-        )
+        if fv.vocab_size is not None:
+            raise UserError(
+                f"--vocab_size={fv.vocab_size}: task {task.name} needs {task.vocab_size} tokens"
+            )
+        config = dataclasses.replace(config, vocab_size=task.vocab_size)
     if task.seq_len - 1 > config.block_size:
         raise UserError(
             f"task {task.name} sequences have {task.seq_len - 1} positions; --config="
@@ -271,6 +306,7 @@ class Options:
     compare_random: bool
     compare_steps: int
     compare_repeats: int
+    data_devices: int = 1  # --mesh=data:N
 
     def eval_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of `huginn_jax.train.evaluate` for this run."""
@@ -305,4 +341,24 @@ def options_from_flags(fv: flags.FlagValues = FLAGS) -> Options:
         compare_random=fv.compare_random,
         compare_steps=fv.compare_steps,
         compare_repeats=fv.compare_repeats,
+        data_devices=data_devices_from_flags(fv),
     )
+
+
+def data_devices_from_flags(fv: flags.FlagValues = FLAGS) -> int:
+    """N of --mesh=data:N (1 without --mesh); UserError for another axis, a bad string or a
+    --batch that N does not divide."""
+    if not fv.mesh:
+        return 1
+    from huginn_jax import parallel
+
+    try:
+        sizes = parallel.parse_mesh_spec(fv.mesh)
+    except ValueError as e:
+        raise UserError(f"--mesh: {e}") from None
+    if set(sizes) != {parallel.DATA_AXIS}:
+        raise UserError(f"--mesh={fv.mesh}: training splits over a 'data' axis only")
+    n = sizes[parallel.DATA_AXIS]
+    if fv.batch % n:
+        raise UserError(f"--batch={fv.batch} must be a multiple of the {n} devices of --mesh")
+    return n

@@ -10,15 +10,13 @@ from pathlib import Path
 def plot_results(json_path: str | Path, out_path: str | Path) -> Path:
     """Accuracy against test-time iterations (overall and per difficulty) and the training loss,
     drawn from the results JSON alone; saved atomically."""
-    import os
-    import tempfile
-
     import matplotlib
 
     matplotlib.use("Agg")  # no display on GPU machines or CI
     import matplotlib.pyplot as plt
 
     from experiments.measure import results as results_lib
+    from huginn_jax.files import write_atomic
 
     data = results_lib.read_json(json_path)
     ev = data["eval"]
@@ -62,16 +60,10 @@ def plot_results(json_path: str | Path, out_path: str | Path) -> Path:
     ax_loss.set_yscale("log")
     ax_loss.grid(alpha=0.3)
     fig.tight_layout()
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=out_path.suffix,
-                               dir=out_path.parent)  # fmt: skip
-    os.close(fd)
-    fig.savefig(tmp, dpi=130)
-    plt.close(fig)
-    os.chmod(tmp, 0o644)  # mkstemp makes it private
-    os.replace(tmp, out_path)
-    return out_path
+    try:
+        return write_atomic(out_path, lambda tmp: fig.savefig(tmp, dpi=130))
+    finally:
+        plt.close(fig)
 
 
 def format_table(data: dict) -> str:

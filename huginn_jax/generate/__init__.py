@@ -3,7 +3,8 @@ strategies and continuous thought; and a command line (`python -m huginn_jax.gen
 
 Modules, each importing only those before it: `exits` (criteria and exit bookkeeping),
 `sampling`, `step` (one token, compiled), `plan` (`make_plan`: a checked request), `stats`
-(bytes, memory, per-part timing), `loop` (`run_plan`, `generate`), `cli`.
+(bytes, memory, per-part timing), `loop` (`run_plan`, `generate`), `options` (the command
+line's flags and their checks), `cli`.
 
 Each token is ONE compiled call of `step`: prelude → Core iterations (a `lax.scan` for a fixed
 count, a `lax.while_loop` with per-sequence exit checks for a criterion) → coda → sampling. The

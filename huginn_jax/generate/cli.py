@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from typing import Any
@@ -11,12 +12,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from huginn_jax import costs
-from huginn_jax.config import DECODE_ATTENTION_IMPLS, DECODE_GEMV_IMPLS, HuginnConfig
-from huginn_jax.generate.loop import ATTENTION_WINDOW, Generation, make_plan, run_plan
+from huginn_jax.config import HuginnConfig
+from huginn_jax.files import write_text_atomic
+from huginn_jax.generate.loop import Generation, make_plan, run_plan
+from huginn_jax.generate.options import (
+    FLAGS,
+    UsageError,
+    check_flags,
+    check_memory,
+    define_flags,
+    prompt_ids,
+)
 from huginn_jax.generate.stats import time_parts
 from huginn_jax.model import Huginn
 from huginn_jax.xla_flags import use_gemm
 
+PROGRAM = "generate"  # the prefix of every error line
 _DTYPES = {
     "bf16": jnp.bfloat16,
     "bfloat16": jnp.bfloat16,
@@ -24,66 +35,10 @@ _DTYPES = {
     "float32": jnp.float32,
 }
 
-# (kind, name, default, help[, enum values]); defined only by `cli`, so importing defines nothing
-_FLAGS = (
-    ("string", "checkpoint", None, "Hugging Face checkpoint directory (config.json, safetensors)."),
-    ("string", "config", None, "Preset name instead of --checkpoint; needs --random_weights."),
-    ("bool", "random_weights", False, "Random weights (the reference's init) for --config."),
-    ("string", "dtype", "bf16", "Parameter dtype: bf16 or f32."),
-    ("string", "gemm", "cublas", "Dots: cublas (XLA's Triton GEMMs off) or xla (XLA's choice)."),
-    ("string", "prompt", None, "Prompt text, tokenized with --checkpoint's tokenizer.json."),
-    ("list", "prompt_ids", None, "Prompt token ids, e.g. 1,2,3."),
-    ("integer", "prompt_len", 0, "A random prompt of this many ids (drawn from --seed)."),
-    ("integer", "batch", 1, "Sequences: copies of the prompt."),
-    ("integer", "max_new_tokens", 32, "Tokens to generate."),
-    ("integer", "num_steps", 32, "Recurrence steps per token (the most, with --criterion)."),
-    ("string", "criterion", "none", "Exit: none, kl, entropy-diff, latent-diff, argmax-stability."),
-    ("float", "threshold", None, "Exit threshold (default: the criterion's)."),
-    ("integer", "min_steps", 0, "No exit before this many steps."),
-    ("float", "temperature", 0.0, "Sampling temperature; 0: greedy."),
-    ("integer", "top_k", 0, "Keep only the k most likely tokens; 0: off."),
-    ("float", "top_p", 1.0, "Nucleus sampling mass; 1: off."),
-    ("integer", "seed", 0, "Seed of weights, random prompt, initial states and sampling."),
-    ("float", "init_scale", 1.0, "Scale of the random initial state; 0: zeros."),
-    ("string", "strategy", None, "KV cache: full, latest-m4, compress-sN (default: by criterion)."),
-    ("bool", "continuous", False, "Start each token's recurrence from the previous final state."),
-    ("integer", "cache_len", 0, "Cache positions to allocate; 0: prompt + max_new_tokens."),
-    (
-        "integer",
-        "attention_window",
-        ATTENTION_WINDOW,
-        "Decode reads the cache's filled positions rounded up to this; 0: the whole cache.",
-    ),
-    (
-        "enum",
-        "decode_attention",
-        "xla",
-        "Decode attention (HuginnConfig.decode_attention_impl).",
-        DECODE_ATTENTION_IMPLS,
-    ),
-    (
-        "enum",
-        "decode_gemv",
-        "xla",
-        "A Core step's GEMVs at batch 1 (HuginnConfig.decode_gemv).",
-        DECODE_GEMV_IMPLS,
-    ),
-    ("bool", "breakdown", False, "Also time the prelude, one Core iteration and the coda alone."),
-    ("string", "roofline_device", "h200_measured", "costs.DEVICES entry for % of roofline."),
-    ("bool", "progress", True, "Progress bar on stderr."),
-    ("string", "json_out", None, "Write the results JSON here."),
-)
-
-
-class UsageError(ValueError):
-    """A bad command line: one line on stderr, exit status 2."""
-
 
 def _config(F) -> HuginnConfig:
     """The model's shape from --checkpoint's config.json or --config, without loading weights,
     with the kernel choices --decode_attention and --decode_gemv."""
-    import dataclasses
-
     config = _shape(F)
     return dataclasses.replace(
         config, decode_attention_impl=F.decode_attention, decode_gemv=F.decode_gemv
@@ -93,8 +48,6 @@ def _config(F) -> HuginnConfig:
 def _shape(F) -> HuginnConfig:
     from pathlib import Path
 
-    if F.dtype not in _DTYPES:
-        raise UsageError(f"--dtype={F.dtype} must be one of {', '.join(_DTYPES)}")
     if F.checkpoint and F.config:
         raise UsageError("give --checkpoint or --config, not both")
     if F.checkpoint:
@@ -125,11 +78,18 @@ def _tokenizer(checkpoint: str | None, required: bool):
     from pathlib import Path
 
     path = Path(checkpoint) / "tokenizer.json" if checkpoint else None
-    if path is None or not path.exists() or importlib.util.find_spec("tokenizers") is None:
+    if path is None or not path.exists():
         if required:
             raise UsageError(
-                "--prompt needs --checkpoint with a tokenizer.json and the `tokenizers` package; "
-                "otherwise pass --prompt_ids=1,2,3"
+                "--prompt needs --checkpoint with a tokenizer.json; otherwise pass "
+                "--prompt_ids=1,2,3"
+            )
+        return None
+    if importlib.util.find_spec("tokenizers") is None:
+        if required:
+            raise UsageError(
+                '--prompt needs the tokenizers package: pip install -e ".[text]" (or pass '
+                "--prompt_ids=1,2,3)"
             )
         return None
     import tokenizers
@@ -137,23 +97,21 @@ def _tokenizer(checkpoint: str | None, required: bool):
     return tokenizers.Tokenizer.from_file(str(path))
 
 
-def _prompt(F, vocab: int) -> tuple[np.ndarray, Any]:
-    """[batch, T] prompt ids from --prompt, --prompt_ids or --prompt_len, and the tokenizer."""
-    if sum([F.prompt is not None, F.prompt_ids is not None, F.prompt_len > 0]) != 1:
-        raise UsageError("give exactly one of --prompt, --prompt_ids, --prompt_len")
-    if F.batch < 1:
-        raise UsageError(f"--batch={F.batch} must be at least 1")
+def _prompt(F, config: HuginnConfig) -> tuple[np.ndarray, Any]:
+    """[1, T] prompt ids from --prompt, --prompt_ids or --prompt_len (one of them, as
+    `check_flags` made sure), and the tokenizer."""
     tokenizer = _tokenizer(F.checkpoint, required=F.prompt is not None)
     if F.prompt is not None:
         ids = tokenizer.encode(F.prompt).ids
     elif F.prompt_ids is not None:
-        try:
-            ids = [int(x) for x in F.prompt_ids]
-        except ValueError:
-            raise UsageError(f"--prompt_ids must be integers: {','.join(F.prompt_ids)}") from None
+        ids = prompt_ids(F.prompt_ids).tolist()
     else:
-        ids = np.random.default_rng(F.seed).integers(0, vocab, F.prompt_len).tolist()
-    return np.tile(np.asarray(ids, np.int64).reshape(1, -1), (F.batch, 1)), tokenizer
+        if F.prompt_len > config.block_size:  # refused before drawing that many ids
+            raise UsageError(
+                f"--prompt_len={F.prompt_len}: exceeds the model's block_size={config.block_size}"
+            )
+        ids = np.random.default_rng(F.seed).integers(0, config.vocab_size, F.prompt_len).tolist()
+    return np.asarray(ids, np.int64).reshape(1, -1), tokenizer
 
 
 def _versions() -> dict[str, str | None]:
@@ -240,16 +198,14 @@ def _print_table(stats: dict) -> None:
 
 def _main(argv, F, flag_names) -> None:
     import json
-    from pathlib import Path
 
     if len(argv) > 1:
         raise UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    check_flags(F)  # everything a user can get wrong fails here, before any weights or compiling
     use_gemm(F.gemm)  # before anything starts the backend
-    costs.get_device(F.roofline_device)
-    # Everything a user can get wrong fails here, before any weights are loaded or compiled.
     config = _config(F)
-    ids, tokenizer = _prompt(F, config.vocab_size)
-    plan = make_plan(
+    ids, tokenizer = _prompt(F, config)
+    plan = make_plan(  # checked for one sequence; --batch copies once they are known to fit
         config,
         ids,
         F.max_new_tokens,
@@ -267,6 +223,8 @@ def _main(argv, F, flag_names) -> None:
         cache_len=F.cache_len or None,
         attention_window=F.attention_window,
     )
+    check_memory(config, plan, F.batch, _DTYPES[F.dtype])
+    plan = dataclasses.replace(plan, ids=np.tile(plan.ids, (F.batch, 1)))
     model = _load_model(F, config)
     gen = run_plan(model, plan, progress=F.progress)
     stats = {**gen.stats, **_bounds(F, gen, model, ids.shape[1])}
@@ -286,35 +244,26 @@ def _main(argv, F, flag_names) -> None:
             "tokens": gen.tokens.tolist(),
             "steps": gen.steps.tolist(),
         }
-        path = Path(F.json_out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1) + "\n")
+        write_text_atomic(F.json_out, json.dumps(result, indent=1) + "\n")
     _print_table(stats)
 
 
-def define_flags(fv) -> None:
-    """Defines the command line's flags on the absl FlagValues `fv`."""
-    from absl import flags
-
-    for kind, name, default, help_text, *values in _FLAGS:
-        if kind == "enum":
-            flags.DEFINE_enum(name, default, list(values[0]), help_text, flag_values=fv)
-        else:
-            getattr(flags, f"DEFINE_{kind}")(name, default, help_text, flag_values=fv)
-
-
 def cli(argv: list[str] | None = None) -> None:
-    """`python -m huginn_jax.generate --flag=...`; bad input ends in one line and exit status 2."""
+    """`python -m huginn_jax.generate --flag=...`; bad input ends in one line
+    `generate: ...` and exit status 2. `--help` lists the flags (key flags of the main
+    module, which absl's help shows)."""
     import sys
 
     from absl import app, flags, logging
 
     fv = flags.FLAGS
     define_flags(fv)
-    flag_names = [name for _, name, *_ in _FLAGS]
+    flag_names = [name for _, name, *_ in FLAGS]
+    for name in flag_names:
+        fv.register_key_flag_for_module(sys.argv[0], fv[name])
 
     def fail(error: Exception):
-        print(f"error: {error}", file=sys.stderr)
+        print(f"{PROGRAM}: {str(error).strip().splitlines()[0]}", file=sys.stderr)
         sys.exit(2)
 
     def parse(args):
@@ -322,6 +271,8 @@ def cli(argv: list[str] | None = None) -> None:
             return fv(args)
         except flags.Error as e:
             fail(e)
+        except SystemExit as e:  # absl's --help exits with status 1; asked for, it succeeded
+            raise SystemExit(0 if e.code == 1 else e.code) from None
 
     def main(args):
         logging.set_verbosity(logging.WARNING)  # no backend-probing chatter around the output

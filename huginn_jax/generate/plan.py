@@ -170,11 +170,11 @@ def _check_settings(
         raise ValueError(f"num_steps={num_steps} must be at least 1")
     if not 0 <= min_steps <= num_steps:
         raise ValueError(f"min_steps={min_steps} must lie in [0, num_steps={num_steps}]")
-    if temperature < 0:
+    if not temperature >= 0:  # NaN too
         raise ValueError(f"temperature={temperature} must be >= 0 (0: greedy)")
     if not 0 <= top_k <= cfg.vocab_size:
         raise ValueError(f"top_k={top_k} must lie in [0, vocab_size={cfg.vocab_size}] (0: off)")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p={top_p} must lie in (0, 1] (1: off)")
-    if init_scale < 0:
+    if not init_scale >= 0:
         raise ValueError(f"init_scale={init_scale} must be >= 0")

@@ -1,0 +1,133 @@
+"""Times the Core's weight stream as one persistent kernel against XLA's products and the floor.
+
+    python -m experiments.kernels.core_stream [--batch=1,8 --iterations=8 --rings=16,24]
+
+The products of `iterations` Core decode iterations of huginn-0125 (adapter, then per layer
+qkv, proj, fc, mlp proj: 17 per iteration, weights padded to 64) run as one
+`pallas_kernels.core_step.weight_stream` launch per ring depth, and as XLA's chain of the same
+dots (`weight_stream_reference`). Each row: kernel time per iteration (CUPTI device time of a
+call, median of --reps, divided by the iterations), the weight bytes streamed per iteration over
+that time, % of the read-only streaming ceiling (results/<device>/ceilings.json), the error
+against the reference, "vs xla" (XLA's time / this row's). Needs an sm_90 GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from absl import flags  # noqa: E402
+
+from experiments import cli, program  # noqa: E402
+from experiments.cli import UserError  # noqa: E402
+from experiments.measure import ceilings as ceilings_lib  # noqa: E402
+from experiments.measure.device_time import cupti_us  # noqa: E402
+
+FLAGS = flags.FLAGS
+PROGRAM = "core_stream"
+# huginn-0125: n_embd, MLP intermediate size, fused qkv columns, Core layers
+SHAPE = (5280, 17920, 3 * 5280, 4)
+WORKERS = 132  # one per SM of an H100 / H200
+
+
+def define_flags() -> None:
+    flags.DEFINE_list("batch", ["1", "8"], "Rows of the activation (1..64).")
+    flags.DEFINE_integer("iterations", 8, "Core iterations per kernel call.")
+    flags.DEFINE_list("rings", ["16", "24"], "Weight ring depths tried (8 KiB slots per SM).")
+    flags.DEFINE_integer("x_stages", 4, "Input chunks in flight per worker.")
+    flags.DEFINE_integer("reps", 10, "Timed calls per row (median).")
+    flags.DEFINE_string("json_out", "out/core_stream.json", "Results JSON.")
+
+
+def rows_of(batch: int, x0, weights, phases, ceiling) -> list[dict]:
+    from pallas_kernels.core_step import stream_bytes, weight_stream, weight_stream_reference
+
+    iterations = FLAGS.iterations
+    want = weight_stream_reference(x0, weights, phases=phases, iterations=iterations)
+    scale = float(jnp.abs(want).max())
+    per_iteration = stream_bytes(phases)
+    rows = []
+
+    def timed(name: str, fn, **extra):
+        got = fn(x0, weights)
+        err = float(jnp.abs(got - want).max()) / scale
+        us, kernels, note = cupti_us(fn, FLAGS.reps, x0, weights)
+        row = dict(impl=name, batch=batch, kernels=kernels, note=note, rel_err=err, **extra)
+        if us is not None:
+            seconds = us * 1e-6 / iterations
+            row.update(ms_per_iteration=seconds * 1e3, bytes_per_s=per_iteration / seconds)
+            if ceiling:
+                row["pct_floor"] = 100 * per_iteration / ceiling / seconds
+        rows.append(row)
+
+    timed("xla", lambda x, w: weight_stream_reference(x, w, phases=phases, iterations=iterations))
+    for ring in cli.positive_ints("rings", FLAGS.rings):
+        fn = jax.jit(
+            lambda x, w, ring=ring: weight_stream(
+                x,
+                w,
+                phases=phases,
+                iterations=iterations,
+                workers=WORKERS,
+                ring=ring,
+                x_stages=FLAGS.x_stages,
+            )
+        )
+        timed(f"persistent ring={ring}", fn, ring=ring)
+    xla = rows[0].get("ms_per_iteration")
+    for row in rows:
+        if xla and row.get("ms_per_iteration"):
+            row["vs_xla"] = xla / row["ms_per_iteration"]
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    head = f"{'batch':>5}  {'impl':<22}{'ms/iter':>9}{'TB/s':>7}{'% floor':>9}{'vs xla':>8}  err"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        ms = r.get("ms_per_iteration")
+        cells = (
+            f"{ms:9.3f}{r['bytes_per_s'] / 1e12:7.2f}" if ms else f"{'-':>9}{'-':>7}",
+            f"{r['pct_floor']:8.1f}%" if r.get("pct_floor") else f"{'-':>9}",
+            f"{r['vs_xla']:7.2f}x" if r.get("vs_xla") else f"{'-':>8}",
+        )
+        lines.append(f"{r['batch']:>5}  {r['impl']:<22}{''.join(cells)}  {r['rel_err']:.1e}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
+    batches = cli.positive_ints("batch", FLAGS.batch)
+    if max(batches) > 64:
+        raise UserError(f"--batch={max(batches)}: at most 64 rows")
+    cli.positive_ints("rings", FLAGS.rings)
+    if FLAGS.iterations < 1 or FLAGS.reps < 1 or FLAGS.x_stages < 1:
+        raise UserError("--iterations, --reps and --x_stages must be >= 1")
+    program.check_outputs(FLAGS.json_out)
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        raise UserError(f"needs an sm_90 GPU (Mosaic GPU); the backend here is {device.platform}")
+    from pallas_kernels.core_step import core_phases
+
+    phases = core_phases(*SHAPE)
+    found = ceilings_lib.for_device(device.device_kind)
+    ceiling = found.read_bytes_per_s if found else None
+    key = jax.random.key(0)
+    weights = tuple(
+        (jax.random.normal(jax.random.fold_in(key, i), (p.k, p.n)) / p.k**0.5).astype(jnp.bfloat16)
+        for i, p in enumerate(phases)
+    )
+    rows = []
+    for batch in program.progress(batches, "core_stream"):
+        x0 = jax.random.normal(jax.random.fold_in(key, 99), (batch, phases[0].k))
+        rows += rows_of(batch, x0, weights, phases, ceiling)
+    program.write_results(FLAGS.json_out, {"rows": rows, "complete": True})
+    print(format_table(rows))
+
+
+if __name__ == "__main__":
+    program.run(PROGRAM, define_flags, main)
