@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 
 # PyTorch runs in the same process: JAX must not grab 75 % of the GPU up front.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -121,7 +122,9 @@ def define_flags() -> None:
     flags.DEFINE_integer(
         "graph_warmup", 2, "Untimed torch prefills, and runs of a token's step before capture."
     )
-    flags.DEFINE_bool("progress", False, "JAX's progress bar on stderr.")
+    flags.DEFINE_bool(
+        "progress", True, "Progress on stderr: each phase, JAX's tokens, torch's loops."
+    )
     flags.DEFINE_string("json_out", "out/generate_vs_torch.json", "Results JSON ('' to skip).")
 
 
@@ -178,6 +181,12 @@ def _torch_impls() -> list[str]:
     return list(dict.fromkeys(FLAGS.torch_impls))
 
 
+def say(line: str) -> None:
+    """A progress line on stderr (with --progress): where a long run is."""
+    if FLAGS.progress:
+        print(f"generate_vs_torch: {line}", file=sys.stderr, flush=True)
+
+
 def run_jax(model: Huginn, plan: Plan) -> Generation:
     """The JAX loop. Its prefill runs once untimed first (a plan of one token, same cache
     shape, so the same executable), then the timed run; the stats' compile seconds are the
@@ -185,21 +194,22 @@ def run_jax(model: Huginn, plan: Plan) -> Generation:
     warm = run_plan(model, dataclasses.replace(plan, max_new_tokens=1))
     compile_prefill, first_call_s = warm.stats["compile_s"]["prefill"], warm.stats["prefill_s"]
     del warm  # its cache
+    say(f"JAX: {plan.max_new_tokens} tokens, {plan.spec.num_steps} Core iterations each")
     gen = run_plan(model, plan, return_logits=True, progress=FLAGS.progress)
     gen.stats["compile_s"] = {**gen.stats["compile_s"], "prefill": compile_prefill}
     gen.stats["prefill_first_call_s"] = first_call_s
     return gen
 
 
-def run_torch(model: Huginn, plan: Plan, impls: list[str], notes: list[str]):
+def run_torch(model: Huginn, plan: Plan, impls: list[str], notes: list[str], details: dict):
     """Each PyTorch loop of `impls` over `model`'s weights, after its conformance check (with
-    --torch_conformance): ({impl: TorchGeneration}, {impl: JSON details}, {impl: check});
-    empty (with a note) when torch is missing."""
+    --torch_conformance): ({impl: TorchGeneration}, {impl: check}), each loop's JSON details
+    added to `details` as it ends; empty (with a note) when torch is missing."""
     if not impls:
-        return {}, {}, {}
+        return {}, {}
     if not torch_chain.available():
         notes.append(f"PyTorch is not installed ({torch_chain.INSTALL}): its loops are skipped")
-        return {}, {}, {}
+        return {}, {}
     import torch
 
     from experiments.torch_ref.conformance import check_generation_impl
@@ -219,7 +229,7 @@ def run_torch(model: Huginn, plan: Plan, impls: list[str], notes: list[str]):
     to_torch = to_torch_fn(device, dtype)
     shared = {"torch_compile", "torch_graph"} & set(impls)
     fast_core = FastCore(params, model.config, to_torch) if shared else None
-    runs, details, checks = {}, {}, {}
+    runs, checks = {}, {}
     for impl in program.progress(impls, "generate_vs_torch: torch loops"):
         if FLAGS.torch_conformance:
             checks[impl] = check_generation_impl(
@@ -254,7 +264,7 @@ def run_torch(model: Huginn, plan: Plan, impls: list[str], notes: list[str]):
             "device": torch.cuda.get_device_name() if cuda else "cpu",
             "peak_bytes_allocated": torch.cuda.max_memory_allocated() if cuda else None,
         }
-    return runs, details, checks
+    return runs, checks
 
 
 def compare(jax_gen: Generation, torch_tokens: np.ndarray, torch_logits: np.ndarray) -> dict:
@@ -373,9 +383,14 @@ def main(argv: list[str]) -> None:
         model = _model(config)
     except ValueError as e:
         raise UserError(str(e)) from None
-    jax_gen = run_jax(model, plan)
-    notes: list[str] = []
-    runs, details, checks = run_torch(model, plan, impls, notes)
+    measured: dict = {}  # what an interrupted run writes
+    with program.keep_partial(FLAGS.json_out, lambda: measured):
+        say(f"JAX: prefill of {plan.ids.shape[1]} positions, compiled and run once untimed")
+        jax_gen = run_jax(model, plan)
+        measured["jax"] = {**jax_gen.stats, "tokens": jax_gen.tokens.tolist()}
+        notes: list[str] = []
+        measured["torch"] = details = {}  # filled loop by loop
+        runs, checks = run_torch(model, plan, impls, notes, details)
     comparisons = {impl: compare(jax_gen, g.tokens, g.logits) for impl, g in runs.items()}
     for impl, comparison in comparisons.items():
         details[impl]["comparison"] = comparison
