@@ -8,6 +8,7 @@ one error and nothing is half-loaded.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import struct
 from pathlib import Path
@@ -159,7 +160,9 @@ def from_pretrained(
     path: str | Path, dtype=jnp.float32, *, mesh: jax.sharding.Mesh | None = None
 ) -> Huginn:
     """Loads `config.json` and `model.safetensors` (or shards) from `path`, params in `dtype`.
-    With `mesh`, the model split over its "model" axis (`parallel.shard_model`).
+    With `mesh`, the model split over its "model" axis as `parallel.shard_model` splits it: each
+    tensor is laid out on the host as it is read and each device receives only its slices
+    (`parallel.place_param`), so no device ever holds the whole model.
 
     A missing or damaged file, a wrong-typed config.json value and a missing or misshapen
     tensor raise CheckpointError: one line naming the file and the key."""
@@ -172,20 +175,20 @@ def from_pretrained(
     files, source = _weight_files(path)
     _check(cfg, files, source)
 
-    abstract = nnx.eval_shape(lambda: Huginn(cfg, rngs=nnx.Rngs(0), dtype=dtype))
+    config = cfg if mesh is None else dataclasses.replace(cfg, mesh=mesh)
+    abstract = nnx.eval_shape(lambda: Huginn(config, rngs=nnx.Rngs(0), dtype=dtype))
     graphdef, state = nnx.split(abstract)
     values: dict = {}
     for key, (param_path, _, transposed) in param_table(cfg).items():
-        with _open(files[key], framework="flax") as f:
+        with _open(files[key]) as f:  # host numpy, one tensor at a time
             array = f.get_tensor(key)
-        array = (array.T if transposed else array).astype(dtype)
+        array = np.asarray(array.T if transposed else array, jnp.dtype(dtype))
         node = values
         for part in param_path[:-1]:
             node = node.setdefault(part, {})
-        node[param_path[-1]] = array
+        node[param_path[-1]] = parallel.place_param(param_path, array, config)
     nnx.replace_by_pure_dict(state, values)
-    model = nnx.merge(graphdef, state)
-    return model if mesh is None else parallel.shard_model(model, mesh)
+    return nnx.merge(graphdef, state)
 
 
 def hf_config_dict(cfg: HuginnConfig) -> dict:

@@ -77,11 +77,13 @@ def make_mesh(spec: str | dict[str, int], devices=None) -> Mesh:
 
 
 def _pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
+    """x zero-padded along `axis` to `size`; a numpy array stays on the host (the layout
+    functions below reshape and transpose either kind)."""
     if x.shape[axis] == size:
         return x
     pad = [(0, 0)] * x.ndim
     pad[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, pad)
+    return np.pad(x, pad) if isinstance(x, np.ndarray) else jnp.pad(x, pad)
 
 
 def group_qkv(kernel_Dx3HK: jax.Array, cfg: HuginnConfig) -> jax.Array:
@@ -174,6 +176,19 @@ def param_spec(path: tuple) -> P:
 
 
 # --- Placing a model and its cache on a mesh -----------------------------------------------------
+
+
+def place_param(path: tuple, x, config: HuginnConfig) -> jax.Array:
+    """One parameter in the checkpoint's layout (at `path` in the model state) laid out for
+    `config` and placed: split per `param_spec` over config.mesh, or on the default device
+    without a mesh. A numpy `x` is laid out on the host and each device receives only its
+    slice, so a checkpoint loads tensor by tensor without any device holding the whole model."""
+    if config.mesh is None:
+        return jax.device_put(x)
+    rule = _rule(path)
+    if rule is not None:
+        x = rule[0](x, config)
+    return jax.device_put(x, NamedSharding(config.mesh, param_spec(path)))
 
 
 def _relayout(model, config: HuginnConfig, convert, sharding):

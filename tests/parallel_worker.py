@@ -10,10 +10,13 @@ one JSON object {check: {mesh size: measured values}}; test_parallel.py asserts 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import re
 import sys
+import tempfile
 from pathlib import Path
 
 import jax
@@ -124,7 +127,10 @@ def generation(n: int) -> dict:
     """Greedy (full cache) and adaptive (kl exit, latest-m4 cache) tokens of the conformance model
     on n devices, beside the reference's, which one device reproduces (test_generate)."""
     reference = np.load(TINY_A / "reference.npz")
-    sharded = huginn_jax.from_pretrained(TINY_A, mesh=parallel.make_mesh({"model": n}))
+    mesh = parallel.make_mesh({"model": n})
+    sharded = huginn_jax.from_pretrained(TINY_A, mesh=mesh)  # placed tensor by tensor
+    relaid = parallel.shard_model(huginn_jax.from_pretrained(TINY_A), mesh)
+    pairs = list(zip(*(jax.tree.leaves(nnx.state(m)) for m in (sharded, relaid)), strict=True))
     greedy = generate(sharded, reference["input_ids"][:, :6], 6, 4, init_scale=0.0)
     adaptive = generate(sharded, reference["input_ids"][0:1, :6], 6, **ADAPTIVE)
     return {
@@ -135,7 +141,38 @@ def generation(n: int) -> dict:
         "reference_adaptive": reference["adaptive_tokens"].tolist(),
         "reference_adaptive_steps": reference["adaptive_steps"].tolist(),
         "cache_devices": len(greedy.cache.k.sharding.device_set),
+        "load_vs_shard_model": max(max_err(a, b) for a, b in pairs),
+        "load_same_shardings": all(
+            a.sharding.is_equivalent_to(b.sharding, a.ndim) for a, b in pairs
+        ),
     }
+
+
+def program(n: int) -> dict:
+    """`python -m huginn_jax.generate --mesh=model:n` (its flags parsed, its body run in this
+    process) on the conformance checkpoint: greedy tokens of two copies of the reference's first
+    prompt (the shapes of `generation`'s greedy run, whose executables it reuses) and what the
+    stats count."""
+    from absl import flags
+
+    from huginn_jax.generate import cli, options
+
+    prompt = np.load(TINY_A / "reference.npz")["input_ids"][0, :6]
+    fv = flags.FlagValues()
+    options.define_flags(fv)
+    with tempfile.TemporaryDirectory() as tmp:
+        json_out = Path(tmp) / "generate.json"
+        fv([
+            "generate", f"--checkpoint={TINY_A}", f"--mesh=model:{n}", "--dtype=f32",
+            "--gemm=xla",  # the default would change XLA_FLAGS after the backend started
+            f"--prompt_ids={','.join(map(str, prompt))}", "--batch=2", "--max_new_tokens=6",
+            "--num_steps=4", "--init_scale=0", "--noprogress", f"--json_out={json_out}",
+        ])  # fmt: skip
+        with contextlib.redirect_stdout(io.StringIO()):  # this process prints its JSON alone
+            cli._main(["generate"], fv, [flag for _, flag, *_ in options.FLAGS])
+        data = json.loads(json_out.read_text())
+    stats = data["stats"]
+    return {"tokens": data["tokens"], "counted": [stats["model_shards"], stats["kv_heads"]]}
 
 
 def data_parallel_losses(n: int, steps: int = 3) -> dict:
@@ -207,7 +244,7 @@ def model_checks(sizes: list[int]) -> dict:
 
 def main(checks: list[str]) -> None:
     """checks: "model:2,4" (model_checks on meshes of 2 and 4 devices), "generation:N",
-    "train:N"; prints {check: {N: results}} as JSON."""
+    "program:N", "train:N"; prints {check: {N: results}} as JSON."""
     results: dict = {}
     for check in checks:
         name, _, sizes = check.partition(":")
@@ -217,6 +254,8 @@ def main(checks: list[str]) -> None:
             results[name] = model_checks(sizes)
         elif name == "generation":
             results[name] = {n: generation(n) for n in sizes}
+        elif name == "program":
+            results[name] = {n: program(n) for n in sizes}
         elif name == "train":
             results[name] = {n: data_parallel_losses(n) for n in sizes}
         else:

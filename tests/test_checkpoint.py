@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import TINY_A
+from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 import huginn_jax
@@ -36,6 +37,19 @@ def test_round_trip_is_bit_exact(tmp_path):
     a = model(ids, num_steps=2, init_scale=0.0).logits
     b = loaded(ids, num_steps=2, init_scale=0.0).logits
     np.testing.assert_array_equal(a, b)
+
+
+def test_bf16_checkpoint_round_trip_is_bit_exact(tmp_path):
+    """huginn-0125 ships bf16 tensors: they are read as host numpy (ml_dtypes' bfloat16)."""
+    cfg = HuginnConfig.from_name("micro")
+    model = huginn_jax.random_init(cfg, jax.random.key(2), dtype=jnp.bfloat16)
+    huginn_jax.save_pretrained(model, tmp_path)
+    loaded = huginn_jax.from_pretrained(tmp_path, dtype=jnp.bfloat16)
+    want = jax.tree.leaves(nnx.state(model, nnx.Param))
+    got = jax.tree.leaves(nnx.state(loaded, nnx.Param))
+    assert len(got) == len(want) and all(g.dtype == jnp.bfloat16 for g in got)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
 
 
 def test_reference_layout_freqs_cis_and_no_lm_head(tiny_copy):

@@ -137,6 +137,9 @@ BAD = [
     Bad(GENERATE, f"{MICRO} --temperature=nan", "--temperature=nan"),
     Bad(GENERATE, "--config=micro --random_weights --prompt_ids=", "the prompt is empty"),
     Bad(GENERATE, f"{MICRO} --json_out=/proc/x.json", "/proc/x.json: cannot write there"),
+    Bad(GENERATE, f"{MICRO} --mesh=model:x", "--mesh=model:x: expected model:N"),
+    Bad(GENERATE, f"{MICRO} --mesh=model:64", "needs 64 devices; 1 present"),
+    Bad(GENERATE, f"{MICRO} --mesh=model:2 --decode_gemv=pallas", "--decode_gemv=pallas runs on"),
 ]
 
 HELP = [

@@ -353,6 +353,7 @@ def test_stats_and_cost_model(micro):
     assert stats["new_tokens"] == 6 and len(stats["decode_latency_s"]) == 5
     assert stats["steps_per_token"] == 3 and stats["cache_len"] == 10
     assert stats["cache_bytes"] == out.cache.nbytes
+    assert (stats["model_shards"], stats["kv_heads"]) == (1, MICRO.n_heads)
     assert stats["weight_bytes"] == 4 * sum(x.size for x in jax.tree.leaves(nnx.state(micro)))
     assert stats["tokens_per_s"] == pytest.approx(2 * 5 / sum(stats["decode_latency_s"]))
     assert stats["achieved_gb_s"] > 0
@@ -365,6 +366,21 @@ def test_stats_and_cost_model(micro):
     assert total == pytest.approx(104.79e9 + 3.163e9 + 0.692e9 + kv, rel=1e-3)
     no_kv = decode_step_bytes(big, batch=1, context=0, iterations=32)
     assert total - no_kv == pytest.approx(kv, rel=1e-3)
+
+
+def test_decode_step_bytes_count_the_cache_s_padded_heads():
+    """Under a mesh the cache holds n_heads padded to a multiple of its "model" axis (55 -> 56
+    on 2 devices); the padded head's K/V are read and written like the others'."""
+    from jax.sharding import AbstractMesh
+
+    big = HuginnConfig.from_name("huginn_0125")
+    split = dataclasses.replace(big, mesh=AbstractMesh((2,), ("model",)))
+    assert split.attention_heads == 56
+    kw = dict(batch=2, context=100, iterations=5, coda_runs=3)
+    extra = decode_step_bytes(split, **kw) - decode_step_bytes(big, **kw)
+    layers = 5 * split.n_core + split.n_layers_in_prelude + 3 * split.n_layers_in_coda
+    one_head = 2 * 2 * split.head_dim * 2  # K and V, batch 2, bf16, one position
+    assert extra == layers * one_head * (100 + 1)
 
 
 # ---------------------------------------------------------------- command line
@@ -415,6 +431,12 @@ def test_cli_help_lists_its_flags_with_defaults():
         (
             ["--prompt_len=3", "--json_out=/proc/none/x.json"],
             "--json_out=/proc/none/x.json: cannot",
+        ),
+        (["--prompt_len=3", "--mesh=data:2"], "--mesh=data:2: expected model:N"),
+        (["--prompt_len=3", "--mesh=model:0"], "--mesh=model:0: expected model:N"),
+        (
+            ["--prompt_len=3", "--mesh=model:1", "--decode_attention=pallas"],
+            "--decode_attention=pallas runs on one device",
         ),
     ],
 )

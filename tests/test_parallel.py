@@ -36,7 +36,7 @@ FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_
 # name: (devices, command after `python`)
 CHILDREN = {
     "model": (4, "tests/parallel_worker.py model:2,4"),
-    "generation_train": (2, "tests/parallel_worker.py generation:2 train:2"),
+    "generation_train": (2, "tests/parallel_worker.py generation:2 program:2 train:2"),
     "allreduce": (
         2,
         "-m experiments.allreduce --context=256 --sweep=1 --chain=2 --warmup=1 --repeats=3 "
@@ -143,6 +143,16 @@ def test_generation_tokens_match_one_device(generation_train):
     assert out["adaptive"] == out["reference_adaptive"]
     assert out["adaptive_steps"][0] == out["reference_adaptive_steps"]
     assert out["cache_devices"] == 2
+    assert out["load_vs_shard_model"] == 0.0 and out["load_same_shardings"]
+
+
+def test_generate_program_on_a_mesh_matches_one_device(generation_train):
+    """`python -m huginn_jax.generate --mesh=model:2 --checkpoint=...`: the reference's greedy
+    tokens, which one device gives (test_generate)."""
+    out = generation_train["program"]["2"]
+    want = generation_train["generation"]["2"]["reference_greedy"][0]
+    assert out["tokens"] == [want, want]
+    assert out["counted"] == [2, 4]  # model shards, the cache's heads
 
 
 def test_data_parallel_losses_match_one_device(generation_train):

@@ -21,6 +21,7 @@ from huginn_jax.generate.options import (
     check_flags,
     check_memory,
     define_flags,
+    make_mesh,
     prompt_ids,
 )
 from huginn_jax.generate.stats import time_parts
@@ -38,10 +39,14 @@ _DTYPES = {
 
 def _config(F) -> HuginnConfig:
     """The model's shape from --checkpoint's config.json or --config, without loading weights,
-    with the kernel choices --decode_attention and --decode_gemv."""
+    with the kernel choices --decode_attention and --decode_gemv and the mesh of --mesh (which
+    starts the backend)."""
     config = _shape(F)
     return dataclasses.replace(
-        config, decode_attention_impl=F.decode_attention, decode_gemv=F.decode_gemv
+        config,
+        decode_attention_impl=F.decode_attention,
+        decode_gemv=F.decode_gemv,
+        mesh=make_mesh(F.mesh),
     )
 
 
@@ -63,13 +68,15 @@ def _shape(F) -> HuginnConfig:
 
 
 def _load_model(F, config: HuginnConfig) -> Huginn:
-    """--checkpoint's weights or random ones, under `config` (its kernel choices included)."""
+    """--checkpoint's weights or random ones, under `config` (its kernel choices and its mesh
+    included)."""
     from huginn_jax.checkpoint import from_pretrained
     from huginn_jax.model import random_init, with_config
 
+    dtype = _DTYPES[F.dtype]
     if F.checkpoint:
-        return with_config(from_pretrained(F.checkpoint, dtype=_DTYPES[F.dtype]), config)
-    return random_init(config, jax.random.key(F.seed), dtype=_DTYPES[F.dtype])
+        return with_config(from_pretrained(F.checkpoint, dtype=dtype, mesh=config.mesh), config)
+    return random_init(config, jax.random.key(F.seed), dtype=dtype)
 
 
 def _tokenizer(checkpoint: str | None, required: bool):

@@ -139,6 +139,13 @@ FLAGS = (
         DECODE_GEMV_IMPLS,
     ),
     (
+        "string",
+        "mesh",
+        "",
+        "Tensor parallelism: model:N splits every layer's heads and MLP columns over the first N "
+        "devices (XLA or cuDNN kernels only); '': one device.",
+    ),
+    (
         "bool",
         "breakdown",
         False,
@@ -204,6 +211,7 @@ def check_flags(F) -> None:
     if F.temperature == 0 and (F.top_k != 0 or F.top_p != 1):
         raise UsageError("--top_k and --top_p need --temperature > 0 (0 decodes greedily)")
     _check_exit(F)
+    _check_mesh(F)
     if F.json_out:
         try:
             check_writable(F.json_out)
@@ -230,11 +238,51 @@ def _check_exit(F) -> None:
         raise UsageError(f"--threshold={F.threshold}: --criterion={F.criterion} needs {valid}")
 
 
+def _check_mesh(F) -> None:
+    """--mesh: a "model" axis alone, and no kernel choice that runs on one device only."""
+    if not F.mesh:
+        return
+    model_shards(F.mesh)
+    for name in ("decode_attention", "decode_gemv"):
+        if F[name].value == "pallas":
+            raise UsageError(
+                f"--{name}=pallas runs on one device; --mesh={F.mesh} needs xla (or cudnn)"
+            )
+
+
+def model_shards(spec: str) -> int:
+    """N of --mesh=model:N; UsageError for a bad string or another axis."""
+    from huginn_jax import parallel
+
+    try:
+        sizes = parallel.parse_mesh_spec(spec)
+    except ValueError:
+        sizes = {}
+    if set(sizes) != {parallel.MODEL_AXIS}:
+        raise UsageError(f"--mesh={spec}: expected model:N with N >= 1 devices, e.g. model:2")
+    return sizes[parallel.MODEL_AXIS]
+
+
+def make_mesh(spec: str):
+    """The mesh of --mesh over the first N devices (None for ''); UsageError when fewer devices
+    are present. Starts the backend."""
+    from huginn_jax import parallel
+
+    if not spec:
+        return None
+    try:
+        return parallel.make_mesh({parallel.MODEL_AXIS: model_shards(spec)})
+    except ValueError as e:
+        raise UsageError(f"--mesh={spec}: {e}") from None
+
+
 def check_memory(config, plan, batch: int, dtype) -> None:
     """UsageError when the weights and the KV cache of `batch` copies of `plan`'s prompt, a lower
     bound of what generation holds, exceed what the device may allocate
-    (`huginn_jax.memory.available_bytes`; nothing is checked where that is unknown). Starts the
-    backend."""
+    (`huginn_jax.memory.available_bytes`; nothing is checked where that is unknown). Under a
+    mesh each accelerator holds at least 1/N of them; CPU devices share the host's memory.
+    Starts the backend."""
+    import jax
     import jax.numpy as jnp
 
     from huginn_jax.kv_cache import KVCache
@@ -250,11 +298,14 @@ def check_memory(config, plan, batch: int, dtype) -> None:
         strategy=plan.strategy,
     )
     available, where = available_bytes()
-    if available is not None and weights + cache > available:
+    shards = 1 if jax.devices()[0].platform == "cpu" else config.model_shards
+    need = (weights + cache) // shards
+    if available is not None and need > available:
+        each = f" ({shards} devices: {format_bytes(need)} each)" if shards > 1 else ""
         raise UsageError(
             f"--batch={batch}: the weights ({format_bytes(weights)}) and the KV cache of "
             f"{plan.cache_len} positions ({format_bytes(cache)}) need "
-            f"{format_bytes(weights + cache)}; {where} has {format_bytes(available)}"
+            f"{format_bytes(weights + cache)}{each}; {where} has {format_bytes(available)}"
         )
 
 

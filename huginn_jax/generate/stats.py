@@ -35,17 +35,23 @@ def decode_step_bytes(
     `context` cached positions), the prelude once, the coda and the tied head `coda_runs` times
     (an adaptive check runs them after every iteration). Each outer block counts like a Core
     layer: its weights, its K/V reads of `context` positions and its new K/V written.
+
+    K/V count the heads the cache holds, `config.attention_heads`: under a mesh the zero-padded
+    heads are stored, read and written like the others. Weights count once for the whole mesh
+    (the checkpoint's parameters, without padding or replicas).
     """
     core = costs.totals(
         costs.core_iteration_ops(
             config, batch=batch, context=context, mode="decode", dtype_bytes=dtype_bytes
         )
-    )
-    kv_entry = batch * config.n_heads * config.head_dim * dtype_bytes  # K or V, one position
+    )  # K/V of n_heads
+    per_head = batch * config.head_dim * dtype_bytes  # K or V of one head, one position
+    padding = 2 * per_head * (config.attention_heads - config.n_heads) * (context + 1)
+    kv_entry = per_head * config.attention_heads  # K or V, one position
     block = costs.block_param_count(config) * dtype_bytes + 2 * kv_entry * (context + 1)
     head = config.vocab_size * config.n_embd * dtype_bytes + batch * config.vocab_size * 4
     return (
-        iterations * core.hbm_bytes
+        iterations * (core.hbm_bytes + config.n_core * padding)
         + config.n_layers_in_prelude * block
         + coda_runs * (config.n_layers_in_coda * block + head)
     )
@@ -102,6 +108,8 @@ def generation_stats(
         "dtype": str(jnp.dtype(model.dtype)),
         "cache_len": cache.max_len,
         "cache_bytes": cache.nbytes,
+        "model_shards": cfg.model_shards,
+        "kv_heads": cfg.attention_heads,  # the cache's heads, padded under a mesh: counted in bytes
         "weight_bytes": weights,
         "compile_s": compile_s,
         "prefill_s": prefill_s,
