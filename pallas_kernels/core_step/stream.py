@@ -44,6 +44,9 @@ def n_pad_rows(m: int) -> int:
 
 
 def check_schedule(phases: tuple[Phase, ...], workers: int, ring: int, x_stages: int) -> None:
+    """ValueError unless the schedule can run: chained phases, and every worker owning more
+    units of each phase than the ring holds (a slot's next unit is then in the same phase or
+    the next one, the only ones `release` looks at)."""
     check_chained(phases)
     if not 1 <= ring <= MAX_RING:
         raise ValueError(f"ring={ring} must be in [1, {MAX_RING}]")
