@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 # command lines offer them.
 ATTENTION_IMPLS = ("xla", "cudnn", "mgpu")
 DECODE_ATTENTION_IMPLS = ("xla", "xla_split", "cudnn", "pallas")
-DECODE_GEMV_IMPLS = ("xla", "pallas")
+DECODE_GEMV_IMPLS = ("xla", "xla_rows8", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,10 +59,12 @@ class HuginnConfig:
     # split-KV kernel reading the cache slot in place: pallas_kernels.decode_attention). One of
     # DECODE_ATTENTION_IMPLS; huginn_jax.ops maps each name to its code.
     decode_attention_impl: str = "xla"
-    # A Core step at batch 1 and one position: "xla" (the plain layer code) or "pallas" (each
-    # matrix-vector product one kernel that returns split-K partial sums or applies the SiLU
-    # gate: huginn_jax.decode_row with pallas_kernels.fused_gemv). One of DECODE_GEMV_IMPLS;
-    # huginn_jax.ops maps each name to its code.
+    # A Core step at batch 1 and one position: "xla" (the plain layer code), "xla_rows8" (each
+    # matrix-vector product as the first row of an 8-row XLA product: a GEMM, not XLA's
+    # one-row reduction; huginn_jax.decode_row) or "pallas" (each matrix-vector product one
+    # kernel that returns split-K partial sums or applies the SiLU gate: huginn_jax.decode_row
+    # with pallas_kernels.fused_gemv). One of DECODE_GEMV_IMPLS; huginn_jax.ops maps each name
+    # to its code.
     decode_gemv: str = "xla"
     # Tensor parallelism (huginn_jax.parallel): a mesh whose "model" axis splits every layer's
     # heads and MLP columns across its devices, Megatron-style; None: one device. Under a mesh
@@ -251,18 +253,23 @@ def _show(value) -> str:
 
 def _check_mesh(cfg: HuginnConfig) -> None:
     """A mesh needs a "model" axis and kernels that XLA can partition: the Pallas kernels
-    (decode_attention_impl="pallas", decode_gemv="pallas", attention_impl="mgpu") run on one
-    device's whole arrays."""
+    (decode_attention_impl="pallas", attention_impl="mgpu") run on one device's whole arrays,
+    and the batch-1 row path (decode_gemv other than "xla") splits fused weights in the
+    checkpoint's column order."""
     if "model" not in cfg.mesh.axis_names:
         raise ValueError(
             f"the mesh has axes {cfg.mesh.axis_names}; tensor parallelism needs 'model'"
         )
-    single = {"attention_impl": "mgpu", "decode_attention_impl": "pallas", "decode_gemv": "pallas"}
+    single = {"attention_impl": "mgpu", "decode_attention_impl": "pallas"}
     for name, impl in single.items():
         if getattr(cfg, name) == impl:
             raise ValueError(
                 f"{name}={impl!r} runs on one device; a mesh needs an XLA or cuDNN choice"
             )
+    if cfg.decode_gemv != "xla":  # the row path reads fused weights in the checkpoint's order
+        raise ValueError(
+            f"decode_gemv={cfg.decode_gemv!r} is a batch-1 path of one device; a mesh needs 'xla'"
+        )
 
 
 huginn_0125 = HuginnConfig(n_embd=5280, n_heads=55, intermediate_size=17920, vocab_size=65536)

@@ -1,4 +1,5 @@
-"""Batch-1 decode of the Core through row GEMVs (`HuginnConfig(decode_gemv="pallas")`).
+"""Batch-1 decode of the Core through row GEMVs (`HuginnConfig(decode_gemv="pallas"` or
+`"xla_rows8")`).
 
 At batch 1 a decode iteration is 17 matrix-vector products. In the plain code XLA runs each
 split-K GEMV (cuBLAS) with its own reduction kernel and the gated MLP's SiLU as another kernel,
@@ -53,11 +54,28 @@ class PendingRow:
         return h, (h if norm_b is None else rms_norm(h, norm_b, eps))
 
 
+# Rows a one-row product is padded to by `row_gemv_padded` (the wgmma and cuBLAS tile height
+# of a small GEMM).
+PADDED_ROWS = 8
+
+
 def row_gemv_xla(w, x, *, silu=False, as_partials=False):
     """x [K] @ w [K, N]: [1, N] float32 partial sums (`as_partials`), the [N / 2] row
     silu(gate) * up (`silu`, w = [gate | up]) or the [N] row, in w's dtype, as `Linear` and
     `GatedMLP` compute them."""
-    y = jnp.matmul(x, w, precision=dot_precision(w.dtype))
+    return _finish(jnp.matmul(x, w, precision=dot_precision(w.dtype)), silu, as_partials)
+
+
+def row_gemv_padded(w, x, *, silu=False, as_partials=False):
+    """`row_gemv_xla` with x as the first of PADDED_ROWS rows, the others zero: XLA compiles
+    a one-row product as a reduction of its own, and an [8, K] @ [K, N] product as a GEMM
+    (cuBLAS on a GPU); the extra rows cost no extra weight bytes."""
+    rows = jnp.zeros((PADDED_ROWS, x.shape[0]), x.dtype).at[0].set(x)
+    return _finish(jnp.matmul(rows, w, precision=dot_precision(w.dtype))[0], silu, as_partials)
+
+
+def _finish(y, silu: bool, as_partials: bool):
+    """The row y [N] as `row_gemv_xla` returns it."""
     if as_partials:
         return y.astype(jnp.float32)[None]
     if silu:

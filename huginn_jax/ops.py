@@ -68,6 +68,10 @@ def row_gemv(name: str):
         from huginn_jax.decode_row import row_gemv_xla
 
         return row_gemv_xla
+    elif name == "xla_rows8":
+        from huginn_jax.decode_row import row_gemv_padded
+
+        return row_gemv_padded
     elif name == "pallas":
         from pallas_kernels.fused_gemv import fused_gemv
 

@@ -138,7 +138,7 @@ def test_cli_on_cpu_writes_json(tmp_path):
         "--config=micro",
         "--context=16",
         "--iterations=1,2",
-        "--impls=xla,xla_split,xla_pallas,xla_row_gemv,xla_mgpu",
+        "--impls=xla,xla_split,xla_pallas,xla_row_gemv,xla_rows8,xla_mgpu",
         "--repeats=2",
         "--warmup=1",
         f"--json_out={out}",
@@ -155,7 +155,7 @@ def test_cli_on_cpu_writes_json(tmp_path):
     assert all(r["ms_per_iteration"] > 0 for r in data["records"])
     assert data["records"][0]["xla_report"]["big_buffer_copies"] == []
     # The other decode paths compute what xla computes (bf16, so not bit for bit).
-    for impl in ("xla_split", "xla_pallas", "xla_row_gemv"):
+    for impl in ("xla_split", "xla_pallas", "xla_row_gemv", "xla_rows8"):
         checks = [c for c in data["checks"] if c["impl"] == impl]
         assert len(checks) == 4 and all(c["passed"] and c["reference"] == "xla" for c in checks)
         assert all(c["rel_err"] <= c["tolerance"] for c in checks)

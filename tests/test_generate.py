@@ -438,6 +438,10 @@ def test_cli_help_lists_its_flags_with_defaults():
             ["--prompt_len=3", "--mesh=model:1", "--decode_attention=pallas"],
             "--decode_attention=pallas runs on one device",
         ),
+        (
+            ["--prompt_len=3", "--mesh=model:1", "--decode_gemv=xla_rows8"],
+            "--decode_gemv=xla_rows8 is a batch-1 path of one device",
+        ),
     ],
 )
 def test_cli_refuses_bad_values_before_any_loading(args, message):

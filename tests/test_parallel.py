@@ -257,13 +257,12 @@ def test_mesh_config_errors():
     mesh = parallel.make_mesh({"model": 1})
     cfg = dataclasses.replace(UNEVEN, mesh=mesh)
     assert (cfg.model_shards, cfg.attention_heads, cfg.mlp_width) == (1, 3, 50)
-    for choice in (
-        dict(decode_attention_impl="pallas"),
-        dict(decode_gemv="pallas"),
-        dict(attention_impl="mgpu"),
-    ):
+    for choice in (dict(decode_attention_impl="pallas"), dict(attention_impl="mgpu")):
         with pytest.raises(ValueError, match="runs on one device"):
             dataclasses.replace(cfg, **choice)
+    for gemv in ("pallas", "xla_rows8"):
+        with pytest.raises(ValueError, match="batch-1 path of one device"):
+            dataclasses.replace(cfg, decode_gemv=gemv)
     with pytest.raises(ValueError, match="needs 'model'"):
         dataclasses.replace(UNEVEN, mesh=parallel.make_mesh({"data": 1}))
     with pytest.raises(ValueError, match="needs 2 devices"):

@@ -90,7 +90,7 @@ stage_compile_modes() {
   done
 }
 
-CORE_IMPLS=xla,xla_cudnn,xla_pallas,torch_compile,torch_graph,torch_eager,torch_reference,torch_teaching
+CORE_IMPLS=xla,xla_cudnn,xla_pallas,xla_rows8,torch_compile,torch_graph,torch_eager,torch_reference,torch_teaching
 
 stage_core() {
   local d=$1 i

@@ -18,6 +18,8 @@ random, never zeros); prefill = `context` new positions from position 0. Impleme
                   split-K partial sums unreduced or applies the SiLU gate, XLA adding the
                   partials up where it builds the next row (huginn_jax.decode_row with
                   pallas_kernels.fused_gemv)
+  xla_rows8       as xla_pallas, and at batch 1 each GEMV the first row of an 8-row XLA
+                  product (a GEMM, not XLA's one-row reduction; huginn_jax.decode_row)
   xla_mgpu        as xla_pallas, prefill attention by jax's Mosaic GPU flash attention on
                   float16 copies (the model's attention_impl="mgpu"; GPU only)
   torch_compile   the same Core in PyTorch, the fast Core's iteration through torch.compile

@@ -24,6 +24,7 @@ XLA_VARIANTS = {
     "xla_split": {"decode_attention_impl": "xla_split"},
     "xla_pallas": {"decode_attention_impl": "pallas"},
     "xla_row_gemv": {"decode_attention_impl": "pallas", "decode_gemv": "pallas"},
+    "xla_rows8": {"decode_attention_impl": "pallas", "decode_gemv": "xla_rows8"},
     "xla_mgpu": {"attention_impl": "mgpu", "decode_attention_impl": "pallas"},
 }
 GPU_ONLY_IMPLS = (*CUDA_ONLY_IMPLS, "xla_cudnn", "xla_mgpu")

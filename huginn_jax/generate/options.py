@@ -243,11 +243,15 @@ def _check_mesh(F) -> None:
     if not F.mesh:
         return
     model_shards(F.mesh)
-    for name in ("decode_attention", "decode_gemv"):
-        if F[name].value == "pallas":
-            raise UsageError(
-                f"--{name}=pallas runs on one device; --mesh={F.mesh} needs xla (or cudnn)"
-            )
+    if F.decode_attention == "pallas":
+        raise UsageError(
+            f"--decode_attention=pallas runs on one device; --mesh={F.mesh} needs xla (or cudnn)"
+        )
+    if F.decode_gemv != "xla":
+        raise UsageError(
+            f"--decode_gemv={F.decode_gemv} is a batch-1 path of one device; --mesh={F.mesh} "
+            "needs xla"
+        )
 
 
 def model_shards(spec: str) -> int:
