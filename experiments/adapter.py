@@ -350,15 +350,15 @@ def main(argv: list[str]) -> None:
         *bytes_needed(cfg, max(ms), FLAGS.calls),
         hint="use a smaller --m or fewer --calls",
     )
-    device_kind = jax.devices()[0].device_kind
-    ceilings = bench.load_ceilings(device_kind, FLAGS.ceilings)
-    if cpu_line:
-        print(cpu_line)
-    records: list[dict] = []
-    with program.keep_partial(FLAGS.json_out, lambda: bench.payload(records, ceilings)):
-        run(ms, ceilings, records)
-    table = format_table(records)
-    bench.finish("adapter", FLAGS.json_out, records, table, ceilings, device_kind, CASE_KEYS)
+    bench.measure_and_finish(
+        "adapter",
+        lambda records, ceilings: run(ms, ceilings, records),
+        format_table,
+        cpu_line=cpu_line,
+        json_out=FLAGS.json_out,
+        ceilings_path=FLAGS.ceilings,
+        case_keys=CASE_KEYS,
+    )
 
 
 if __name__ == "__main__":

@@ -332,21 +332,33 @@ def payload(
     }
 
 
-def finish(
+def measure_and_finish(
     name: str,
+    measure: Callable[[list[dict[str, Any]], ceilings_lib.Ceilings | None], None],
+    format_table: Callable[[list[dict[str, Any]]], str],
+    *,
+    cpu_line: str | None,
     json_out: str,
-    records: list[dict[str, Any]],
-    table: str,
-    ceilings: ceilings_lib.Ceilings | None,
-    device_kind: str,
+    ceilings_path: str,
     case_keys: Sequence[str],
 ) -> None:
-    """The end of a comparison program's run: the results JSON (`payload`, "complete": true;
-    none for an empty `json_out`) and its path, the table, the ceilings line, then exit status 1
-    when a row failed its check (`fail_on_check`), so the results are kept."""
+    """The end of a comparison program's main: this device's ceilings, the CPU line, then
+    `measure(records, ceilings)` appending its rows (kept, "complete": false, on an interrupt);
+    then the results JSON (`payload`, "complete": true; none for an empty `json_out`) and its
+    path, the table, the ceilings line, and exit status 1 when a row failed its check
+    (`fail_on_check`), so the results are kept."""
+    import jax
+
+    device_kind = jax.devices()[0].device_kind
+    ceilings = load_ceilings(device_kind, ceilings_path)
+    if cpu_line:
+        print(cpu_line)
+    records: list[dict[str, Any]] = []
+    with program.keep_partial(json_out, lambda: payload(records, ceilings)):
+        measure(records, ceilings)
     if json_out:
         complete = {**payload(records, ceilings), "complete": True}
         print(f"results: {program.write_results(json_out, complete)}")
-    print(table)
+    print(format_table(records))
     print(ceilings_line(ceilings, device_kind))
     fail_on_check(name, records, case_keys)

@@ -365,16 +365,14 @@ def main(argv: list[str]) -> None:
     cpu_line = program.cpu_defaults(CPU_DEFAULTS)
     batches, contexts, impls = check_flags()  # with the CPU's values
     check_memory(batches, contexts, impls)
-    device_kind = jax.devices()[0].device_kind
-    ceilings = bench.load_ceilings(device_kind, FLAGS.ceilings)
-    if cpu_line:
-        print(cpu_line)
-    records: list[dict] = []
-    with program.keep_partial(FLAGS.json_out, lambda: bench.payload(records, ceilings)):
-        run(batches, contexts, impls, ceilings, records)
-    table = format_table(records)
-    bench.finish(
-        "decode_attention", FLAGS.json_out, records, table, ceilings, device_kind, CASE_KEYS
+    bench.measure_and_finish(
+        "decode_attention",
+        lambda records, ceilings: run(batches, contexts, impls, ceilings, records),
+        format_table,
+        cpu_line=cpu_line,
+        json_out=FLAGS.json_out,
+        ceilings_path=FLAGS.ceilings,
+        case_keys=CASE_KEYS,
     )
 
 

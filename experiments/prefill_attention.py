@@ -291,16 +291,14 @@ def main(argv: list[str]) -> None:
         *bytes_needed(max(batches), max(token_counts), impls),
         hint="use fewer --tokens, a smaller --batch or fewer --sets",
     )
-    device_kind = jax.devices()[0].device_kind
-    ceilings = bench.load_ceilings(device_kind, FLAGS.ceilings)
-    if cpu_line:
-        print(cpu_line)
-    records: list[dict] = []
-    with program.keep_partial(FLAGS.json_out, lambda: bench.payload(records, ceilings)):
-        run(batches, token_counts, impls, ceilings, records)
-    table = format_table(records)
-    bench.finish(
-        "prefill_attention", FLAGS.json_out, records, table, ceilings, device_kind, CASE_KEYS
+    bench.measure_and_finish(
+        "prefill_attention",
+        lambda records, ceilings: run(batches, token_counts, impls, ceilings, records),
+        format_table,
+        cpu_line=cpu_line,
+        json_out=FLAGS.json_out,
+        ceilings_path=FLAGS.ceilings,
+        case_keys=CASE_KEYS,
     )
 
 

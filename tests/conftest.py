@@ -41,7 +41,13 @@ def prefill_then_decode(
     return np.concatenate(logits, axis=1), out.cache
 
 
+# The test items this run selected (after -k and -m), for fixtures that start work for them ahead.
+SELECTED_ITEMS = pytest.StashKey[list]()
+
+
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected
 def pytest_collection_modifyitems(config, items):
+    config.stash[SELECTED_ITEMS] = items  # the list pytest runs
     if jax.default_backend() == "gpu":
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import TINY_A
+from conftest import SELECTED_ITEMS, TINY_A
 
 REPO = Path(__file__).resolve().parent.parent
 KEPT = '{"kept": true}\n'  # what an existing --json_out holds before a failing run
@@ -207,7 +207,7 @@ def runs(request, tmp_path_factory):
     paths = _damaged_checkpoints(root)
     wanted = [
         item.callspec.params["case"]
-        for item in request.session.items
+        for item in request.config.stash[SELECTED_ITEMS]
         if item.module is request.module and hasattr(item, "callspec")
     ]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
