@@ -399,7 +399,7 @@ def main(argv: list[str]) -> None:
         print(f"note: {line}")
     if FLAGS.json_out:
         result = {
-            "jax": {**jax_gen.stats, "tokens": jax_gen.tokens.tolist()},
+            "jax": measured["jax"],
             "torch": details,
             "records": records,
             "conformance": checks,
