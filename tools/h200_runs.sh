@@ -42,7 +42,8 @@ python3 -c "from flax import nnx; nnx.List" 2>/dev/null || pip install -q --no-d
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,power.draw --format=csv,noheader
 T0=$(date +%s)
 stamp() { echo "[$(($(date +%s) - T0)) s] $*"; }
-CEILINGS=""
+# the ceilings of the last run kept in the tree until this call measures its own
+CEILINGS=""; [ -f results/h200/ceilings.json ] && CEILINGS="--ceilings=results/h200/ceilings.json"
 
 stage_ceilings() {
   local d=$1
