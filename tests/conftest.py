@@ -1,4 +1,5 @@
-"""Shared test set-up: GPU-only tests (marked `gpu`) are skipped where JAX has no GPU."""
+"""Shared test set-up: GPU-only tests (marked `gpu`) are skipped where JAX has no GPU; the data
+folder, the micro model and helpers that several test files use."""
 
 from pathlib import Path
 
@@ -7,7 +8,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-TINY_A = Path(__file__).parent / "data" / "huginn_tiny_a"
+import huginn_jax
+from huginn_jax.config import HuginnConfig
+
+DATA = Path(__file__).parent / "data"
+TINY_A = DATA / "huginn_tiny_a"
+MICRO = HuginnConfig.from_name("micro")
+
+
+@pytest.fixture(scope="module")
+def micro():
+    return huginn_jax.random_init(MICRO, jax.random.key(0))
+
+
+def micro_prompt(batch, tokens, seed=1):
+    return np.asarray(
+        jax.random.randint(jax.random.key(seed), (batch, tokens), 0, MICRO.vocab_size)
+    )
 
 
 def prefill_then_decode(
@@ -17,7 +34,6 @@ def prefill_then_decode(
     prefill `prompt_len` random tokens into a `max_len` cache, then decode `steps` tokens one at
     a time, 2 Core iterations each. Returns the decode steps' logits [batch, steps, V] and the
     cache."""
-    import huginn_jax
     from huginn_jax.model import initial_state
 
     total = prompt_len + steps

@@ -1,28 +1,24 @@
-"""Generation: conformance with the reference, exit criteria, batches, sampling, errors, CLI.
+"""Generation: conformance with the reference, per-sequence exits in a batch, prefill and
+attention windows, sampling, continuous thought, errors, statistics and the cost model.
 
 Compilations dominate the run time, so tests share settings (and thus executables) on purpose.
 """
 
 import dataclasses
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY_A
+from conftest import MICRO, TINY_A, micro_prompt
 from flax import nnx
 
 import huginn_jax
 from huginn_jax.config import HuginnConfig
 from huginn_jax.generate import (
-    CRITERIA,
     StepSpec,
     decode_step_bytes,
-    exit_schedule,
     generate,
     make_plan,
     sample_token,
@@ -30,7 +26,6 @@ from huginn_jax.generate import (
 )
 from huginn_jax.generate.step import _step_jit
 
-MICRO = HuginnConfig.from_name("micro")
 EXIT_AT = (jnp.float32(5e-4), jnp.int32(0))
 # The reference's adaptive run (README (e)); cache_len fixed so that every use shares executables.
 ADAPTIVE = dict(num_steps=16, criterion="kl", threshold=5e-4, init_scale=0.0, cache_len=12)
@@ -44,17 +39,6 @@ def reference():
 @pytest.fixture(scope="module")
 def tiny():
     return huginn_jax.from_pretrained(TINY_A, dtype=jnp.float32)
-
-
-@pytest.fixture(scope="module")
-def micro():
-    return huginn_jax.random_init(MICRO, jax.random.key(0))
-
-
-def micro_prompt(batch, tokens, seed=1):
-    return np.asarray(
-        jax.random.randint(jax.random.key(seed), (batch, tokens), 0, MICRO.vocab_size)
-    )
 
 
 # ---------------------------------------------------------------- conformance (README (d), (e))
@@ -108,88 +92,6 @@ def test_each_sequence_exits_on_its_own_and_then_stays_unchanged(tiny, reference
             got = np.asarray(getattr(both.cache, name))[:, b]
             want = np.asarray(getattr(alone.cache, name))[:, 0]
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-
-
-# ---------------------------------------------------------------- exit criteria
-
-
-def test_kl_exits_at_first_small_step_after_min_steps():
-    a, b = np.log([0.7, 0.2, 0.1]), np.log([0.2, 0.7, 0.1])
-    # row 0: A, B, B, B, B, B (KL 0 from step 2 on); row 1: A, A, B, B, B, B
-    logits = np.stack([[a, a], [b, a], [b, b], [b, b], [b, b], [b, b]])
-    states = np.ones((6, 2, 1, 4))
-    ex = exit_schedule("kl", logits, states)
-    np.testing.assert_array_equal(ex.steps, [3, 2])  # row 1: step 2 repeats A, so KL = 0
-    assert np.isnan(ex.values[0, 3:]).all() and np.isnan(ex.values[1, 2:]).all()
-    uniform = np.full(3, -np.log(3))
-    first = np.sum(np.exp(uniform) * (uniform - a))  # KL(uniform || A)
-    np.testing.assert_allclose(ex.values[:, 0], [first, first], rtol=1e-5)
-    np.testing.assert_array_equal(exit_schedule("kl", logits, states, min_steps=5).steps, [5, 5])
-    never = exit_schedule("kl", logits, states, threshold=-1.0)
-    np.testing.assert_array_equal(never.steps, [6, 6])  # the cap
-
-
-def test_entropy_diff_looks_at_entropy_only():
-    a = np.log([0.7, 0.2, 0.1])
-    permuted, flat = a[[2, 0, 1]], np.zeros(3)
-    # a permutation keeps the entropy: row 0 exits at step 2 although its argmax changed
-    logits = np.stack([[a, a], [permuted, flat], [permuted, flat]])
-    ex = exit_schedule("entropy-diff", logits, np.ones((3, 2, 1, 4)))
-    np.testing.assert_array_equal(ex.steps, [2, 3])
-    entropy = -np.sum(np.exp(a) * a)
-    np.testing.assert_allclose(ex.values[0, :2], [100 - entropy, 0.0], atol=1e-5)
-
-
-def test_latent_diff_is_relative_change_averaged_over_positions():
-    u = np.random.default_rng(0).normal(size=(2, 8))  # 2 positions
-    scales = [1.0, 1.5, 1.51, 1.52]
-    states = np.stack([[s * u] for s in scales])  # [S, B=1, T=2, D]
-    ex = exit_schedule("latent-diff", np.zeros((4, 1, 3)), states, threshold=0.03)
-    np.testing.assert_allclose(ex.values[0, :3], [1.0, 0.5 / 1.5, 0.01 / 1.51], rtol=1e-5)
-    np.testing.assert_array_equal(ex.steps, [3])
-    # the mean over positions: at step 2 position 0 changes by 0.01 / 1.51, 1 by 0.05 / 1.05
-    mixed = states.copy()
-    mixed[2, 0, 1] = mixed[1, 0, 1] * 1.05
-    mixed[3] = mixed[2]
-    mean = (0.01 / 1.51 + 0.05 / 1.05) / 2  # 2.7 %
-    for threshold, steps in ((0.03, 3), (0.02, 4)):
-        ex = exit_schedule("latent-diff", np.zeros((4, 1, 3)), mixed, threshold=threshold)
-        np.testing.assert_allclose(ex.values[0, 2], mean, rtol=1e-5)
-        np.testing.assert_array_equal(ex.steps, [steps])
-
-
-def test_argmax_stability_counts_unchanged_steps():
-    def onehot(i):
-        return np.eye(4)[i] * 5
-
-    sequence = [1, 2, 2, 2, 2, 0, 0]  # argmax unchanged at steps 2, 3, 4 -> count 3 at step 4
-    logits = np.stack([[onehot(i)] for i in sequence])
-    ex = exit_schedule("argmax-stability", logits, np.ones((7, 1, 1, 2)), threshold=3)
-    np.testing.assert_array_equal(ex.values[0, :5], [0, 0, 1, 2, 3])
-    np.testing.assert_array_equal(ex.steps, [5])
-    assert CRITERIA["argmax-stability"].default_threshold == 5
-
-
-@pytest.mark.parametrize("criterion", list(CRITERIA))
-def test_loop_exits_where_its_recorded_values_say(micro, criterion):
-    """The compiled loop, per criterion: run without exit to record the values, pick a threshold,
-    and check each sequence stops at the first step its value passes it (and not before
-    min_steps). Threshold and min_steps are arguments: these runs share one executable."""
-    prompts = micro_prompt(2, 5)
-    settings = dict(num_steps=12, criterion=criterion, init_scale=0.0, cache_len=8)
-    at_least = CRITERIA[criterion].exit_when_at_least
-    never = generate(micro, prompts, 1, threshold=1e9 if at_least else -1.0, **settings)
-    values = never.exit_values[:, 0]  # [B, 12] from the prefill
-    assert not np.isnan(values).any() and np.all(never.steps == 12)
-    threshold = 3.0 if at_least else float(np.sort(values[0])[5]) * 1.0001
-    for min_steps in (0, 4):
-        out = generate(micro, prompts, 1, threshold=threshold, min_steps=min_steps, **settings)
-        passes = values >= threshold if at_least else values < threshold
-        passes[:, : max(min_steps - 1, 0)] = False
-        expected = np.where(passes.any(axis=1), passes.argmax(axis=1) + 1, 12)
-        np.testing.assert_array_equal(out.steps[:, 0], expected)
-        ran = ~np.isnan(out.exit_values[:, 0])
-        np.testing.assert_array_equal(out.exit_values[:, 0][ran], values[ran])
 
 
 # ---------------------------------------------------------------- sampling
@@ -381,192 +283,3 @@ def test_decode_step_bytes_count_the_cache_s_padded_heads():
     layers = 5 * split.n_core + split.n_layers_in_prelude + 3 * split.n_layers_in_coda
     one_head = 2 * 2 * split.head_dim * 2  # K and V, batch 2, bf16, one position
     assert extra == layers * one_head * (100 + 1)
-
-
-# ---------------------------------------------------------------- command line
-
-
-def _cli(*args, cwd=None):
-    return subprocess.run(
-        [sys.executable, "-m", "huginn_jax.generate", "--noprogress", *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd or Path(__file__).parents[1],
-        timeout=300,
-    )
-
-
-def test_cli_bad_input_exits_2_with_one_line():
-    result = _cli("--config=micro", "--random_weights", "--prompt_ids=", "--max_new_tokens=2")
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
-        "generate: the prompt is empty (input_ids shape (1, 0)); give at least a token"
-    ]
-
-
-def test_cli_help_lists_its_flags_with_defaults():
-    out = " ".join(_cli("--help").stdout.split())  # absl wraps the help text
-    assert "--prompt_len: A random prompt of this many token ids" in out
-    assert "--max_new_tokens: Tokens to generate per sequence (>= 1). (default: '32')" in out
-    assert "kl 0.0005" in out and "argmax-stability 5" in out
-
-
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["--prompt_len=-4"], "--prompt_len=-4: must be positive"),
-        (["--prompt_len=3", "--criterion=kl", "--threshold=-1"], "needs > 0"),
-        (["--prompt_len=3", "--criterion=argmax-stability", "--threshold=0"], "needs >= 1"),
-        (["--prompt_len=3", "--threshold=0.1"], "--threshold applies to an adaptive exit"),
-        (["--prompt_len=3", "--min_steps=2"], "--min_steps applies to an adaptive exit"),
-        (["--prompt_len=3", "--criterion=kl", "--min_steps=40"], "--min_steps=40: must lie in"),
-        (["--prompt_len=3", "--cache_len=-5"], "--cache_len=-5: must be >= 0"),
-        (["--prompt_len=3", "--seed=-1"], "--seed=-1: must be >= 0"),
-        (["--prompt_len=3", "--batch=0"], "--batch=0: must be at least 1"),
-        (["--prompt_len=3", "--temperature=nan"], "--temperature=nan: must be a number >= 0"),
-        (["--prompt_len=3", "--top_k=5"], "need --temperature > 0"),
-        (["--prompt_len=3", "--temperature=1", "--top_p=0"], r"--top_p=0.0: must lie in \(0, 1\]"),
-        (["--prompt_ids=1,-2"], "token ids >= 0"),
-        (["--prompt_len=3", "--checkpoint=x", "--random_weights"], "goes with --config"),
-        (
-            ["--prompt_len=3", "--json_out=/proc/none/x.json"],
-            "--json_out=/proc/none/x.json: cannot",
-        ),
-        (["--prompt_len=3", "--mesh=data:2"], "--mesh=data:2: expected model:N"),
-        (["--prompt_len=3", "--mesh=model:0"], "--mesh=model:0: expected model:N"),
-        (
-            ["--prompt_len=3", "--mesh=model:1", "--decode_attention=pallas"],
-            "--decode_attention=pallas runs on one device",
-        ),
-        (
-            ["--prompt_len=3", "--mesh=model:1", "--decode_gemv=xla_rows8"],
-            "--decode_gemv=xla_rows8 is a batch-1 path of one device",
-        ),
-    ],
-)
-def test_cli_refuses_bad_values_before_any_loading(args, message):
-    """Every flag is checked against its range before a config, weights or a compile."""
-    from absl import flags
-
-    from huginn_jax.generate import options
-
-    fv = flags.FlagValues()
-    options.define_flags(fv)
-    fv(["prog", "--config=micro", *args])
-    with pytest.raises(options.UsageError, match=message):
-        options.check_flags(fv)
-
-
-def test_cli_kernel_flags_offer_the_configs_names():
-    """--decode_attention and --decode_gemv accept exactly HuginnConfig's lists of names."""
-    from absl import flags
-
-    from huginn_jax.config import DECODE_ATTENTION_IMPLS, DECODE_GEMV_IMPLS
-    from huginn_jax.generate import cli
-
-    fv = flags.FlagValues()
-    cli.define_flags(fv)
-    assert fv["decode_attention"].parser.enum_values == list(DECODE_ATTENTION_IMPLS)
-    assert fv["decode_gemv"].parser.enum_values == list(DECODE_GEMV_IMPLS)
-    fv(["prog", "--decode_attention=pallas", "--decode_gemv=pallas"])
-    assert (fv.decode_attention, fv.decode_gemv) == ("pallas", "pallas")
-
-
-def test_cli_kernel_choices(tmp_path):
-    """Every --decode_attention and --decode_gemv generates the default's float32 tokens (the
-    Pallas kernels in interpret mode without a GPU); cuDNN (bf16 only) runs in bf16 on a GPU and
-    ends in one line saying so without one; an unknown name ends in one line listing the known
-    ones."""
-    from huginn_jax.config import DECODE_ATTENTION_IMPLS, DECODE_GEMV_IMPLS
-
-    on_gpu = jax.default_backend() == "gpu"
-    runs = [(impl, "xla") for impl in DECODE_ATTENTION_IMPLS] + [
-        ("xla", gemv) for gemv in DECODE_GEMV_IMPLS if gemv != "xla"
-    ]
-    tokens = {}
-    for attention, gemv in runs:
-        out = tmp_path / f"{attention}_{gemv}.json"
-        dtype = "bf16" if attention == "cudnn" else "f32"
-        result = _cli(
-            "--config=micro", "--random_weights", f"--dtype={dtype}", "--prompt_len=20",
-            "--max_new_tokens=4", "--num_steps=3", f"--decode_attention={attention}",
-            f"--decode_gemv={gemv}", f"--json_out={out}",
-        )  # fmt: skip
-        if attention == "cudnn" and not on_gpu:
-            assert result.returncode == 2
-            assert result.stderr.strip().splitlines() == [
-                "generate: decode_attention_impl='cudnn' needs an NVIDIA GPU (cuDNN's fused "
-                f"attention); the backend here is {jax.default_backend()}"
-            ]
-            continue
-        assert result.returncode == 0, result.stderr
-        if dtype != "f32":  # other roundings, other tokens
-            continue
-        data = json.loads(out.read_text())
-        flags = data["flags"]
-        assert (flags["decode_attention"], flags["decode_gemv"]) == (attention, gemv)
-        tokens[attention, gemv] = data["tokens"]
-    assert len(tokens["xla", "xla"][0]) == 4
-    assert all(t == tokens["xla", "xla"] for t in tokens.values()), tokens
-    refused = _cli("--config=micro", "--random_weights", "--decode_attention=flash")
-    assert refused.returncode == 2
-    assert refused.stderr.strip().splitlines() == [
-        "generate: flag --decode_attention=flash: value should be one of "
-        f"<{'|'.join(DECODE_ATTENTION_IMPLS)}>"
-    ]
-
-
-def test_cli_checkpoint_takes_the_kernel_choices(micro, tmp_path):
-    """A --checkpoint model runs with the flags' kernel choices, not its config.json's defaults:
-    without a GPU cuDNN is refused as with --config; on a GPU the Pallas kernels generate the
-    default's tokens."""
-    checkpoint = tmp_path / "ckpt"
-    huginn_jax.save_pretrained(micro, checkpoint)
-    args = [f"--checkpoint={checkpoint}", "--dtype=f32", "--prompt_ids=1,2,3", "--num_steps=2"]
-    args.append("--max_new_tokens=3")
-    if jax.default_backend() != "gpu":
-        result = _cli(*args, "--decode_attention=cudnn")
-        assert result.returncode == 2
-        assert "generate: decode_attention_impl='cudnn' needs an NVIDIA GPU" in result.stderr
-        return
-    tokens = []
-    for impl in ("xla", "pallas"):
-        out = tmp_path / f"{impl}.json"
-        kernels = [f"--decode_attention={impl}", f"--decode_gemv={impl}"]
-        result = _cli(*args, *kernels, f"--json_out={out}")
-        assert result.returncode == 0, result.stderr
-        tokens.append(json.loads(out.read_text())["tokens"])
-    assert tokens[0] == tokens[1]
-
-
-def test_cli_runs_and_writes_json(micro, tmp_path):
-    tokenizers = pytest.importorskip(
-        "tokenizers", reason='needs tokenizers: pip install -e ".[text]"'
-    )
-    checkpoint = tmp_path / "ckpt"
-    huginn_jax.save_pretrained(micro, checkpoint)
-    vocab = {f"w{i}": i for i in range(MICRO.vocab_size)}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    tok.save(str(checkpoint / "tokenizer.json"))
-    out = tmp_path / "out.json"
-    result = _cli(
-        f"--checkpoint={checkpoint}",
-        "--dtype=f32",
-        "--prompt=w3 w5 w7",
-        "--max_new_tokens=3",
-        "--num_steps=2",
-        "--criterion=kl",
-        "--threshold=1e-3",
-        f"--json_out={out}",
-    )
-    assert result.returncode == 0, result.stderr
-    data = json.loads(out.read_text())
-    assert data["flags"]["prompt"] == "w3 w5 w7" and data["flags"]["criterion"] == "kl"
-    stats = data["stats"]
-    assert stats["prompt_len"] == 3 and stats["strategy"] == "latest-m4"
-    assert len(data["tokens"][0]) == 3 and all(1 <= s <= 2 for s in data["steps"][0])
-    for key in ("latency_median_s", "tokens_per_s", "achieved_gb_s", "cache_bytes"):
-        assert stats[key] is not None
-    assert result.stdout.startswith("[0] 'w")  # the decoded text, then the table
-    assert "tokens/s" in result.stdout

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import huginn_jax
-from huginn_jax import tasks, train
+from huginn_jax import evaluation, tasks, train
 from huginn_jax.config import HuginnConfig
 from huginn_jax.model import embed, initial_state, run_coda, run_prelude
 from huginn_jax.orbax_checkpoint import TrainCheckpoints
@@ -164,7 +164,7 @@ def test_loss_falls_with_one_compile(trained):
 def test_evaluate_matches_model_calls(trained, setup):
     graphdef = setup[0]
     model = train.merge_model(graphdef, trained[0].params)
-    result = train.evaluate(
+    result = evaluation.evaluate(
         model, TASK, jax.random.key(5), iterations=[1, 3], num_examples=8, batch=8, init_scale=0.0
     )
     data = TASK.sample(jax.random.split(jax.random.fold_in(jax.random.key(5), 0))[0], 8)

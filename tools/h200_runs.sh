@@ -56,7 +56,8 @@ stage_tests() {
   # $TEST_SHARDS parallel pytest processes (compilation is CPU-bound); junit XML per shard, then
   # the counts per file
   local d=$1 limit=${TEST_TIMEOUT:-420} shards=${TEST_SHARDS:-12} i
-  local files="tests/test_torch_ref.py tests/test_core.py tests/test_generate_vs_torch.py tests/test_chain.py"
+  local files="tests/test_torch_ref.py tests/test_core.py tests/test_generate_vs_torch.py tests/test_chain.py \
+    tests/test_chain_runners.py tests/test_chain_cli.py"
   { python3 -m pytest -q --collect-only -m gpu tests; python3 -m pytest -q --collect-only $files; } \
     2>/dev/null | grep "::" | sort -u > "$d/test_ids.txt"
   for i in $(seq 0 $((shards - 1))); do

@@ -62,6 +62,7 @@ def run(opts: Options, notes: list[str]) -> dict[str, Any]:
     import huginn_jax
     from experiments.measure import results as results_lib
     from huginn_jax import train
+    from huginn_jax.evaluation import evaluate
 
     def note(message: str) -> None:
         notes.append(message)
@@ -76,7 +77,7 @@ def run(opts: Options, notes: list[str]) -> dict[str, Any]:
     eval_kwargs = opts.eval_kwargs()
     t0 = time.perf_counter()
     key = jax.random.fold_in(jax.random.key(seed), 2)
-    evaluation = train.evaluate(model, task, key, **eval_kwargs)
+    evaluation = evaluate(model, task, key, **eval_kwargs)
     eval_s = time.perf_counter() - t0
     export_dir = opts.paths.export_dir
     if export_dir is not None:

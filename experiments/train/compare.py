@@ -141,6 +141,7 @@ def compare_random(trained, task, *, eval_kwargs: dict, num_steps: int, repeats:
     import jax
 
     from huginn_jax import train
+    from huginn_jax.evaluation import evaluate
 
     graphdef, params = train.init_params(trained.config, jax.random.key(seed + 7919))
     random_model = train.merge_model(graphdef, params, trained.dtype)
@@ -148,7 +149,7 @@ def compare_random(trained, task, *, eval_kwargs: dict, num_steps: int, repeats:
     decode = time_decoders(models, task, num_steps=num_steps, repeats=repeats, seed=seed)
     out: dict[str, Any] = {}
     for name, model in models.items():
-        evaluation = train.evaluate(model, task, jax.random.key(seed + 3), **eval_kwargs)
+        evaluation = evaluate(model, task, jax.random.key(seed + 3), **eval_kwargs)
         out[name] = {
             "decode": decode[name],
             "adaptive_exit": evaluation["adaptive_exit"],

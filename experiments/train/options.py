@@ -309,7 +309,7 @@ class Options:
     data_devices: int = 1  # --mesh=data:N
 
     def eval_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of `huginn_jax.train.evaluate` for this run."""
+        """Keyword arguments of `huginn_jax.evaluation.evaluate` for this run."""
         return dict(
             iterations=self.eval_iterations,
             num_examples=self.eval_examples,

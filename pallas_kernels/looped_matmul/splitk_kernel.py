@@ -28,7 +28,7 @@ per step, as the unfused chain. Grid barrier: one global epoch counter, every wo
 With `cfg.sync == "flags"` the steps wait instead on per-column-group counters
 (barrier.GroupFlags: only for the groups whose columns are the worker's K range).
 
-Tests (tests/test_looped_matmul.py): on CPU, lowering for sm_90 of every picked config and
+Tests (tests/test_looped_matmul_splitk.py): on CPU, lowering for sm_90 of every picked config and
 interpret mode vs reference.py for barrier-free configs; on a GPU (`-m gpu`), the picks and
 variants against the reference.
 """
