@@ -7,13 +7,14 @@ with a grid barrier between dependent products, and the weight stream never paus
 not depend on the activations, so each worker's TMA ring runs ahead across the barriers into the
 next product's units while the activation vector is exchanged.
 
-Per worker (one warpgroup per SM) and unit (a [64, 64] bf16 weight tile): wait for the input
-chunk x[64 rows, n_pad] (f32, TMA from L2), round it to bf16 into the wgmma B tile, wait for the
-weight unit in the ring, one wgmma acc[64 cols, n_pad] += unit^T @ x (the weight is the A
-operand, so a batch of M <= n_pad rows costs what one row does); when the unit's wgmma is done
-its ring slot takes the unit `ring` places later in the worker's sequence, in this product or
-the next. At the end of a tile's segment the f32 partial sums go to the product's output by a
-TMA reduce-add. The output of product p+1 is zeroed during product p.
+Per worker (one warpgroup per SM) and unit (a [64, unit_cols] bf16 weight tile, unit_cols = 64,
+128 or 256): wait for the input chunk x[64 rows, n_pad] (f32, TMA from L2), round it to bf16 into
+the wgmma B tile, wait for the weight unit in the ring, one wgmma acc[unit_cols, n_pad] +=
+unit^T @ x (the weight is the A operand, so a batch of M <= n_pad rows costs what one row does;
+wider units pay these fixed steps once per 16 or 32 KiB); when the unit's wgmma is done its ring
+slot takes the unit `ring` places later in the worker's sequence, in this product or the next.
+At the end of a tile's segment the f32 partial sums go to the product's output by a TMA
+reduce-add. The output of product p+1 is zeroed during product p.
 
 This kernel exchanges the raw products (each input is the leading rows of the previous output):
 it measures how close the persistent design streams to the read ceiling at the Core's shapes,
@@ -36,6 +37,8 @@ from pallas_kernels.looped_matmul.barrier import GridBarrier
 
 SWIZZLE_128 = (plgpu.TilingTransform((8, UNIT)), plgpu.SwizzleTransform(128))
 MAX_RING = 32  # barriers per array
+SMEM_LIMIT = 227 * 1024  # dynamic shared memory per block on sm_90 (Mosaic GPU's bound)
+SMEM_ALIGN = 1024  # Pallas aligns every scratch buffer to 1 KiB
 
 
 def n_pad_rows(m: int) -> int:
@@ -43,20 +46,57 @@ def n_pad_rows(m: int) -> int:
     return max(8, -(-m // 8) * 8)
 
 
-def check_schedule(phases: tuple[Phase, ...], workers: int, ring: int, x_stages: int) -> None:
-    """ValueError unless the schedule can run: chained phases, and every worker owning more
-    units of each phase than the ring holds (a slot's next unit is then in the same phase or
-    the next one, the only ones `release` looks at)."""
-    check_chained(phases)
+def default_ring(unit_cols: int) -> int:
+    """16 slots of [64, 64], or as many wider slots as hold the same 128 KiB."""
+    return max(1, 16 * UNIT // unit_cols)
+
+
+def smem_bytes(ring: int, x_stages: int, lag: int, unit_cols: int, n_pad: int) -> int:
+    """Shared memory of one block: the weight ring, the f32 input chunks, the bf16 B tiles, the
+    output and zero tiles (each aligned to 1 KiB as Pallas allocates them), the mbarriers."""
+    buffers = (
+        ring * UNIT * unit_cols * 2,  # ring_ref
+        x_stages * UNIT * n_pad * 4,  # xf
+        (lag + 1) * n_pad * UNIT * 2,  # xb
+        unit_cols * n_pad * 4,  # out
+        unit_cols * n_pad * 4,  # zero
+    )
+    return sum(-(-b // SMEM_ALIGN) * SMEM_ALIGN for b in buffers) + 8 * (ring + x_stages)
+
+
+def check_schedule(
+    phases: tuple[Phase, ...],
+    workers: int,
+    ring: int,
+    x_stages: int,
+    *,
+    unit_cols: int = UNIT,
+    lag: int = 1,
+    m: int = 1,
+) -> None:
+    """ValueError unless the schedule can run: chained phases padded to the tile width, a unit's
+    copy issued before its wait (lag < ring), every worker owning more units of each phase than
+    the ring holds (a slot's next unit is then in the same phase or the next one, the only ones
+    `release` looks at), and the buffers fitting in shared memory."""
+    check_chained(phases, unit_cols)
     if not 1 <= ring <= MAX_RING:
         raise ValueError(f"ring={ring} must be in [1, {MAX_RING}]")
+    if not 0 <= lag < ring:
+        raise ValueError(f"lag={lag} must be in [0, ring={ring}): a slot is reused after it")
     if not 1 <= x_stages <= ring:
         raise ValueError(f"x_stages={x_stages} must be in [1, ring={ring}]")
-    fewest = min_units(phases, workers)
+    fewest = min_units(phases, workers, unit_cols)
     if fewest <= ring:
         raise ValueError(
-            f"a worker owns {fewest} units of some phase with {workers} workers: the ring "
-            f"({ring}) must be shorter (fewer workers or a shorter ring)"
+            f"a worker owns {fewest} units of some phase with {workers} workers and "
+            f"unit_cols={unit_cols}: the ring ({ring}) must be shorter (fewer workers, narrower "
+            "units or a shorter ring)"
+        )
+    need = smem_bytes(ring, x_stages, lag, unit_cols, n_pad_rows(m))
+    if need > SMEM_LIMIT:
+        raise ValueError(
+            f"ring={ring} of [{UNIT}, {unit_cols}] units, x_stages={x_stages}, m={m}: "
+            f"{need} bytes of shared memory > {SMEM_LIMIT} (shorten the ring)"
         )
 
 
@@ -66,17 +106,21 @@ def build_weight_stream(
     iterations: int,
     *,
     workers: int,
-    ring: int = 16,
+    unit_cols: int = UNIT,
+    ring: int | None = None,
     x_stages: int = 4,
     lag: int = 1,
     interpret: Any = None,
 ):
     """Returns f(x0 [k0, n_pad] f32, *weights [k, n] bf16) -> y [phases, n_max, n_pad] f32,
-    the last iteration's result in y[-1, :phases[-1].n]. Interpret mode: one worker only (it
-    has no global semaphores for the grid barrier)."""
-    check_schedule(phases, workers, ring, x_stages)
+    the last iteration's result in y[-1, :phases[-1].n]. Weight tiles are [64, unit_cols];
+    ring=None: `default_ring(unit_cols)`. Interpret mode: one worker only (it has no global
+    semaphores for the grid barrier)."""
     if interpret is not None and workers != 1:
         raise ValueError("interpret mode runs one worker only (no grid barrier)")
+    ring = default_ring(unit_cols) if ring is None else ring
+    check_schedule(phases, workers, ring, x_stages, unit_cols=unit_cols, lag=lag, m=m)
+    cols = unit_cols
     n_pad, n_phases = n_pad_rows(m), len(phases)
     state_chunks = phases[-1].n // UNIT
     n_max = max(p.n for p in phases)
@@ -88,8 +132,9 @@ def build_weight_stream(
         w_refs, y_ref = refs[:n_phases], refs[n_phases]
         worker = lax.axis_index("b")
         barrier = GridBarrier(workers, "wait", 0, 1) if reduce else None
-        first = [p.units * worker // workers for p in phases]
-        count = [p.units * (worker + 1) // workers - f for p, f in zip(phases, first, strict=True)]
+        units = [p.units(cols) for p in phases]
+        first = [u * worker // workers for u in units]
+        count = [u * (worker + 1) // workers - f for u, f in zip(units, first, strict=True)]
         cum = [sum(count[:q], jnp.int32(0)) for q in range(n_phases)]
         per_iteration = sum(count, jnp.int32(0))
 
@@ -99,8 +144,8 @@ def build_weight_stream(
             t = u // phases[q].k_chunks
             kc = u - t * phases[q].k_chunks
             slot = lax.rem(c, ring)
-            src = w_refs[q].at[pl.ds(kc * UNIT, UNIT), pl.ds(t * UNIT, UNIT)]
-            plgpu.copy_gmem_to_smem(src, ring_ref.at[slot], wbar.at[slot])  # 8 KiB of W
+            src = w_refs[q].at[pl.ds(kc * UNIT, UNIT), pl.ds(t * cols, cols)]
+            plgpu.copy_gmem_to_smem(src, ring_ref.at[slot], wbar.at[slot])  # 8-32 KiB of W
 
         def release(it, p, j):
             """Unit j of phase p is done: its slot takes the unit `ring` places later."""
@@ -115,13 +160,13 @@ def build_weight_stream(
 
         def zero_buffer(q):
             """Zeroes the worker's tiles (t = worker mod workers) of phase q's output."""
-            tiles = phases[q].tiles
+            tiles = phases[q].tiles(cols)
 
             @pl.loop(0, -(-tiles // workers))
             def _(r):
                 t = worker + r * workers
                 pl.when(t < tiles)(
-                    lambda: plgpu.copy_smem_to_gmem(zero, y_ref.at[q, pl.ds(t * UNIT, UNIT), :])
+                    lambda: plgpu.copy_smem_to_gmem(zero, y_ref.at[q, pl.ds(t * cols, cols), :])
                 )
 
         def phase(it, p):
@@ -162,16 +207,16 @@ def build_weight_stream(
                     def _unit(i):
                         xs, bs = lax.rem(i, x_stages), lax.rem(i, xb_slots)
                         plgpu.barrier_wait(xbar.at[xs])
-                        chunk = plgpu.load(xf.at[xs], (), layout=plgpu.Layout.WGMMA)
+                        chunk = plgpu.load(xf.at[xs], layout=plgpu.Layout.WGMMA)
                         xb.at[bs].T[...] = chunk.astype(bf16)  # stmatrix.trans into the B tile
                         plgpu.commit_smem()  # every thread is done with the f32 slot
                         pl.when(i + x_stages < n)(lambda: issue_x(i + x_stages))
                         slot = lax.rem(c0 + i, ring)
                         plgpu.barrier_wait(wbar.at[slot])
+                        # A = the [64, cols] unit transposed: cols / 64 m64 wgmma groups
                         plgpu.wgmma(acc, ring_ref.at[slot].T, xb.at[bs].T)
                         plgpu.wgmma_wait(lag)  # unit i - lag is done
-                        if lag:
-                            pl.when(i - lag >= ua)(lambda: release(it, p, i - lag))
+                        pl.when(i - lag >= ua)(lambda: release(it, p, i - lag))
 
                     partial = acc[...]  # waits for the segment's wgmmas
                     for back in range(lag, 0, -1):
@@ -180,13 +225,13 @@ def build_weight_stream(
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # `out` is free
                     out[...] = partial
                     plgpu.commit_smem()
-                    dst = y_ref.at[p, pl.ds(t * UNIT, UNIT), :]
+                    dst = y_ref.at[p, pl.ds(t * cols, cols), :]
                     if reduce:
                         plgpu.copy_smem_to_gmem(out, dst, reduction_op="add")
                     else:
                         plgpu.copy_smem_to_gmem(out, dst)
 
-                pl.run_scoped(compute, plgpu.ACC((UNIT, n_pad), f32))
+                pl.run_scoped(compute, plgpu.ACC((cols, n_pad), f32))
 
             plgpu.wait_smem_to_gmem(0)  # sums and zeroing complete before the barrier
             if reduce:
@@ -205,7 +250,7 @@ def build_weight_stream(
         # Prologue: the ring's first fill, phase 0's output zeroed, one barrier.
         for g in range(ring):
             issue_weight(0, g, g)
-        zero[...] = jnp.zeros((UNIT, n_pad), f32)
+        zero[...] = jnp.zeros((cols, n_pad), f32)
         plgpu.commit_smem()
         if reduce:
             zero_buffer(0)
@@ -220,13 +265,13 @@ def build_weight_stream(
                     phase(it, p)
 
     scratch = dict(
-        ring_ref=plgpu.SMEM((ring, UNIT, UNIT), bf16, transforms=SWIZZLE_128),
+        ring_ref=plgpu.SMEM((ring, UNIT, cols), bf16, transforms=SWIZZLE_128),
         wbar=plgpu.Barrier(num_barriers=ring),
         xf=plgpu.SMEM((x_stages, UNIT, n_pad), f32),
         xbar=plgpu.Barrier(num_barriers=x_stages),
         xb=plgpu.SMEM((xb_slots, n_pad, UNIT), bf16, transforms=SWIZZLE_128),
-        out=plgpu.SMEM((UNIT, n_pad), f32),
-        zero=plgpu.SMEM((UNIT, n_pad), f32),
+        out=plgpu.SMEM((cols, n_pad), f32),
+        zero=plgpu.SMEM((cols, n_pad), f32),
     )
     return plgpu.kernel(
         body,
@@ -241,7 +286,16 @@ def build_weight_stream(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("phases", "iterations", "workers", "ring", "x_stages", "lag", "interpret"),
+    static_argnames=(
+        "phases",
+        "iterations",
+        "workers",
+        "unit_cols",
+        "ring",
+        "x_stages",
+        "lag",
+        "interpret",
+    ),
 )
 def weight_stream(
     x0: jax.Array,
@@ -250,13 +304,15 @@ def weight_stream(
     phases: tuple[Phase, ...],
     iterations: int,
     workers: int,
-    ring: int = 16,
+    unit_cols: int = UNIT,
+    ring: int | None = None,
     x_stages: int = 4,
     lag: int = 1,
     interpret: Any = None,
 ) -> jax.Array:
     """x0 [M, k0] (the state rows, then the external rows) -> [M, n_last] f32 after
-    `iterations` iterations of the phases. weights[p]: [k, n] bf16 of phases[p]."""
+    `iterations` iterations of the phases. weights[p]: [k, n] bf16 of phases[p], n a multiple
+    of unit_cols (`core_phases(..., unit_cols)`)."""
     m, _ = x0.shape
     n_pad = n_pad_rows(m)
     f = build_weight_stream(
@@ -264,6 +320,7 @@ def weight_stream(
         m,
         iterations,
         workers=workers,
+        unit_cols=unit_cols,
         ring=ring,
         x_stages=x_stages,
         lag=lag,
