@@ -13,6 +13,7 @@ from flax import nnx
 import huginn_jax
 from experiments.core import cases, report, runners
 from experiments.measure import hlo
+from experiments.torch_ref.core import FASTEST_COMPILE_MODE
 from huginn_jax.config import HuginnConfig
 from huginn_jax.model import Core, embed, initial_state, run_prelude
 
@@ -307,9 +308,15 @@ def test_cli_torch_impls_on_cpu(tmp_path):
         if on_gpu
         else ["torch_eager", "torch_teaching"]
     )
-    if not on_gpu:
+    checked = runnable
+    if on_gpu:  # torch_compile once per compile mode: the fastest for decode, then for prefill
+        modes = [FASTEST_COMPILE_MODE["decode"], FASTEST_COMPILE_MODE["prefill"]]
+        checked = runnable + (["torch_compile"] if modes[0] != modes[1] else [])
+        compiled = [c["compile_mode"] for c in data["conformance"] if c["impl"] == "torch_compile"]
+        assert compiled == list(dict.fromkeys(modes))
+    else:
         assert "torch_compile, torch_graph, torch_reference need(s) CUDA; skipped" in proc.stdout
-    assert [c["impl"] for c in data["conformance"]] == runnable  # once each, four cases
+    assert [c["impl"] for c in data["conformance"]] == checked  # once each, four cases
     assert all(c["passed"] for c in data["conformance"])
     assert proc.stdout.count("conformance torch_eager (fast Core)") == 1
     timed = [r for r in data["records"] if r["impl"].startswith("torch")]
