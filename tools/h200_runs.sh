@@ -169,7 +169,8 @@ stage_generate() {
 
 stage_core_stream() {
   local d=$1
-  timeout 240 python3 -m experiments.kernels.core_stream --json_out="$d/core_stream.json" \
+  timeout 240 python3 -m experiments.kernels.core_stream --batch=1 --unit_cols=64,128,256 \
+    --rings=16,24 --reps=5 --json_out="$d/core_stream.json" \
     > "$d/core_stream.txt" 2>&1
   echo "== core_stream rc $?"; grep -v "it/s\]" "$d/core_stream.txt" | tail -12
 }

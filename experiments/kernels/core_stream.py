@@ -48,7 +48,10 @@ def define_flags() -> None:
         "Weight ring depths tried, in 8 KiB per SM: [64, c] tiles take rings * 64 / c slots.",
     )
     flags.DEFINE_list(
-        "unit_cols", ["64"], "Weight tile widths tried (output columns per unit: 64, 128, 256)."
+        "unit_cols",
+        ["64", "128"],
+        "Weight tile widths tried (output columns per unit: 64, 128, 256); 128 was the fastest "
+        "on the H200 (docs/core_step.md), 64 the narrowest.",
     )
     flags.DEFINE_integer("x_stages", 4, "Input chunks in flight per worker.")
     flags.DEFINE_integer("reps", 10, "Timed calls per row (median).")
