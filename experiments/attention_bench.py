@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+from absl import flags
 
 from experiments import cli, program
 from experiments.cli import UserError
@@ -23,6 +24,7 @@ from experiments.measure import ceilings as ceilings_lib
 from experiments.measure import compare, timing
 from experiments.torch_ref import chain as torch_chain  # imports no torch
 
+FLAGS = flags.FLAGS
 TORCH_IMPLS = ("torch_graph", "torch_compile")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 SDPA_BACKENDS = ("flash", "cudnn", "efficient", "math")
@@ -65,17 +67,6 @@ def with_sdpa_backends(impls: Sequence[str], backends: Sequence[str]) -> list[st
         for impl in impls
         for name in ([f"{impl}/{b}" for b in backends] if impl in TORCH_IMPLS else [impl])
     ]
-
-
-def parse_sdpa_backends(values: Sequence[str]) -> list[str]:
-    unknown = [b for b in values if b not in SDPA_BACKENDS]
-    if unknown or not values:
-        raise UserError(
-            f"--sdpa_backends: unknown {unknown[0]!r}; known: {', '.join(SDPA_BACKENDS)}"
-            if unknown
-            else "--sdpa_backends: give at least one backend"
-        )
-    return list(dict.fromkeys(values))
 
 
 def load_ceilings(device_kind: str, path: str) -> ceilings_lib.Ceilings | None:

@@ -45,9 +45,10 @@ import numpy as np  # noqa: E402
 from absl import flags  # noqa: E402
 
 from experiments import attention_bench as bench  # noqa: E402
+from experiments import attention_sweep as sweep  # noqa: E402
 from experiments import cli, program  # noqa: E402
 from experiments.cli import UserError  # noqa: E402
-from experiments.measure import compare, memory, timing  # noqa: E402
+from experiments.measure import memory  # noqa: E402
 from experiments.measure.ceilings import Ceilings  # noqa: E402
 from huginn_jax.layers import (  # noqa: E402
     DECODE_BLOCK,
@@ -68,9 +69,9 @@ MAX_CONTEXT = 2**31 - 1  # positions are int32
 
 
 def define_flags() -> None:
+    sweep.define_flags("decode_attention", IMPLS)
     flags.DEFINE_list("batch", ["1", "8"], "Sequences B, a list (CPU: 1).")
     flags.DEFINE_list("context", ["1024", "4096"], "Cached positions S, a list (CPU: 256,1024).")
-    flags.DEFINE_list("impls", list(IMPLS), f"Any of {', '.join(IMPLS)}.")
     flags.DEFINE_list(
         "split_blocks",
         [str(DECODE_BLOCK)],
@@ -83,27 +84,8 @@ def define_flags() -> None:
         "Tunings for pallas, each PROGRAMS_PER_SM:BLOCK_S:NUM_WARPS:NUM_STAGES (a list: one row "
         "each, named pallas/...); empty: the kernel's frozen default.",
     )
-    flags.DEFINE_list(
-        "sdpa_backends",
-        list(bench.DEFAULT_SDPA_BACKENDS),
-        f"SDPA backends of the torch rows, one row each (any of {', '.join(bench.SDPA_BACKENDS)}).",
-    )
-    flags.DEFINE_enum(
-        "torch_compile_mode", "default", bench.COMPILE_MODES, bench.TORCH_COMPILE_MODE_HELP
-    )
-    flags.DEFINE_integer("heads", 55, "Heads H (huginn-0125: 55).")
-    flags.DEFINE_integer("head_dim", 96, "Head dimension K (huginn-0125: 96).")
     flags.DEFINE_integer(
         "slots", 32, "Caches attended per call (no L2 reuse between them; CPU: 4)."
-    )
-    flags.DEFINE_integer("warmup", 3, "Untimed calls (CPU: 1).")
-    flags.DEFINE_integer(
-        "repeats", 20, "Timed calls; the median time per attention is reported (CPU: 3)."
-    )
-    flags.DEFINE_integer("seed", 0, "Seed of queries and caches.")
-    flags.DEFINE_string("json_out", "out/decode_attention.json", "Results JSON ('' to skip).")
-    flags.DEFINE_string(
-        "ceilings", "", "Ceilings JSON of the % of floor ('': the device's default file)."
     )
 
 
@@ -271,79 +253,50 @@ def run(
     ceilings: Ceilings | None,
     records: list[dict] | None = None,
 ) -> list[dict]:
-    """Every (batch, context), then every runnable impl: one record each (`bench.time_one`),
-    with the K and V bytes of one slot and their rate (and % of the read rate, with ceilings);
-    appended to `records` as they are measured."""
-    impls = bench.runnable(impls, GPU_ONLY, jax.devices()[0].platform == "gpu")
+    """Every (batch, context), then every runnable impl (`sweep.sweep_attention`), with the K
+    and V bytes of one slot and their rate (and % of the read rate, with ceilings); appended to
+    `records` as they are measured."""
 
-    def prepare(case: tuple[int, int]):
-        q, k, v = inputs(FLAGS.slots, *case, FLAGS.heads, FLAGS.head_dim, FLAGS.seed)
-        return q, k, v, reference(q, k, v)
+    def add_rates(record: dict, q, k, v) -> None:
+        kv_bytes = 2 * k[0].size * k.dtype.itemsize  # K and V of one slot
+        seconds = record["us"] / 1e6
+        record.update(kv_bytes=kv_bytes, gb_per_s=kv_bytes / seconds / 1e9)
+        if ceilings:
+            record["pct_of_read_rate"] = 100 * kv_bytes / seconds / ceilings.read_bytes_per_s
 
-    def measure(case: tuple[int, int], impl: str, prepared) -> dict:
-        (batch, context), (q, k, v, ref) = case, prepared
-        record = bench.time_one(
-            {"impl": impl, "batch": batch, "context": context},
-            functools.partial(make_runner, impl, q, k, v, FLAGS.torch_compile_mode),
-            checked_slots,
-            ref,
-            per_call=FLAGS.slots,
-            warmup=FLAGS.warmup,
-            repeats=FLAGS.repeats,
-        )
-        if "error" not in record:
-            kv_bytes = 2 * k[0].size * k.dtype.itemsize  # K and V of one slot
-            seconds = record["us"] / 1e6
-            record.update(kv_bytes=kv_bytes, gb_per_s=kv_bytes / seconds / 1e9)
-            if ceilings:
-                record["pct_of_read_rate"] = 100 * kv_bytes / seconds / ceilings.read_bytes_per_s
-        return record
-
-    cases = [(b, c) for b in batches for c in contexts]
-    records = bench.sweep("decode_attention", cases, impls, prepare, measure, records)
-    bench.add_vs_best(records, CASE_KEYS)
-    return records
-
-
-def format_table(records: list[dict]) -> str:
-    """One row per record; "-" where a value does not apply (no ceilings, no rival)."""
-    width = max([len("impl"), *(len(r["impl"]) for r in records)])
-    head = (
-        f"{'impl':<{width}} {'B':>3} {'S':>5} {'time':>9} {'p10-p90':>17} {'GB/s':>6} {'%read':>6} "
-        f"{'vs best':>7} {'compile s':>9} {'rel err':>8}"
+    return sweep.sweep_attention(
+        "decode_attention",
+        [(b, c) for b in batches for c in contexts],
+        bench.runnable(impls, GPU_ONLY, jax.devices()[0].platform == "gpu"),
+        records,
+        case_keys=CASE_KEYS,
+        per_call="slots",
+        inputs=inputs,
+        reference=reference,
+        checked=checked_slots,
+        make_runner=make_runner,
+        add_rates=add_rates,
     )
-    lines = [head, "-" * len(head)]
-    for r in records:
-        if "error" in r:
-            lines.append(
-                f"{r['impl']:<{width}} {r['batch']:>3} {r['context']:>5} failed (see notes)"
-            )
-            continue
-        spread = timing.format_us_range(r["us_p10"], r["us_p90"])
-        pct = f"{r['pct_of_read_rate']:.1f}" if "pct_of_read_rate" in r else "-"
-        lines.append(
-            f"{r['impl']:<{width}} {r['batch']:>3} {r['context']:>5} "
-            f"{timing.format_us(r['us']):>9} {spread:>17} "
-            f"{r['gb_per_s']:>6.0f} {pct:>6} {compare.format_vs_best(r.get('vs_best')):>7} "
-            f"{bench.compile_cell(r):>9} {r['rel_err_vs_f64']:>8.1e}"
-        )
-    lines.append(
-        "time: median per attention (a call's time / slots); GB/s: K and V of one slot / time; "
-        "%read: of the read-only streaming rate; -: no ceilings file or no rival"
-    )
-    return "\n".join(lines)
+
+
+# One row per record (sweep.format_table): B and S, and after the time the K and V read rate.
+format_table = functools.partial(
+    sweep.format_table,
+    case=(sweep.field("B", 3, "batch"), sweep.field("S", 5, "context")),
+    rates=(
+        sweep.field("GB/s", 6, "gb_per_s", ".0f"),
+        sweep.field("%read", 6, "pct_of_read_rate", ".1f"),
+    ),
+    note="time: median per attention (a call's time / slots); GB/s: K and V of one slot / time; "
+    "%read: of the read-only streaming rate; -: no ceilings file or no rival",
+)
 
 
 def check_flags() -> tuple[list[int], list[int], list[str]]:
     """The batches, contexts and impl rows of the flags; UserError for a bad value."""
     batches = cli.positive_ints("batch", FLAGS.batch)
     contexts = cli.positive_ints("context", FLAGS.context)
-    impls = bench.known_impls(FLAGS.impls, IMPLS)
-    for name in ("heads", "head_dim", "slots", "repeats"):
-        if FLAGS[name].value < 1:
-            raise UserError(f"--{name} must be >= 1, got {FLAGS[name].value}")
-    if FLAGS.warmup < 0:
-        raise UserError(f"--warmup must be >= 0, got {FLAGS.warmup}")
+    impls, sdpa_backends = sweep.check_flags(IMPLS, "slots")
     if FLAGS.head_dim % 2:
         raise UserError(f"--head_dim must be even, got {FLAGS.head_dim}")
     split_blocks = cli.positive_ints("split_blocks", FLAGS.split_blocks)
@@ -353,7 +306,6 @@ def check_flags() -> tuple[list[int], list[int], list[str]]:
             raise UserError(
                 f"--pallas_configs: {tuning!r} is not PROGRAMS_PER_SM:BLOCK_S:NUM_WARPS:NUM_STAGES"
             )
-    sdpa_backends = bench.parse_sdpa_backends(FLAGS.sdpa_backends)
     return batches, contexts, expand_impls(impls, split_blocks, FLAGS.pallas_configs, sdpa_backends)
 
 

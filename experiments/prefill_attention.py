@@ -48,9 +48,10 @@ import numpy as np  # noqa: E402
 from absl import flags  # noqa: E402
 
 from experiments import attention_bench as bench  # noqa: E402
+from experiments import attention_sweep as sweep  # noqa: E402
 from experiments import cli, program  # noqa: E402
 from experiments.cli import UserError  # noqa: E402
-from experiments.measure import compare, memory, timing  # noqa: E402
+from experiments.measure import compare, memory  # noqa: E402
 from experiments.measure import trace as trace_lib  # noqa: E402
 from experiments.measure.ceilings import Ceilings  # noqa: E402
 from huginn_jax.layers import attend, attend_cudnn, attend_mgpu_causal  # noqa: E402
@@ -65,29 +66,10 @@ CPU_DEFAULTS = {"tokens": ["256", "1024"], "sets": 2, "warmup": 1, "repeats": 3}
 
 
 def define_flags() -> None:
+    sweep.define_flags("prefill_attention", IMPLS)
     flags.DEFINE_list("batch", ["1"], "Sequences B, a list.")
     flags.DEFINE_list("tokens", ["1024", "4096"], "New positions T, a list (CPU: 256,1024).")
-    flags.DEFINE_list("impls", list(IMPLS), f"Any of {', '.join(IMPLS)}.")
-    flags.DEFINE_list(
-        "sdpa_backends",
-        list(bench.DEFAULT_SDPA_BACKENDS),
-        f"SDPA backends of the torch rows, one row each (any of {', '.join(bench.SDPA_BACKENDS)}).",
-    )
-    flags.DEFINE_enum(
-        "torch_compile_mode", "default", bench.COMPILE_MODES, bench.TORCH_COMPILE_MODE_HELP
-    )
-    flags.DEFINE_integer("heads", 55, "Heads H (huginn-0125: 55).")
-    flags.DEFINE_integer("head_dim", 96, "Head dimension K (huginn-0125: 96).")
     flags.DEFINE_integer("sets", 8, "Attentions per call, each over its own inputs (CPU: 2).")
-    flags.DEFINE_integer("warmup", 3, "Untimed calls (CPU: 1).")
-    flags.DEFINE_integer(
-        "repeats", 20, "Timed calls; the median time per attention is reported (CPU: 3)."
-    )
-    flags.DEFINE_integer("seed", 0, "Seed of the inputs.")
-    flags.DEFINE_string("json_out", "out/prefill_attention.json", "Results JSON ('' to skip).")
-    flags.DEFINE_string(
-        "ceilings", "", "Ceilings JSON of the % of floor ('': the device's default file)."
-    )
     flags.DEFINE_string(
         "trace_dir",
         None,
@@ -178,41 +160,34 @@ def run(
     ceilings: Ceilings | None,
     records: list[dict] | None = None,
 ) -> list[dict]:
-    """Every (batch, tokens), then every runnable impl: one record each (`bench.time_one`), with
-    the causal FLOPs and their rate (and % of the GEMM rate, with ceilings); with --trace_dir a
-    JAX impl's record also holds its call's kernels (`trace_call`). Appended to `records` as
-    they are measured."""
-    impls = bench.runnable(impls, GPU_ONLY, jax.devices()[0].platform == "gpu")
+    """Every (batch, tokens), then every runnable impl (`sweep.sweep_attention`), with the causal
+    FLOPs and their rate (and % of the GEMM rate, with ceilings); with --trace_dir a JAX impl's
+    record also holds its call's kernels (`trace_call`). Appended to `records` as they are
+    measured."""
 
-    def prepare(case: tuple[int, int]):
-        q, k, v = inputs(FLAGS.sets, *case, FLAGS.heads, FLAGS.head_dim, FLAGS.seed)
-        return q, k, v, reference(q, k, v)
+    def add_rates(record: dict, q, k, v) -> None:
+        impl, batch, tokens = record["impl"], record["batch"], record["tokens"]
+        flops = causal_flops(batch, tokens, FLAGS.heads, FLAGS.head_dim)
+        seconds = record["us"] / 1e6
+        record.update(flops=flops, tflop_per_s=flops / seconds / 1e12)
+        if ceilings:
+            record["pct_of_gemm_rate"] = 100 * flops / seconds / ceilings.bf16_flops_per_s
+        if FLAGS.trace_dir and compare.framework(impl) == "jax":
+            record.update(trace_call(impl, q, k, v, f"{impl}-{batch}-{tokens}"))
 
-    def measure(case: tuple[int, int], impl: str, prepared) -> dict:
-        (batch, tokens), (q, k, v, ref) = case, prepared
-        record = bench.time_one(
-            {"impl": impl, "batch": batch, "tokens": tokens},
-            functools.partial(make_runner, impl, q, k, v, FLAGS.torch_compile_mode),
-            first_set_checked_heads,
-            ref,
-            per_call=FLAGS.sets,
-            warmup=FLAGS.warmup,
-            repeats=FLAGS.repeats,
-        )
-        if "error" not in record:
-            flops = causal_flops(batch, tokens, FLAGS.heads, FLAGS.head_dim)
-            seconds = record["us"] / 1e6
-            record.update(flops=flops, tflop_per_s=flops / seconds / 1e12)
-            if ceilings:
-                record["pct_of_gemm_rate"] = 100 * flops / seconds / ceilings.bf16_flops_per_s
-            if FLAGS.trace_dir and compare.framework(impl) == "jax":
-                record.update(trace_call(impl, q, k, v, f"{impl}-{batch}-{tokens}"))
-        return record
-
-    cases = [(b, t) for b in batches for t in token_counts]
-    records = bench.sweep("prefill_attention", cases, impls, prepare, measure, records)
-    bench.add_vs_best(records, CASE_KEYS)
-    return records
+    return sweep.sweep_attention(
+        "prefill_attention",
+        [(b, t) for b in batches for t in token_counts],
+        bench.runnable(impls, GPU_ONLY, jax.devices()[0].platform == "gpu"),
+        records,
+        case_keys=CASE_KEYS,
+        per_call="sets",
+        inputs=inputs,
+        reference=reference,
+        checked=first_set_checked_heads,
+        make_runner=make_runner,
+        add_rates=add_rates,
+    )
 
 
 def trace_call(impl: str, q, k, v, label: str) -> dict:
@@ -232,48 +207,26 @@ def trace_call(impl: str, q, k, v, label: str) -> dict:
     return {"trace": [dataclasses.asdict(r) for r in rows], "trace_us_per_attention": spent}
 
 
-def format_table(records: list[dict]) -> str:
-    """One row per record; "-" where a value does not apply (no ceilings, no rival)."""
-    width = max([len("impl"), *(len(r["impl"]) for r in records)])
-    head = (
-        f"{'impl':<{width}} {'B':>3} {'T':>5} {'time':>9} {'p10-p90':>17} {'TFLOP/s':>8} "
-        f"{'%GEMM':>6} {'vs best':>7} {'compile s':>9} {'rel err':>8}"
-    )
-    lines = [head, "-" * len(head)]
-    for r in records:
-        if "error" in r:
-            lines.append(
-                f"{r['impl']:<{width}} {r['batch']:>3} {r['tokens']:>5} failed (see notes)"
-            )
-            continue
-        spread = timing.format_us_range(r["us_p10"], r["us_p90"])
-        pct = f"{r['pct_of_gemm_rate']:.1f}" if "pct_of_gemm_rate" in r else "-"
-        lines.append(
-            f"{r['impl']:<{width}} {r['batch']:>3} {r['tokens']:>5} {timing.format_us(r['us']):>9} "
-            f"{spread:>17} {r['tflop_per_s']:>8.1f} {pct:>6} "
-            f"{compare.format_vs_best(r.get('vs_best')):>7} {bench.compile_cell(r):>9} "
-            f"{r['rel_err_vs_f64']:>8.1e}"
-        )
-    lines.append(
-        "time: median per attention (a call's time / sets); TFLOP/s over the causal half "
-        "(2 x 2 x B x H x T(T+1)/2 x K); %GEMM: of the bf16 GEMM rate of the ceilings below; "
-        "-: no ceilings file or no rival."
-    )
-    return "\n".join(lines)
+# One row per record (sweep.format_table): B and T, and after the time the causal FLOP rate.
+format_table = functools.partial(
+    sweep.format_table,
+    case=(sweep.field("B", 3, "batch"), sweep.field("T", 5, "tokens")),
+    rates=(
+        sweep.field("TFLOP/s", 8, "tflop_per_s", ".1f"),
+        sweep.field("%GEMM", 6, "pct_of_gemm_rate", ".1f"),
+    ),
+    note="time: median per attention (a call's time / sets); TFLOP/s over the causal half "
+    "(2 x 2 x B x H x T(T+1)/2 x K); %GEMM: of the bf16 GEMM rate of the ceilings below; "
+    "-: no ceilings file or no rival.",
+)
 
 
 def check_flags() -> tuple[list[int], list[int], list[str]]:
     """The batches, token counts and impl rows of the flags; UserError for a bad value."""
     batches = cli.positive_ints("batch", FLAGS.batch)
     token_counts = cli.positive_ints("tokens", FLAGS.tokens)
-    impls = bench.known_impls(FLAGS.impls, IMPLS)
-    for name in ("heads", "head_dim", "sets", "repeats"):
-        if FLAGS[name].value < 1:
-            raise UserError(f"--{name} must be >= 1, got {FLAGS[name].value}")
-    if FLAGS.warmup < 0:
-        raise UserError(f"--warmup must be >= 0, got {FLAGS.warmup}")
-    impls = bench.with_sdpa_backends(impls, bench.parse_sdpa_backends(FLAGS.sdpa_backends))
-    return batches, token_counts, impls
+    impls, sdpa_backends = sweep.check_flags(IMPLS, "sets")
+    return batches, token_counts, bench.with_sdpa_backends(impls, sdpa_backends)
 
 
 def main(argv: list[str]) -> None:

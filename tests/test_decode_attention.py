@@ -4,23 +4,28 @@ the PyTorch runners are put together as named, "vs best" and the ceilings, and t
 end to end on tiny sizes; on the GPU (marked) every PyTorch row against the reference. (The
 model's own decode variants are tested in test_model.py.)"""
 
+import functools
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_programs import (
+    ON_GPU,
+    TORCH_ROWS,
+    assert_refused,
+    check_compiled_whole,
+    check_torch_row,
+    import_torch,
+    run_program,
+    write_ceilings,
+)
+from tolerance import rel_fro
 
 from experiments import attention_bench as bench
 from experiments import decode_attention as da
 from huginn_jax.layers import DECODE_BLOCK, attend
-
-REPO = Path(__file__).resolve().parent.parent
-ON_GPU = jax.default_backend() == "gpu"
-
 
 S = 37  # cached positions in the tests below
 
@@ -46,21 +51,7 @@ def test_head_major_equals_the_models_attention():
     assert not np.allclose(everything, want, atol=1e-3)
 
 
-def run_cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "experiments.decode_attention", *args],
-        cwd=REPO, capture_output=True, text=True,
-    )  # fmt: skip
-
-
-def write_ceilings(path: Path, device_kind: str, read: float, flops: float) -> Path:
-    """A ceilings file as experiments.ceilings writes it (the fields ceilings.load reads)."""
-    data = {
-        "environment": {"device_kind": device_kind},
-        "ceilings": {"read_bytes_per_s": read, "bf16_flops_per_s": flops},
-    }
-    path.write_text(json.dumps(data))
-    return path
+run_cli = functools.partial(run_program, "decode_attention")
 
 
 def test_cli_on_cpu_writes_json(tmp_path):
@@ -135,23 +126,10 @@ def test_expand_impls_gives_each_torch_impl_one_row_per_sdpa_backend():
 
 
 def test_torch_attention_matches_the_reference_compiled_whole():
-    """What torch_compile compiles, through Inductor on the CPU: one graph (fullgraph) over
-    every slot, outputs in the model's layout [B, 1, H, K], within tolerance of the reference."""
-    torch = pytest.importorskip("torch", reason='needs PyTorch: pip install -e ".[torch]"')
+    """What torch_compile compiles, on the CPU: outputs [B, 1, H, K] per slot within tolerance;
+    causal would mask all but the first cached position, which the check catches."""
     q, k, v = da.inputs(3, 2, S, 3, 8, seed=4)
-    args = [torch.from_dlpack(x) for x in (q, k, v)]
-    compiled, seconds = bench.compile_timed(
-        bench.sdpa_fn(causal=False, backend="flash"), args, "default"
-    )
-    out = compiled(*args)
-    assert seconds > 0 and len(out) == 3
-    assert tuple(out[0].shape) == (2, 1, 3, 8) and out[0].is_contiguous()
-    ref = da.reference(q, k, v)
-    got = da.checked_slots(out)
-    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
-    # Causal would mask all but the first cached position: the check would catch it.
-    wrong = da.checked_slots(bench.sdpa_fn(causal=True, backend="math")(*args))
-    assert np.linalg.norm(wrong - ref) / np.linalg.norm(ref) > bench.TOLERANCE
+    check_compiled_whole(da, da.checked_slots, q, k, v, causal=False)
 
 
 class FakeGraph:
@@ -173,7 +151,7 @@ class FakeGraph:
 def test_torch_runner_is_put_together_as_its_name_says(monkeypatch, impl, mode):
     """TorchRunner's structure without CUDA: which function is captured (eager or compiled),
     the compile timed apart, and reduce-overhead called directly over static inputs."""
-    torch = pytest.importorskip("torch", reason='needs PyTorch: pip install -e ".[torch]"')
+    torch = import_torch()
     captured = []
 
     def capture(fn, warmup):
@@ -195,8 +173,7 @@ def test_torch_runner_is_put_together_as_its_name_says(monkeypatch, impl, mode):
     runner = bench.sdpa_runner(f"{impl}/flash", q, k, v, causal=False, mode=mode)
     ref = da.reference(q, k, v)
     for _ in range(2):
-        got = da.checked_slots(runner())
-        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
+        assert rel_fro(da.checked_slots(runner()), ref) < 1e-2
     if impl == "torch_graph":
         assert compiles == [] and runner.compile_seconds is None and len(captured) == 1
         return
@@ -234,32 +211,19 @@ def test_ceilings_of_another_device_exit_2_with_one_line(tmp_path):
     ],
 )
 def test_cli_bad_flags_exit_2(tmp_path, flag, message):
-    proc = run_cli(flag, f"--json_out={tmp_path / 'x.json'}")
-    assert proc.returncode == 2 and message in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1
+    assert_refused(run_cli(flag, f"--json_out={tmp_path / 'x.json'}"), message)
 
 
 def test_cli_unwritable_json_exits_2_before_measuring(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     proc = run_cli("--batch=1", "--context=40", f"--json_out={blocker}/x.json")
-    assert proc.returncode == 2 and "cannot write there" in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1 and "rel err" not in proc.stdout
+    assert_refused(proc, "cannot write there")
+    assert "rel err" not in proc.stdout
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-@pytest.mark.parametrize(
-    "impl, mode, backend",
-    [(impl, "default", backend) for impl in bench.TORCH_IMPLS
-     for backend in bench.DEFAULT_SDPA_BACKENDS]
-    + [("torch_compile", "reduce-overhead", "cudnn")],
-)  # fmt: skip
+@pytest.mark.parametrize("impl, mode, backend", TORCH_ROWS)
 def test_torch_rows_match_the_reference_gpu(impl, mode, backend):
     q, k, v = da.inputs(4, 2, 1024, 55, 96, seed=6)
-    ref = da.reference(q, k, v)
-    runner = da.make_runner(f"{impl}/{backend}", q, k, v, mode)
-    for _ in range(3):  # replays rewrite the same outputs
-        got = da.checked_slots(runner())
-        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
-    runner.release()
+    check_torch_row(da, da.checked_slots, q, k, v, impl, mode, backend)

@@ -2,24 +2,28 @@
 compiled whole, "vs best", the exit status of a failed check and the CLI on CPU; on the GPU
 (marked) every implementation against the reference at huginn-0125's head shape."""
 
+import functools
 import json
-import subprocess
-import sys
 import time
 import weakref
-from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_programs import (
+    ON_GPU,
+    TORCH_ROWS,
+    assert_refused,
+    check_compiled_whole,
+    check_torch_row,
+    run_program,
+    write_ceilings,
+)
+from tolerance import rel_fro
 
 from experiments import attention_bench as bench
 from experiments import prefill_attention as pa
 from huginn_jax.layers import attend
-
-REPO = Path(__file__).resolve().parent.parent
-ON_GPU = jax.default_backend() == "gpu"
 
 
 def test_reference_is_the_models_causal_attention():
@@ -40,11 +44,7 @@ def test_causal_flops_counts_the_lower_triangle():
     assert pa.causal_flops(2, 4, 3, 8) == 2 * 2 * 2 * 3 * 10 * 8
 
 
-def run_cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "experiments.prefill_attention", *args],
-        cwd=REPO, capture_output=True, text=True,
-    )  # fmt: skip
+run_cli = functools.partial(run_program, "prefill_attention")
 
 
 def test_cli_on_cpu_writes_json(tmp_path):
@@ -155,23 +155,10 @@ def test_known_impls_keeps_order_drops_repeats_and_names_the_unknown():
 
 
 def test_torch_causal_attention_compiles_whole_and_matches_the_reference():
-    """What torch_compile compiles, through Inductor on the CPU: one graph (fullgraph) over
-    every set, outputs in the model's layout [B, T, H, K], within tolerance of the reference."""
-    torch = pytest.importorskip("torch", reason='needs PyTorch: pip install -e ".[torch]"')
+    """What torch_compile compiles, on the CPU: outputs [B, T, H, K] per set within tolerance;
+    without the causal mask the check fails."""
     q, k, v = pa.inputs(2, 1, 24, pa.CHECKED_HEADS + 1, 8, seed=7)
-    args = [torch.from_dlpack(x) for x in (q, k, v)]
-    compiled, seconds = bench.compile_timed(
-        bench.sdpa_fn(causal=True, backend="flash"), args, "default"
-    )
-    out = compiled(*args)
-    assert seconds > 0 and len(out) == 2
-    assert tuple(out[0].shape) == (1, 24, pa.CHECKED_HEADS + 1, 8) and out[0].is_contiguous()
-    ref = pa.reference(q, k, v)
-    got = pa.first_set_checked_heads(out)
-    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
-    # Without the causal mask the check fails.
-    wrong = pa.first_set_checked_heads(bench.sdpa_fn(causal=False, backend="math")(*args))
-    assert np.linalg.norm(wrong - ref) / np.linalg.norm(ref) > bench.TOLERANCE
+    check_compiled_whole(pa, pa.first_set_checked_heads, q, k, v, causal=True)
 
 
 def test_cli_trace_dir_breaks_each_jax_call_down(tmp_path):
@@ -195,22 +182,16 @@ def test_cli_trace_dir_breaks_each_jax_call_down(tmp_path):
         ("--tokens=0", "must be >= 1"),
         ("--sets=0", "--sets must be >= 1"),
         ("--tokens=10000000", "--tokens=10000000: needs"),
-        ("--sdpa_backends=", "--sdpa_backends: give at least one backend"),
+        ("--sdpa_backends=", "--sdpa_backends is empty"),
         ("--torch_compile_mode=max-autotune", "torch_compile_mode"),
     ],
 )
 def test_cli_bad_flags_exit_2(tmp_path, flag, message):
-    proc = run_cli(flag, f"--json_out={tmp_path / 'x.json'}")
-    assert proc.returncode == 2 and message in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1
+    assert_refused(run_cli(flag, f"--json_out={tmp_path / 'x.json'}"), message)
 
 
 def test_ceilings_of_another_device_exit_2_with_one_line(tmp_path):
-    ceilings = tmp_path / "c.json"
-    ceilings.write_text(json.dumps({
-        "environment": {"device_kind": "NVIDIA B200"},
-        "ceilings": {"read_bytes_per_s": 7e12, "bf16_flops_per_s": 2e15},
-    }))  # fmt: skip
+    ceilings = write_ceilings(tmp_path / "c.json", "NVIDIA B200", 7e12, 2e15)
     proc = run_cli("--tokens=64", f"--ceilings={ceilings}", f"--json_out={tmp_path / 'x.json'}")
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if "'tpu'" not in line]
@@ -219,30 +200,16 @@ def test_ceilings_of_another_device_exit_2_with_one_line(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("impl", ["xla", "cudnn", "mgpu"])
 @pytest.mark.parametrize("tokens", [200, 1024])  # 200: mgpu pads T to 256
 def test_impls_match_the_reference_gpu(impl, tokens):
     q, k, v = pa.inputs(1, 1, tokens, 55, 96, seed=tokens)
     out = pa.first_set_checked_heads(pa.XlaRunner(impl, q, k, v)())
-    ref = pa.reference(q, k, v)
-    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
+    assert rel_fro(out, pa.reference(q, k, v)) < 1e-2
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-@pytest.mark.parametrize(
-    "impl, mode, backend",
-    [(impl, "default", backend) for impl in bench.TORCH_IMPLS
-     for backend in bench.DEFAULT_SDPA_BACKENDS]
-    + [("torch_compile", "reduce-overhead", "cudnn")],
-)  # fmt: skip
+@pytest.mark.parametrize("impl, mode, backend", TORCH_ROWS)
 def test_torch_rows_match_the_reference_gpu(impl, mode, backend):
     q, k, v = pa.inputs(2, 1, 1024, 55, 96, seed=8)
-    ref = pa.reference(q, k, v)
-    runner = pa.make_runner(f"{impl}/{backend}", q, k, v, mode)
-    for _ in range(3):  # replays rewrite the same outputs
-        out = pa.first_set_checked_heads(runner())
-        assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
-    assert (runner.compile_seconds is None) == (impl == "torch_graph")
-    runner.release()
+    check_torch_row(pa, pa.first_set_checked_heads, q, k, v, impl, mode, backend)
