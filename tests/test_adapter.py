@@ -12,6 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from attention_programs import write_ceilings
 
 from experiments import adapter
 from experiments import attention_bench as bench
@@ -30,16 +31,6 @@ def test_estimate_matches_appendix_a_and_counts_the_concat():
     # s and e read once more, x [1, 2h] written: 2·h·2 B read and 2·h·2 B written more.
     assert concat.hbm_read_bytes - alone.hbm_read_bytes == 2 * 5280 * 2
     assert concat.hbm_write_bytes - alone.hbm_write_bytes == 2 * 5280 * 2
-
-
-def write_ceilings(path: Path, device_kind: str, read: float, flops: float) -> Path:
-    """A ceilings file as experiments.ceilings writes it (the fields ceilings.load reads)."""
-    data = {
-        "environment": {"device_kind": device_kind},
-        "ceilings": {"read_bytes_per_s": read, "bf16_flops_per_s": flops},
-    }
-    path.write_text(json.dumps(data))
-    return path
 
 
 def test_roofline_takes_the_slower_of_reading_and_computing(tmp_path):
