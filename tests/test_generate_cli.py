@@ -13,14 +13,37 @@ from conftest import MICRO
 import huginn_jax
 
 
+def _command(*args) -> list[str]:
+    return [sys.executable, "-m", "huginn_jax.generate", "--noprogress", *args]
+
+
 def _cli(*args, cwd=None):
     return subprocess.run(
-        [sys.executable, "-m", "huginn_jax.generate", "--noprogress", *args],
+        _command(*args),
         capture_output=True,
         text=True,
         cwd=cwd or Path(__file__).parents[1],
         timeout=300,
     )
+
+
+def _cli_all(arg_lists: list[list[str]]) -> list[subprocess.CompletedProcess]:
+    """`_cli` of every argument list, the processes running side by side."""
+    procs = [
+        subprocess.Popen(
+            _command(*args),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=Path(__file__).parents[1],
+        )
+        for args in arg_lists
+    ]
+    done = []
+    for proc, args in zip(procs, arg_lists, strict=True):
+        out, err = proc.communicate(timeout=300)
+        done.append(subprocess.CompletedProcess(_command(*args), proc.returncode, out, err))
+    return done
 
 
 def test_cli_bad_input_exits_2_with_one_line():
@@ -111,14 +134,17 @@ def test_cli_kernel_choices(tmp_path):
         ("xla", gemv) for gemv in DECODE_GEMV_IMPLS if gemv != "xla"
     ]
     tokens = {}
-    for attention, gemv in runs:
-        out = tmp_path / f"{attention}_{gemv}.json"
-        dtype = "bf16" if attention == "cudnn" else "f32"
-        result = _cli(
+    dtypes = ["bf16" if attention == "cudnn" else "f32" for attention, _ in runs]
+    results = _cli_all([
+        [
             "--config=micro", "--random_weights", f"--dtype={dtype}", "--prompt_len=20",
             "--max_new_tokens=4", "--num_steps=3", f"--decode_attention={attention}",
-            f"--decode_gemv={gemv}", f"--json_out={out}",
-        )  # fmt: skip
+            f"--decode_gemv={gemv}", f"--json_out={tmp_path / f'{attention}_{gemv}.json'}",
+        ]
+        for (attention, gemv), dtype in zip(runs, dtypes, strict=True)
+    ])  # fmt: skip
+    for (attention, gemv), dtype, result in zip(runs, dtypes, results, strict=True):
+        out = tmp_path / f"{attention}_{gemv}.json"
         if attention == "cudnn" and not on_gpu:
             assert result.returncode == 2
             assert result.stderr.strip().splitlines() == [
