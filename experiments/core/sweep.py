@@ -110,7 +110,7 @@ def check_conformance(impl: str, case_mode: str, conformance: dict[str, dict]) -
     if impl not in TORCH_IMPLS or key in conformance:
         return
     check = torch_conformance(impl, torch_device(), compile_mode)
-    conformance[key] = {**check, "compile_mode": compile_mode} if impl == "torch_compile" else check
+    conformance[key] = check
     print(
         f"conformance {key} ({check['core']} Core) vs huginn_tiny_a: max abs err "
         f"{check['max_abs_err']:.2e} (tolerance {check['tolerance']:.0e})"

@@ -19,6 +19,7 @@ results/<device>/ceilings.json, over the row's time), the error against the refe
 
 from __future__ import annotations
 
+import functools
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -129,17 +130,14 @@ def rows_of(batch: int, x0, weights, phases, ceiling) -> list[dict]:
         wide = core_phases(*SHAPE, unit_cols=cols)
         x_c, w_c = (x0, weights) if wide == phases else pad_inputs(x0, weights, phases, wide)
         for ring in col_rings:
-            fn = jax.jit(
-                lambda x, w, ring=ring, cols=cols, wide=wide: weight_stream(
-                    x,
-                    w,
-                    phases=wide,
-                    iterations=iterations,
-                    workers=WORKERS,
-                    unit_cols=cols,
-                    ring=ring,
-                    x_stages=FLAGS.x_stages,
-                )
+            fn = functools.partial(  # weight_stream is jitted, its settings static
+                weight_stream,
+                phases=wide,
+                iterations=iterations,
+                workers=WORKERS,
+                unit_cols=cols,
+                ring=ring,
+                x_stages=FLAGS.x_stages,
             )
             extra = dict(unit_cols=cols, ring=ring, ring_kib=ring * 64 * cols * 2 // 1024)
             timed(f"persistent ring={ring}", fn, x_c, w_c, stream_bytes(wide), **extra)

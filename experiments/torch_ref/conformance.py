@@ -35,7 +35,8 @@ def check_core_impl(impl: str, device: str, compile_mode: str = "default") -> di
     """The full-sequence logits of huginn_tiny_a (num_steps 4, zero initial state) with `impl`'s
     Core on `device` ("cpu" or "cuda") against the reference's `logits_steps4`.
 
-    Returns {"impl", "core", "max_abs_err", "tolerance", "passed"}: passed iff every logit lies
+    Returns {"impl", "core", "max_abs_err", "tolerance", "passed"}, and "compile_mode" for the
+    compiled Core (torch_compile): passed iff every logit lies
     within atol + rtol·|reference| (numpy's assert_allclose) at rtol = atol = TOLERANCE. The Core
     runs eagerly (no CUDA graph: a capture replays the same kernels), except torch_compile, which
     goes through torch.compile in `compile_mode` (three calls, the last one checked).
@@ -77,9 +78,11 @@ def check_core_impl(impl: str, device: str, compile_mode: str = "default") -> di
         and np.all(np.isfinite(logits))
         and np.all(err <= TOLERANCE + TOLERANCE * np.abs(expected))
     )
+    mode = {"compile_mode": compile_mode} if core == "compiled" else {}
     return {
         "impl": impl,
         "core": core,
+        **mode,
         "max_abs_err": float(err.max()),
         "tolerance": TOLERANCE,
         "passed": passed,
