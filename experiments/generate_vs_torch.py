@@ -6,7 +6,9 @@ in the same run, each framework at its strongest.
 
 JAX: `huginn_jax.generate.make_plan` + `run_plan`, what `python -m huginn_jax.generate` runs, with
 a fixed `num_steps`, a zero initial state (init_scale 0), greedy tokens and the `full` cache; the
-latency of a token is one compiled step until its token is ready. PyTorch (`--torch_impls`,
+latency of a token is one compiled step until its token is ready. `--core_decode=persistent`:
+its decode steps' Core in the persistent kernel (the row `jax_persistent`; `xla` with a line
+saying why where it cannot run). PyTorch (`--torch_impls`,
 `experiments.torch_ref.huginn.run_loop`), the same weights (DLPack on CUDA):
 - torch_compile: gpt-fast style, the position a tensor; prelude, one Core iteration and coda
   compiled once each (`--torch_compile_mode`), the whole token in one CUDA graph replayed at
@@ -43,12 +45,17 @@ from flax import nnx  # noqa: E402
 
 from experiments import cli, program  # noqa: E402
 from experiments.cli import UserError  # noqa: E402
-from experiments.measure import compare as compare_lib  # noqa: E402
+from experiments.generate_vs_torch_report import compare, make_records, print_table  # noqa: E402
 from experiments.torch_ref import chain as torch_chain  # noqa: E402 (imports no torch)
 from experiments.torch_ref.core import COMPILE_MODES  # noqa: E402 (imports no torch)
 from experiments.torch_ref.huginn import LOOPS as TORCH_LOOPS  # noqa: E402 (imports no torch)
 from huginn_jax.checkpoint import from_pretrained  # noqa: E402
-from huginn_jax.config import DECODE_ATTENTION_IMPLS, DECODE_GEMV_IMPLS, HuginnConfig  # noqa: E402
+from huginn_jax.config import (  # noqa: E402
+    CORE_DECODE_IMPLS,
+    DECODE_ATTENTION_IMPLS,
+    DECODE_GEMV_IMPLS,
+    HuginnConfig,
+)
 from huginn_jax.generate import Generation, Plan, make_plan, run_plan  # noqa: E402
 from huginn_jax.generate.options import check_memory  # noqa: E402
 from huginn_jax.model import Huginn, random_init, with_config  # noqa: E402
@@ -99,6 +106,11 @@ def define_flags() -> None:
         "JAX's decode GEMVs at batch 1 (HuginnConfig.decode_gemv); pallas: the row GEMVs of "
         "huginn_jax.decode_row with pallas_kernels.fused_gemv.",
     )
+    flags.DEFINE_enum(
+        "core_decode", "xla", list(CORE_DECODE_IMPLS),
+        "JAX's Core decode steps: xla (run_core) or persistent (huginn_jax.persistent: one "
+        "persistent kernel; xla, with a line saying why, where it cannot run).",
+    )  # fmt: skip
     flags.DEFINE_list(
         "torch_impls", list(TORCH_LOOPS), f"PyTorch loops to run, of {', '.join(TORCH_LOOPS)}."
     )
@@ -160,6 +172,7 @@ def _plan(config: HuginnConfig) -> Plan:
         init_scale=0.0,
         strategy="full",
         seed=FLAGS.seed,
+        core_decode=FLAGS.core_decode,
     )
     check_memory(config, plan, FLAGS.batch, _DTYPES[FLAGS.dtype])
     return dataclasses.replace(plan, ids=np.tile(plan.ids, (FLAGS.batch, 1)))
@@ -267,107 +280,6 @@ def run_torch(model: Huginn, plan: Plan, impls: list[str], notes: list[str], det
     return runs, checks
 
 
-def compare(jax_gen: Generation, torch_tokens: np.ndarray, torch_logits: np.ndarray) -> dict:
-    """Token agreement and logit differences where both loops had the same inputs."""
-    jax_tokens, jax_logits = jax_gen.tokens, jax_gen.logits
-    differ = np.nonzero((jax_tokens != torch_tokens).any(axis=0))[0]
-    first = int(differ[0]) if differ.size else None
-    # Token n is computed from tokens < n: up to the first mismatch both loops saw the same ids.
-    upto = jax_tokens.shape[1] if first is None else first + 1
-    diff = np.abs(jax_logits[:, :upto] - torch_logits[:, :upto])
-    out = {
-        "tokens_agree": first is None,
-        "first_mismatch": first,
-        "tokens_agreeing": int((jax_tokens == torch_tokens).sum()),
-        "tokens_total": int(jax_tokens.size),
-        "prefill_logits_max_abs_diff": float(diff[:, 0].max()),
-        "logits_max_abs_diff_same_inputs": float(diff.max()),
-        "logits_abs_max": float(np.abs(jax_logits[:, :upto]).max()),
-    }
-    if first is not None:
-        top2 = np.sort(jax_logits[:, first], axis=-1)[:, -2:]
-        out["jax_top2_gap_at_mismatch"] = float((top2[:, 1] - top2[:, 0]).min())
-    return out
-
-
-def loop_record(impl: str, latencies_s: list[float], prefill_s: float, compile_s: float) -> dict:
-    """One table row: ms/token median and p10/p90, tokens/s (batch × tokens / decode time),
-    prefill ms, compile s."""
-    ms = np.asarray(latencies_s) * 1e3
-    return {
-        "impl": impl,
-        "ms_per_token": float(np.median(ms)) if ms.size else None,
-        "ms_p10": float(np.percentile(ms, 10)) if ms.size else None,
-        "ms_p90": float(np.percentile(ms, 90)) if ms.size else None,
-        "tokens_per_s": FLAGS.batch * ms.size / (ms.sum() / 1e3) if ms.size else None,
-        "prefill_ms": prefill_s * 1e3,
-        "compile_s": compile_s,
-    }
-
-
-def make_records(jax_gen: Generation, runs: dict, comparisons: dict, checks: dict) -> list:
-    """The rows: jax, then each torch loop (tokens vs JAX, its conformance), with vs_best."""
-    stats = jax_gen.stats
-    compile_s = sum(v for v in stats["compile_s"].values() if v)
-    records = [loop_record("jax", stats["decode_latency_s"], stats["prefill_s"], compile_s)]
-    records[0].update(tokens_equal_jax=None, first_difference=None)
-    for impl, gen in runs.items():
-        rec = loop_record(impl, gen.latencies_s, gen.prefill_s, gen.setup_s)
-        rec["tokens_equal_jax"] = comparisons[impl]["tokens_agree"]
-        rec["first_difference"] = comparisons[impl]["first_mismatch"]
-        rec["conformance_passed"] = checks[impl]["passed"] if impl in checks else None
-        records.append(rec)
-    compare_lib.add_vs_best(records, group_keys=(), time_key="ms_per_token")
-    return records
-
-
-def _num(value: float | None, fmt: str) -> str:
-    return "-" if value is None else format(value, fmt)
-
-
-def print_table(records: list[dict], comparisons: dict, checks: dict, details: dict) -> None:
-    header = "impl|ms/token|p10-p90|tokens/s|prefill ms|compile s|tokens = JAX|vs best"
-    rows = [tuple(header.split("|"))]
-    for rec in records:
-        same = rec["tokens_equal_jax"]
-        equal = "-" if same is None else "yes" if same else f"no ({rec['first_difference']})"
-        spread = "-" if rec["ms_p10"] is None else f"{rec['ms_p10']:.3f}-{rec['ms_p90']:.3f}"
-        rows.append(
-            (
-                rec["impl"],
-                _num(rec["ms_per_token"], ".3f"),
-                spread,
-                _num(rec["tokens_per_s"], ".1f"),
-                _num(rec["prefill_ms"], ".1f"),
-                _num(rec["compile_s"], ".1f"),
-                equal,
-                compare_lib.format_vs_best(rec["vs_best"]),
-            )
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
-    for impl, info in details.items():
-        print(f"{impl}: {info['loop']}")
-    for impl, c in comparisons.items():
-        line = (
-            f"{impl} vs jax: max |logit diff| (same ids) {c['logits_max_abs_diff_same_inputs']:.3g}"
-        )
-        if not c["tokens_agree"]:
-            line += (
-                f"; tokens part at {c['first_mismatch']}, JAX's top-1/top-2 gap there "
-                f"{c['jax_top2_gap_at_mismatch']:.3g}"
-            )
-        print(line)
-    for impl, check in checks.items():
-        verdict = "passed" if check["passed"] else "FAILED"
-        print(
-            f"conformance {impl} (huginn_tiny_a greedy tokens, float32): tokens "
-            f"{'equal' if check['tokens_equal'] else 'differ'}, prefill max abs err "
-            f"{check['prefill_max_abs_err']:.2e}: {verdict}"
-        )
-
-
 def main(argv: list[str]) -> None:
     logging.set_verbosity(logging.WARNING)  # no backend-probing chatter around the output
     if len(argv) > 1:
@@ -394,7 +306,7 @@ def main(argv: list[str]) -> None:
     comparisons = {impl: compare(jax_gen, g.tokens, g.logits) for impl, g in runs.items()}
     for impl, comparison in comparisons.items():
         details[impl]["comparison"] = comparison
-    records = make_records(jax_gen, runs, comparisons, checks)
+    records = make_records(jax_gen, runs, comparisons, checks, FLAGS.batch)
     for line in notes:
         print(f"note: {line}")
     if FLAGS.json_out:

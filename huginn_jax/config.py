@@ -16,6 +16,10 @@ if TYPE_CHECKING:
 ATTENTION_IMPLS = ("xla", "cudnn", "mgpu")
 DECODE_ATTENTION_IMPLS = ("xla", "xla_split", "cudnn", "pallas")
 DECODE_GEMV_IMPLS = ("xla", "xla_rows8", "pallas")
+# Generation's Core decode steps (`generate`'s core_decode; not a config field, because the
+# persistent kernel reads the Core's weights packed once per run: huginn_jax.persistent):
+# "xla" (run_core, a lax.scan) or "persistent" (run_core_persistent).
+CORE_DECODE_IMPLS = ("xla", "persistent")
 
 
 @dataclasses.dataclass(frozen=True)

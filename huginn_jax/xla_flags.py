@@ -8,12 +8,17 @@ keeps XLA's own choice. Why cuBLAS is the programs' default: XLA's Triton split-
 is launched on its own. experiments.core keeps them on by default: the Core's decode iteration
 is faster with them, although the first launch of a graph costs host time.
 
+`add_flags("--name=value ...")` adds any other XLA flags (e.g. a program's `--xla_flags`), each
+in place of a word of the same flag name already there, so that the last choice wins.
+
 The measurements behind both defaults: docs/xla_flags.md.
 """
 
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Callable
 
 GEMM_CHOICES = ("cublas", "xla")
 TRITON_GEMM_OFF = "--xla_gpu_enable_triton_gemm=false"
@@ -37,16 +42,38 @@ def use_command_buffers(enabled: bool) -> None:
     _set_flag(COMMAND_BUFFERS_OFF, not enabled, f"command_buffers={enabled}")
 
 
+def add_flags(text: str) -> None:
+    """Adds the words of `text` ("--name=value --other=value") to XLA_FLAGS for this process,
+    each in place of any word there of the same flag name (one from `use_gemm` too), so that it
+    wins. Raises ValueError for a word that is not "--name" or "--name=value", and RuntimeError
+    once the backend has started."""
+    words = text.split()
+    for word in words:
+        if not re.fullmatch(r"--\w+(=\S*)?", word):
+            raise ValueError(f"{word!r} is not an XLA flag (--name or --name=value)")
+
+    def edit(current: list[str]) -> list[str]:
+        for word in words:
+            name = word.partition("=")[0]
+            current = [w for w in current if w.partition("=")[0] != name] + [word]
+        return current
+
+    _edit(edit, f"xla_flags={text!r}")
+
+
 def _set_flag(word: str, present: bool, what: str) -> None:
     """Adds `word` to XLA_FLAGS (once) or removes it; a change after the backend started is an
     error naming `what`."""
+    _edit(lambda words: [w for w in words if w != word] + ([word] if present else []), what)
+
+
+def _edit(edit: Callable[[list[str]], list[str]], what: str) -> None:
+    """XLA_FLAGS as `edit` makes its words; a change after the backend started is an error
+    naming `what`."""
     from jax._src import xla_bridge
 
     old = os.environ.get("XLA_FLAGS", "")
-    words = [w for w in old.split() if w != word]
-    if present:
-        words.append(word)
-    new = " ".join(words)
+    new = " ".join(edit(old.split()))
     if new == old:
         return
     if xla_bridge.backends_are_initialized():

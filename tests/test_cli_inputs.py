@@ -41,6 +41,8 @@ WRITES_JSON = {
     "experiments.allreduce",
     "experiments.kernels.fused_gemv_tune",
     "experiments.kernels.core_stream",
+    "experiments.kernels.core_fused",
+    "experiments.kernels.prefill_gemm",
     "huginn_jax.generate",
 }
 
@@ -124,6 +126,11 @@ BAD = [
     Bad("experiments.kernels.fused_gemv_tune", "--configs=1:2", "'1:2' is not block_n:block_k"),
     Bad("experiments.kernels.core_stream", "--rings=", "--rings is empty"),
     Bad("experiments.kernels.core_stream", "", "needs an sm_90 GPU"),
+    Bad("experiments.kernels.core_fused", "--batch=9", "at most 8 sequences"),
+    Bad("experiments.kernels.core_fused", "--ring=40", "--ring=40 --batch=1"),
+    Bad("experiments.kernels.core_fused", "", "needs an sm_90 GPU"),
+    Bad("experiments.kernels.prefill_gemm", "--reps=0", "--reps=0: must be >= 1"),
+    Bad("experiments.kernels.prefill_gemm", "--xla_flags=-x", "'-x' is not an XLA flag"),
     Bad("experiments.kernels.looped_matmul_smoke", "--case=bogus", "unknown case 'bogus'"),
     Bad("experiments.kernels.looped_matmul_smoke", "--reps=0", "--reps=0: must be >= 1"),
     # generate
@@ -156,6 +163,8 @@ HELP = [
     Help("experiments.allreduce", ("json_out", "repeats")),
     Help("experiments.kernels.fused_gemv_tune", ("json_out", "shapes", "configs")),
     Help("experiments.kernels.core_stream", ("json_out", "batch", "rings")),
+    Help("experiments.kernels.core_fused", ("json_out", "batch", "contexts", "profile")),
+    Help("experiments.kernels.prefill_gemm", ("json_out", "tokens", "forms", "xla_flags")),
     Help("experiments.kernels.looped_matmul_smoke", ("suite", "reps", "timeout")),
     Help(GENERATE, ("max_new_tokens", "num_steps", "criterion", "batch")),
 ]

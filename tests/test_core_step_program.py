@@ -14,10 +14,9 @@ from flax import nnx
 from huginn_jax.config import HuginnConfig
 from huginn_jax.kv_cache import KVCache
 from huginn_jax.model import Core, run_core
+from huginn_jax.persistent import step_weights  # also what test_core_step_fused imports
 from pallas_kernels.core_step import (
-    LayerWeights,
     Pending,
-    StepWeights,
     barriers_per_iteration,
     core_iteration,
     core_phases,
@@ -43,24 +42,6 @@ def core() -> Core:
         bias = block.attn.qk_bias
         bias[...] = 0.5 * jax.random.normal(next(keys), bias.shape)
     return model
-
-
-def step_weights(model: Core) -> StepWeights:
-    layers = tuple(
-        LayerWeights(
-            norm_1=b.norm_1.weight[...],
-            wqkv=b.attn.Wqkv.kernel[...],
-            qk_bias=b.attn.qk_bias[...],
-            proj=b.attn.proj.kernel[...],
-            norm_2=b.norm_2.weight[...],
-            norm_3=b.norm_3.weight[...],
-            fc=b.mlp.fc.kernel[...],
-            mlp_proj=b.mlp.proj.kernel[...],
-            norm_4=b.norm_4.weight[...],
-        )
-        for b in model.core_block
-    )
-    return StepWeights(model.adapter.kernel[...], layers, head_dim=CFG.head_dim, eps=CFG.norm_eps)
 
 
 def inputs(iterations: int):

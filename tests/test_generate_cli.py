@@ -108,10 +108,11 @@ def test_cli_refuses_bad_values_before_any_loading(args, message):
 
 
 def test_cli_kernel_flags_offer_the_configs_names():
-    """--decode_attention and --decode_gemv accept exactly HuginnConfig's lists of names."""
+    """--decode_attention and --decode_gemv accept exactly HuginnConfig's lists of names, and
+    --core_decode config.CORE_DECODE_IMPLS."""
     from absl import flags
 
-    from huginn_jax.config import DECODE_ATTENTION_IMPLS, DECODE_GEMV_IMPLS
+    from huginn_jax.config import CORE_DECODE_IMPLS, DECODE_ATTENTION_IMPLS, DECODE_GEMV_IMPLS
     from huginn_jax.generate import cli
 
     fv = flags.FlagValues()
@@ -120,6 +121,8 @@ def test_cli_kernel_flags_offer_the_configs_names():
     assert fv["decode_gemv"].parser.enum_values == list(DECODE_GEMV_IMPLS)
     fv(["prog", "--decode_attention=pallas", "--decode_gemv=pallas"])
     assert (fv.decode_attention, fv.decode_gemv) == ("pallas", "pallas")
+    assert fv["core_decode"].parser.enum_values == list(CORE_DECODE_IMPLS)
+    assert fv.core_decode == "xla"  # the default: run_core
 
 
 def test_cli_kernel_choices(tmp_path):

@@ -1,11 +1,13 @@
 """experiments.generate_vs_torch end to end on small sizes. Its JAX half (--torch_impls= empty,
-no PyTorch): the decode attention and decode GEMV flags reach the model, the JAX record. With
-the PyTorch loops (skipped without torch): one record per loop, vs_best, conformance, exit codes.
+no PyTorch): the decode attention, decode GEMV and Core decode flags reach the model, the JAX
+record. With the PyTorch loops (skipped without torch): one record per loop, vs_best,
+conformance, exit codes.
 """
 
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import jax
@@ -44,10 +46,22 @@ def test_row_gemvs_generate_the_same_tokens(tmp_path):
     assert rows["jax"]["tokens"] == xla["jax"]["tokens"]
 
 
+def test_a_persistent_jax_loop_is_the_row_jax_persistent():
+    from experiments.generate_vs_torch_report import make_records
+
+    stats = {"core_decode": "persistent", "compile_s": {}, "decode_latency_s": [1e-3]}
+    gen = types.SimpleNamespace(stats={**stats, "prefill_s": 1e-2})
+    assert make_records(gen, {}, {}, {}, batch=1)[0]["impl"] == "jax_persistent"
+
+
 def test_jax_alone_writes_its_record_with_a_warm_prefill(tmp_path):
     """One row, jax: no rival framework, so no vs_best; the prefill was timed after an untimed
-    first call, whose compile seconds the record keeps."""
-    data = run(tmp_path, "xla")
+    first call, whose compile seconds the record keeps. --core_decode=persistent reaches the
+    loop, which decodes with XLA's Core (micro's float32 cache is not the kernel's) and says
+    why: the row stays jax."""
+    data = run(tmp_path, "xla", "--core_decode=persistent")
+    assert data["environment"]["flags"]["core_decode"] == "persistent"
+    assert data["jax"]["core_decode"] == "xla" and "float32" in data["jax"]["core_decode_fallback"]
     assert data["torch"] == {} and data["conformance"] == {}
     (rec,) = data["records"]
     assert rec["impl"] == "jax" and rec["vs_best"] is None and rec["best_rival"] is None

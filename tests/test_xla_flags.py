@@ -7,7 +7,7 @@ import sys
 import jax
 import pytest
 
-from huginn_jax.xla_flags import COMMAND_BUFFERS_OFF, TRITON_GEMM_OFF, use_gemm
+from huginn_jax.xla_flags import COMMAND_BUFFERS_OFF, TRITON_GEMM_OFF, add_flags, use_gemm
 
 
 def test_unknown_choice_fails_clearly():
@@ -51,3 +51,25 @@ def test_command_buffers_off_adds_the_empty_list_and_on_removes_it():
         f"--xla_dump_to=/tmp/x {TRITON_GEMM_OFF} {COMMAND_BUFFERS_OFF}",
         f"--xla_dump_to=/tmp/x {TRITON_GEMM_OFF}",
     ]
+
+
+def test_added_flags_replace_words_of_the_same_name_in_a_fresh_process():
+    code = (
+        "import os; from huginn_jax.xla_flags import add_flags, use_gemm; "
+        "os.environ['XLA_FLAGS'] = '--xla_dump_to=/tmp/x --xla_gpu_autotune_level=4'; "
+        "use_gemm('cublas'); "
+        "add_flags(' --xla_gpu_autotune_level=0  --xla_gpu_enable_triton_gemm=true --xla_a '); "
+        "print(os.environ['XLA_FLAGS'])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert out == [
+        "--xla_dump_to=/tmp/x --xla_gpu_autotune_level=0 --xla_gpu_enable_triton_gemm=true --xla_a"
+    ]
+
+
+@pytest.mark.parametrize("text", ["xla_gpu_autotune_level=0", "--a=1 -b", "--a b=2"])
+def test_a_word_that_is_no_flag_is_refused(text):
+    with pytest.raises(ValueError, match="is not an XLA flag"):
+        add_flags(text)

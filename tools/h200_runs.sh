@@ -21,6 +21,11 @@
 #   generate  JAX generation against PyTorch's compiled decode loop, 32 steps per token
 #   core_stream  the Core's weight stream as one persistent kernel (pallas_kernels/core_step)
 #             against XLA's chain of the same products, batch 1 and 8
+#   core_persistent  the whole Core iteration as one kernel (experiments.core --impls=persistent)
+#             beside xla_pallas and torch_compile, decode, batch 1, one process
+#   core_fused  that kernel per context and batch against its floor and its bare weight stream,
+#             and where its time goes (Mosaic GPU's on-device profiler)
+#   prefill_gemm  the Core's prefill GEMMs shape by shape, XLA against PyTorch
 #   multi_gpu  tensor parallelism (docs/tensor_parallel.md): all-reduce latency and bandwidth at
 #             the Core's activation sizes -> allreduce.json, then the Core (xla, xla_cudnn) on 1,
 #             2 and 4 GPUs (as many as present) -> core_tpN.json, and each time against 1 GPU
@@ -30,7 +35,7 @@
 # only when the machine's flax lacks nnx.List).
 set -u
 [ $# -ge 1 ] || { echo "usage: $0 STAGE [STAGE...] (see the list above)" >&2; exit 2; }
-STAGES="ceilings tests compile_modes core chain chain_trace adapter decode_attention prefill_attention generate core_stream multi_gpu"
+STAGES="ceilings tests compile_modes core chain chain_trace adapter decode_attention prefill_attention generate core_stream core_persistent core_fused prefill_gemm multi_gpu"
 for stage in "$@"; do
   [[ " $STAGES " == *" $stage "* ]] || { echo "unknown stage $stage; known: $STAGES" >&2; exit 2; }
 done
@@ -173,6 +178,33 @@ stage_core_stream() {
     --rings=16,24 --reps=5 --json_out="$d/core_stream.json" \
     > "$d/core_stream.txt" 2>&1
   echo "== core_stream rc $?"; grep -v "it/s\]" "$d/core_stream.txt" | tail -12
+}
+
+stage_core_persistent() {
+  # the fused Core kernel as the model runs it, beside XLA's fastest decode and torch.compile
+  local d=$1
+  timeout 360 python3 -m experiments.core --mode=decode \
+    --impls=persistent,xla_pallas,torch_compile --iterations=8 --context=1024 --batch=1 \
+    $CEILINGS --json_out="$d/core_persistent.json" > "$d/core_persistent.txt" 2>&1
+  echo "== core_persistent rc $?"; grep -v "it/s\]" "$d/core_persistent.txt" | tail -12
+}
+
+stage_core_fused() {
+  local d=$1
+  timeout 420 python3 -m experiments.kernels.core_fused --batch=1,8 --contexts=64,1024,4096 \
+    --profile --json_out="$d/core_fused.json" > "$d/core_fused.txt" 2>&1
+  echo "== core_fused rc $?"; grep -v "it/s\]" "$d/core_fused.txt" | tail -24
+}
+
+stage_prefill_gemm() {
+  # the Core's prefill GEMMs shape by shape, with XLA's default cuBLAS and with cuBLASLt
+  local d=$1
+  timeout 150 python3 -m experiments.kernels.prefill_gemm $CEILINGS \
+    --json_out="$d/prefill_gemm.json" > "$d/prefill_gemm.txt" 2>&1
+  timeout 150 python3 -m experiments.kernels.prefill_gemm $CEILINGS \
+    --xla_flags=--xla_gpu_enable_cublaslt=true --json_out="$d/prefill_gemm_cublaslt.json" \
+    > "$d/prefill_gemm_cublaslt.txt" 2>&1
+  echo "== prefill_gemm rc $?"; grep -v "it/s\]" "$d/prefill_gemm.txt" | tail -8
 }
 
 stage_multi_gpu() {

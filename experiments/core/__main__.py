@@ -22,6 +22,11 @@ random, never zeros); prefill = `context` new positions from position 0. Impleme
                   product (a GEMM, not XLA's one-row reduction; huginn_jax.decode_row)
   xla_mgpu        as xla_pallas, prefill attention by jax's Mosaic GPU flash attention on
                   float16 copies (the model's attention_impl="mgpu"; GPU only)
+  persistent      decode only: the r iterations in one persistent kernel
+                  (huginn_jax.persistent: the weights packed once per case, before timing;
+                  the cache's positions padded to whole blocks of 64); skipped with a note
+                  where `why_not_persistent` refuses the case (prefill, an fp32 cache, batch
+                  above 8, a GPU other than sm_90); Pallas' GPU interpreter on a CPU (slow)
   torch_compile   the same Core in PyTorch, the fast Core's iteration through torch.compile
                   (--torch_compile_mode), compiled once, r iterations replayed from one CUDA
                   graph (reduce-overhead: Inductor's own CUDA graphs); compile time reported
@@ -82,7 +87,10 @@ def define_flags() -> None:
     flags.DEFINE_list("batch", ["1"], "Sequences B, a list.")
     core_mesh.define_flag()
     flags.DEFINE_list(
-        "impls", ["xla", "torch"], "xla, torch (= the five torch_* impls) or the impl names above."
+        "impls",
+        ["xla", "torch"],
+        "xla, torch (= the five torch_* impls) or the impl names above (xla_split, xla_pallas, "
+        "..., persistent).",
     )
     flags.DEFINE_enum(
         "torch_compile_mode",

@@ -29,7 +29,11 @@ XLA_VARIANTS = {
 }
 GPU_ONLY_IMPLS = (*CUDA_ONLY_IMPLS, "xla_cudnn", "xla_mgpu")
 XLA_IMPLS = ("xla", *XLA_VARIANTS)
-IMPLS = (*XLA_IMPLS, *TORCH_IMPLS)
+# The Core's decode step in one persistent kernel (huginn_jax.persistent): decode cases only,
+# where `why_not_persistent` lets it run (Pallas' GPU interpreter on a CPU).
+PERSISTENT = "persistent"
+JAX_IMPLS = (*XLA_IMPLS, PERSISTENT)
+IMPLS = (*JAX_IMPLS, *TORCH_IMPLS)
 MAX_POSITIONS = 1 << 20  # the Core's cache length limit (RoPE is computed, not tabled)
 
 
@@ -136,7 +140,7 @@ def bytes_needed(cfg: HuginnConfig, case: Case, impls: list[str], dtype_bytes: i
     """Device bytes one case needs, estimated: the adapter and Core weights, the KV cache (twice
     with a torch impl, which may copy it), and the largest temporaries: XLA's float32 attention
     scores and probabilities [B, H, T, T] in prefill, the MLP's [B, T, I] and one cache slot
-    drawn in float32 in decode."""
+    drawn in float32 in decode; with `persistent`, the weights' packed copy."""
     one = costs.totals(
         costs.core_iteration_ops(
             cfg, batch=case.batch, context=case.context, mode=case.mode, dtype_bytes=dtype_bytes
@@ -148,7 +152,8 @@ def bytes_needed(cfg: HuginnConfig, case: Case, impls: list[str], dtype_bytes: i
     scores = 2 * 4 * case.batch * cfg.n_heads * case.new_tokens * case.max_len
     temporaries = max(scores + 3 * tokens * cfg.intermediate_size * 4, 4 * slot)
     copies = 2 if any(i in TORCH_IMPLS for i in impls) else 1
-    return one.param_bytes + copies * cache + temporaries
+    packed = one.param_bytes if PERSISTENT in impls else 0  # the weights packed for the kernel
+    return one.param_bytes + packed + copies * cache + temporaries
 
 
 def jax_dtype(name: str):

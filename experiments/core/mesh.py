@@ -19,7 +19,7 @@ from experiments.torch_ref.core_runner import TORCH_IMPLS  # imports no torch
 from huginn_jax import costs, parallel
 
 FLAGS = flags.FLAGS
-SINGLE_DEVICE_IMPLS = ("xla_pallas", "xla_row_gemv", "xla_mgpu", *TORCH_IMPLS)
+SINGLE_DEVICE_IMPLS = ("xla_pallas", "xla_row_gemv", "xla_mgpu", "persistent", *TORCH_IMPLS)
 
 
 def define_flag() -> None:

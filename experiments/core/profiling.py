@@ -11,7 +11,7 @@ from pathlib import Path
 
 from absl import flags
 
-from experiments.core.cases import XLA_IMPLS, Case, core_config, jax_dtype
+from experiments.core.cases import JAX_IMPLS, Case, core_config, jax_dtype
 from experiments.core.runners import core_weights, make_runner
 from experiments.measure import ncu as ncu_lib
 from experiments.measure import timing
@@ -41,9 +41,9 @@ def case_of(rec: dict) -> Case:
 
 
 def trace_all(records: list[dict], cfg, graphdef, params) -> None:
-    """Per-kernel breakdowns into each record, XLA first: once the torch profiler has run in a
+    """Per-kernel breakdowns into each record, JAX first: once the torch profiler has run in a
     process, JAX's profiler can no longer subscribe to CUPTI there (the next trace hung)."""
-    order = sorted(records, key=lambda r: r["impl"] not in XLA_IMPLS)
+    order = sorted(records, key=lambda r: r["impl"] not in JAX_IMPLS)
     for rec in order:
         runner = runner_for(rec["impl"], cfg, graphdef, params, case_of(rec))
         for _ in range(2):
@@ -64,7 +64,7 @@ def trace_case(runner, impl: str, case: Case) -> tuple[list[dict], dict]:
         timing.wait(out, runner.sync)
 
     per = calls * case.iterations  # rows are reported per Core iteration
-    torch = impl not in XLA_IMPLS
+    torch = impl not in JAX_IMPLS
     path = Path(FLAGS.trace_dir) / (f"{label}.json" if torch else label)
     rows, per_iteration = trace_lib.trace_run(run, path, torch=torch, units=per)
     return [dataclasses.asdict(r) for r in rows], per_iteration

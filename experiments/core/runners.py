@@ -12,8 +12,9 @@ import numpy as np
 from flax import nnx
 
 from experiments.cli import UserError
-from experiments.core.cases import XLA_VARIANTS, Case, jax_dtype
+from experiments.core.cases import PERSISTENT, XLA_VARIANTS, Case, jax_dtype
 from experiments.torch_ref.core_runner import TorchRunner  # imports no torch
+from huginn_jax import persistent
 from huginn_jax.checkpoint import CheckpointError, from_pretrained
 from huginn_jax.kv_cache import KVCache
 from huginn_jax.model import Core, run_core
@@ -132,13 +133,65 @@ class XlaRunner:
         self.cache = self.compiled = None
 
 
+def persistent_positions(max_len: int) -> int:
+    """The persistent impl's cache positions: max_len rounded up to whole blocks."""
+    return -(-max_len // persistent.CACHE_MULTIPLE) * persistent.CACHE_MULTIPLE
+
+
+def why_not_persistent(cfg, case: Case, dtype_name: str) -> str | None:
+    """Why the persistent impl cannot run `case` here (None: it can)."""
+    if case.mode != "decode":
+        return "it runs decode steps (one new position)"
+    cache = jax.eval_shape(
+        lambda: KVCache.create(
+            cfg, batch=case.batch, max_len=persistent_positions(case.max_len),
+            num_steps=case.iterations, dtype=jax_dtype(dtype_name),
+        )
+    )  # fmt: skip
+    return persistent.why_not_persistent(cfg, case.batch, cache, num_steps=case.iterations)
+
+
+class PersistentRunner:
+    """The Core's decode step in the persistent kernel (`huginn_jax.persistent`): the weights
+    packed and the step compiled once, before any timed call; each call feeds the cache back
+    (donated, written in place) and returns the output state. The cache is `case_inputs`' with
+    zero positions appended up to whole blocks, after the new position, so never visible."""
+
+    sync = None
+
+    def __init__(self, graphdef, params, state, embedded, cache, case: Case):
+        self.prepared = persistent.PersistentCore.prepare(nnx.merge(graphdef, params), case.batch)
+        pad = [(0, 0)] * cache.k.ndim
+        pad[2] = (0, persistent_positions(cache.max_len) - cache.max_len)
+        self.cache = dataclasses.replace(cache, k=jnp.pad(cache.k, pad), v=jnp.pad(cache.v, pad))
+
+        def core(prepared, state, embedded, cache, start):
+            return persistent.run_core_persistent(
+                prepared, state, embedded, start, cache, case.iterations
+            )
+
+        self.args = (self.prepared, state, embedded)
+        self.start = jnp.int32(case.start)
+        fn = jax.jit(core, donate_argnames="cache")
+        self.compiled = fn.lower(*self.args, self.cache, self.start).compile()
+
+    def __call__(self):
+        out, self.cache = self.compiled(*self.args, self.cache, self.start)
+        return out
+
+    def release(self):
+        self.cache = self.compiled = self.prepared = self.args = None
+
+
 def make_runner(impl, cfg, graphdef, params, case, dtype_name, *, seed: int, compile_mode: str):
     """The runner of `impl` for `case`, over fresh inputs drawn from `seed`: XlaRunner for the
     XLA impls (a variant's model config from XLA_VARIANTS), TorchRunner for the torch ones
-    (`compile_mode`: torch.compile's)."""
+    (`compile_mode`: torch.compile's), PersistentRunner for `persistent`."""
     state, embedded, cache = case_inputs(cfg, case, jax_dtype(dtype_name), seed)
     if impl == "xla":
         return XlaRunner(graphdef, params, state, embedded, cache, case)
+    if impl == PERSISTENT:
+        return PersistentRunner(graphdef, params, state, embedded, cache, case)
     if impl in XLA_VARIANTS:
         variant = dataclasses.replace(cfg, **XLA_VARIANTS[impl])
         return XlaRunner(

@@ -18,8 +18,15 @@ from experiments import program
 from experiments.cli import UserError
 from experiments.core import mesh as core_mesh
 from experiments.core import profiling, report
-from experiments.core.cases import GPU_ONLY_IMPLS, XLA_IMPLS, Case, core_config, jax_dtype
-from experiments.core.runners import core_weights, to_numpy
+from experiments.core.cases import (
+    GPU_ONLY_IMPLS,
+    PERSISTENT,
+    XLA_IMPLS,
+    Case,
+    core_config,
+    jax_dtype,
+)
+from experiments.core.runners import core_weights, to_numpy, why_not_persistent
 from experiments.measure import compare, timing
 from experiments.measure import hlo as hlo_lib
 from experiments.torch_ref import chain as torch_chain  # imports no torch
@@ -96,6 +103,8 @@ def runnable(impls: list[str], on_gpu: bool) -> list[str]:
         impls = [i for i in impls if i not in skipped]
         if skipped:
             print(f"note: {', '.join(skipped)} need(s) CUDA; skipped on this device")
+    if PERSISTENT in impls and not on_gpu:
+        print(f"note: {PERSISTENT} runs in Pallas' GPU interpret mode here (one worker: slow)")
     if any(i in TORCH_IMPLS for i in impls) and not torch_chain.available():
         print(f"note: PyTorch is not installed ({torch_chain.INSTALL}); torch impls skipped")
         impls = [i for i in impls if i not in TORCH_IMPLS]
@@ -143,6 +152,9 @@ def run(cases: list[Case], impls: list[str], result: dict | None = None) -> dict
     conformance: dict[str, dict] = {}  # torch impl -> its Core's check against huginn_tiny_a
     grid = [(c, i) for c in cases for i in impls]
     for case, impl in program.progress(grid, "core"):
+        if impl == PERSISTENT and (reason := why_not_persistent(cfg, case, FLAGS.dtype)):
+            print(f"note: {impl} skipped for {case.spec()}: {reason}")
+            continue
         try:
             rec, out = run_case(impl, cfg, graphdef, params, case, ceilings)
         except Exception as e:  # out of memory in one case of a sweep: note it, go on

@@ -2,7 +2,8 @@
 
 `cupti_us`: the device time of the kernels one call launches, summed, median over `reps` calls
 (CUPTI through Mosaic GPU's profiler); `wall_us`: the wall time per call of `reps` calls issued
-back to back, after 2 warm-up calls, where CUPTI is unavailable or sees no kernel.
+back to back, after 2 warm-up calls, where CUPTI is unavailable or sees no kernel;
+`torch_us`: a PyTorch call's time per call, CUDA events around calls issued back to back.
 """
 
 from __future__ import annotations
@@ -39,3 +40,32 @@ def wall_us(fn, reps: int) -> float:
     outs = [fn() for _ in range(reps)]
     jax.block_until_ready(outs)
     return (time.perf_counter() - t) / reps * 1e6
+
+
+def torch_us(fn, reps: int, *, warmup: int, calls: int, cuda: bool) -> list[float]:
+    """`reps` samples of the time per call of `fn()` (PyTorch), after `warmup` calls: each the
+    time between CUDA events recorded around `calls` calls issued back to back on the current
+    stream, divided by `calls` (`cuda`), else their wall time. One untimed call before each
+    sample keeps the stream busy, so that the first timed kernel is queued before the start
+    event fires and the host's launch time is not counted."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(reps):
+        if not cuda:
+            t = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            samples.append((time.perf_counter() - t) / calls * 1e6)
+            continue
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        fn()
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / calls * 1e3)
+    return samples

@@ -176,6 +176,7 @@ def _print_table(stats: dict) -> None:
         ("latency budget", fmt(stats.get("latency_budget_s"), 1e3, " ms/token")),
         ("tokens/s", fmt(stats["tokens_per_s"])),
         ("steps/token", fmt(stats["steps_per_token"])),
+        ("core decode", stats.get("core_decode") or "-"),
         ("achieved", achieved),
         (
             "cache / weights",
@@ -229,6 +230,7 @@ def _main(argv, F, flag_names) -> None:
         strategy=F.strategy,
         cache_len=F.cache_len or None,
         attention_window=F.attention_window,
+        core_decode=F.core_decode,
     )
     check_memory(config, plan, F.batch, _DTYPES[F.dtype])
     plan = dataclasses.replace(plan, ids=np.tile(plan.ids, (F.batch, 1)))

@@ -4,6 +4,7 @@ the Python loop that dispatches one step per token and times it."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from typing import Any
 
@@ -61,6 +62,11 @@ def generate(
     - `attention_window`: a decode step reads the cache's filled positions rounded up to a
       multiple of this (one compiled decode step per window reached), not all cache_len of them;
       0 reads the whole cache at every step.
+    - `core_decode`: "xla" (`run_core`) or "persistent": the decode steps' Core iterations in
+      the persistent kernel (`huginn_jax.persistent`; the Core's weights packed once per call,
+      cache_len rounded up to whole blocks of 64 positions). Where it cannot run (an exit
+      criterion, the device, the shapes: `why_not_persistent`) the decode steps run "xla" and
+      one line on stderr says why.
 
     Every argument is checked before any work (`make_plan`); bad ones raise ValueError. `stats`
     holds compile seconds (apart), the prefill time, per-token decode latencies and their median,
@@ -103,13 +109,14 @@ def run_plan(
     temp_bytes = {"prefill": _temp_bytes(prefill)}
     windows = plan.decode_windows()
     decode_steps = {}  # window -> compiled decode step
+    persistent, fallback = persistent_core(model, plan, cache_shape) if windows else (None, None)
     if windows:
         prev_state = jnp.zeros((batch, cfg.n_embd), model.dtype) if plan.continuous else None
         token = jnp.zeros((batch,), jnp.int32)
         for window in sorted(set(windows)):
             decode_args = (
                 params, token, prev_state, cache_shape.with_read_len(window), jnp.int32(0), key,
-                exit_at,
+                exit_at, persistent,
             )  # fmt: skip
             decode_steps[window], seconds = compiled_step(graphdef, spec, decode_args)
             compile_decode += seconds
@@ -129,7 +136,7 @@ def run_plan(
         t0 = time.perf_counter()
         prev_state = out.state if plan.continuous else None
         cache, decode = out.cache.with_read_len(window), decode_steps[window]
-        out = decode(params, out.token, prev_state, cache, out.next_start, key, exit_at)
+        out = decode(params, out.token, prev_state, cache, out.next_start, key, exit_at, persistent)
         out.token.block_until_ready()  # per-token latency; the next step needs it anyway
         latencies.append(time.perf_counter() - t0)
         records.append(_record(out, return_logits))
@@ -152,7 +159,36 @@ def run_plan(
     stats["peak_bytes_before_generation"] = peak_before
     stats["executable_temp_bytes"] = temp_bytes
     stats["attention_windows"] = sorted(set(windows))
+    stats["core_decode"] = "xla" if persistent is None else "persistent"
+    stats["core_decode_fallback"] = fallback
     return Generation(tokens, steps, values, logits, stats, out.cache.with_read_len(0))
+
+
+def persistent_core(model: Huginn, plan: Plan, cache) -> tuple[Any, str | None]:
+    """(the Core packed for the persistent decode steps, None) when the plan asks for them and
+    they can run; else (None, why not), the reason also printed as one line on stderr. `cache`:
+    the cache's shape (`jax.eval_shape`)."""
+    if plan.core_decode != "persistent":
+        return None, None
+    from huginn_jax import persistent
+
+    batch = plan.ids.shape[0]
+    if plan.spec.criterion is not None:
+        reason = (
+            f"the exit criterion {plan.spec.criterion!r} runs a number of iterations per "
+            "sequence; the persistent Core runs a fixed count"
+        )
+    else:
+        reason = persistent.why_not_persistent(
+            model.config, batch, cache, num_steps=plan.spec.num_steps
+        )
+    if reason is not None:
+        print(f"core_decode=persistent: decoding with xla instead: {reason}", file=sys.stderr)
+        return None, reason
+    prepared = persistent.PersistentCore.prepare(model, batch)
+    if prepared.interpret is not None:
+        print("core_decode=persistent: no GPU, the kernel runs interpreted (slow)", file=sys.stderr)
+    return prepared, None
 
 
 def _temp_bytes(executable) -> int | None:

@@ -8,7 +8,12 @@ import math
 import numpy as np
 
 from huginn_jax import costs
-from huginn_jax.config import DECODE_ATTENTION_IMPLS, DECODE_GEMV_IMPLS, PRESETS
+from huginn_jax.config import (
+    CORE_DECODE_IMPLS,
+    DECODE_ATTENTION_IMPLS,
+    DECODE_GEMV_IMPLS,
+    PRESETS,
+)
 from huginn_jax.files import check_writable
 from huginn_jax.generate.exits import CRITERIA
 from huginn_jax.generate.plan import ATTENTION_WINDOW
@@ -137,6 +142,15 @@ FLAGS = (
         "xla",
         "A Core step's matrix-vector products at batch 1 (HuginnConfig.decode_gemv).",
         DECODE_GEMV_IMPLS,
+    ),
+    (
+        "enum",
+        "core_decode",
+        "xla",
+        "The decode steps' Core iterations: xla (run_core) or persistent (one persistent kernel, "
+        "huginn_jax.persistent: an sm_90 GPU, a fixed --num_steps; otherwise xla, with a line "
+        "saying why). persistent rounds the default --cache_len up to a multiple of 64.",
+        CORE_DECODE_IMPLS,
     ),
     (
         "string",
@@ -293,6 +307,10 @@ def check_memory(config, plan, batch: int, dtype) -> None:
     from huginn_jax.memory import available_bytes, format_bytes
 
     weights = costs.model_param_count(config) * jnp.dtype(dtype).itemsize
+    if plan.core_decode == "persistent":  # the Core's weights packed again, for the kernel
+        from huginn_jax.persistent import packed_bytes
+
+        weights += packed_bytes(config, batch, dtype=dtype)
     cache = KVCache.bytes_needed(
         config,
         batch=batch,

@@ -8,7 +8,7 @@ import dataclasses
 
 import numpy as np
 
-from huginn_jax.config import HuginnConfig
+from huginn_jax.config import CORE_DECODE_IMPLS, HuginnConfig
 from huginn_jax.generate.exits import criterion_named
 from huginn_jax.generate.step import StepSpec
 from huginn_jax.kv_cache import parse_strategy
@@ -32,6 +32,7 @@ class Plan:
     threshold: float  # exit threshold (unused without a criterion)
     min_steps: int
     attention_window: int = ATTENTION_WINDOW  # decode reads the cache in windows of this many
+    core_decode: str = "xla"  # the decode steps' Core: one of config.CORE_DECODE_IMPLS
 
     def decode_windows(self) -> list[int]:
         """Cache positions each decode step reads, in order: the positions visible to it (all
@@ -70,12 +71,15 @@ def make_plan(
     strategy: str | None = None,
     cache_len: int | None = None,
     attention_window: int = ATTENTION_WINDOW,
+    core_decode: str = "xla",
 ) -> Plan:
     """Checks a request against `config` without touching weights (see `generate`).
 
     Raises ValueError with one clear sentence for an empty or out-of-vocabulary prompt, an
-    unknown criterion or strategy, a prompt + max_new_tokens beyond the cache or block_size,
-    and out-of-range settings."""
+    unknown criterion, strategy or core_decode, a prompt + max_new_tokens beyond the cache or
+    block_size, and out-of-range settings."""
+    if core_decode not in CORE_DECODE_IMPLS:
+        raise ValueError(f"core_decode={core_decode!r} must be one of {CORE_DECODE_IMPLS}")
     ids = _check_prompt(input_ids, config)
     prompt_len = ids.shape[1]
     crit_name = None if criterion in (None, "none") else criterion
@@ -101,7 +105,12 @@ def make_plan(
     what = f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = {needed} positions"
     if needed > config.block_size:
         raise ValueError(f"{what} exceed the model's block_size={config.block_size}")
-    cache_len = needed if cache_len is None else cache_len
+    if cache_len is None:
+        cache_len = needed
+        if core_decode == "persistent":  # the kernel reads whole blocks of cached positions
+            from huginn_jax.persistent import CACHE_MULTIPLE
+
+            cache_len = min(config.block_size, -(-needed // CACHE_MULTIPLE) * CACHE_MULTIPLE)
     if cache_len > config.block_size:
         raise ValueError(
             f"cache_len={cache_len} exceeds the model's block_size={config.block_size}"
@@ -131,6 +140,7 @@ def make_plan(
         float(threshold),
         min_steps,
         attention_window,
+        core_decode,
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +23,9 @@ from huginn_jax.model import (
     run_core,
     run_prelude,
 )
+
+if TYPE_CHECKING:
+    from huginn_jax.persistent import PersistentCore
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,12 +63,15 @@ def step(
     key: jax.Array,
     exit_at: tuple[jax.Array, jax.Array],
     spec: StepSpec,
+    persistent: PersistentCore | None = None,
 ) -> StepOutput:
     """Prelude → recurrence (with exits) → coda → sampling for T new positions, traceable.
 
     The initial state is `prev_state_BxD` (continuous thought, T must be 1) when given, else the
     reference's s0 (zeros for init_scale 0, else drawn from `key` folded with `start`).
-    `exit_at` = (threshold float32, min_steps int32) for `spec.criterion`.
+    `exit_at` = (threshold float32, min_steps int32) for `spec.criterion`. With `persistent`
+    (a decode step of a fixed iteration count), the Core iterations run in the persistent
+    kernel (`huginn_jax.persistent.run_core_persistent`) instead of `run_core`.
     """
     cfg = model.config
     ids_BxT = ids_BxT[:, None] if ids_BxT.ndim == 1 else ids_BxT
@@ -81,8 +87,17 @@ def step(
         )
     embedded, cache = run_prelude(model, embed(model, ids_BxT), start, cache)
     nan_values = jnp.full((batch, spec.num_steps), jnp.nan, jnp.float32)
+    if persistent is not None and spec.criterion is not None:
+        raise ValueError("the persistent Core runs a fixed iteration count, not an exit criterion")
     if spec.criterion is None:
-        state, cache = run_core(model, state0, embedded, start, cache, spec.num_steps)
+        if persistent is not None:
+            from huginn_jax.persistent import run_core_persistent
+
+            state, cache = run_core_persistent(
+                persistent, state0, embedded, start, cache, spec.num_steps
+            )
+        else:
+            state, cache = run_core(model, state0, embedded, start, cache, spec.num_steps)
         logits, _, cache = run_coda(model, state, start, cache, last_only=True)
         steps, values = jnp.full((batch,), spec.num_steps, jnp.int32), nan_values
     else:
@@ -162,8 +177,11 @@ def _track_entries(saved, cache: KVCache, start, tokens: int, ran_B):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("cache",))
-def _step_jit(graphdef, params, ids, prev_state, cache, start, key, exit_at, *, spec):
-    return step(nnx.merge(graphdef, params), ids, prev_state, cache, start, key, exit_at, spec)
+def _step_jit(
+    graphdef, params, ids, prev_state, cache, start, key, exit_at, persistent=None, *, spec
+):
+    model = nnx.merge(graphdef, params)
+    return step(model, ids, prev_state, cache, start, key, exit_at, spec, persistent)
 
 
 _EXECUTABLES: dict = {}  # (graphdef, spec, argument avals) -> compiled step

@@ -5,6 +5,9 @@ the grid barriers (`stream.py`); its schedule is `plan.py`, its plain-JAX refere
 `reference.py` (and `pad_inputs`, the same products padded to wider weight tiles).
 `core_iteration`: the plain-JAX specification of the whole fused iteration, as the steps between
 its grid barriers (`step_program.py`).
+The whole iteration in one kernel: `fused_step.fused_core_decode` over `pack_weights`' packed
+weights (the kernel `fused.py`, its attention step `fused_attention.py`, what each product reads
+`fused_inputs.py`, its layout and shared memory `fused_plan.py`, register tiles `tiles.py`).
 """
 
 from pallas_kernels.core_step.plan import Phase, core_phases, stream_bytes

@@ -1,0 +1,395 @@
+"""The whole Core decode iteration as one persistent kernel (Mosaic GPU, Hopper).
+
+The weight stream of `stream.py` (a TMA ring per worker that runs ahead across the grid
+barriers, [64, unit_cols] weight units as the wgmma A operand, partial sums reduce-added into
+each product's output) with the rest of the iteration fused in, as `step_program.py` specifies,
+so that most products take their input as it is, as the bare stream does:
+
+- the norms' gains are folded into the weights' rows (`fused_step.pack_weights`); their
+  rsqrt(mean(z²) + eps) scales a product's output after its barrier. The sums of squares are
+  reduced beside a product, from its input chunks, by the worker that owns the chunk's unit in
+  tile kc mod tiles (so the owners spread over the workers);
+- the residuals are added into the products' outputs: at the end of proj and of the mlp proj,
+  each worker reduce-adds its chunks of x g rsqrt(...) into the output, so that the output is
+  the next product's input;
+- two products build their input per unit: layer 0's qkv (a r + e @ Wa[D:], r the state's norm
+  from the adapter step, stored for layer 0's residual) and the mlp proj (the SiLU gate of the
+  scaled fc output); the first iteration's adapter multiplies the given state by the adapter's
+  own rows (later ones by the rows with norm_4 folded in);
+- between qkv and proj, the attention step (`fused_attention.py`).
+
+1 + 5 L grid barriers per iteration. Activations are [rows, 8] float32 (`fused_plan.py`).
+Reference: `step_program.core_iteration`; inputs and outputs: `fused_step.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.core_step.fused_attention import attention_step
+from pallas_kernels.core_step.fused_inputs import KernelContext, kind_of, scaled, sources
+from pallas_kernels.core_step.fused_plan import (
+    N_PAD,
+    SCALAR_ROWS,
+    SHIFT,
+    Buffers,
+    FusedShape,
+    check_fused,
+    scratch_types,
+    splits_for,
+)
+from pallas_kernels.core_step.plan import UNIT, pad_to
+from pallas_kernels.core_step.tiles import WGMMA, bcast_rows, col_of, in_row
+from pallas_kernels.looped_matmul.barrier import GridBarrier
+
+
+def build_fused_core(
+    shape: FusedShape,
+    iterations: int,
+    *,
+    workers: int,
+    eps: float,
+    ring: int = 4,
+    x_stages: int = 2,
+    lag: int = 1,
+    interpret: Any = None,
+    profile_dir: str = "",
+):
+    """Returns f(meta, state0, e_part, gains, tables, rope_bias, k_cache, v_cache, adapter_raw,
+    *weights) -> (act, scalars, partials, kv_new); `fused_step.py` builds the inputs and reads
+    the outputs. Interpret mode: one worker (no global semaphores). `profile_dir`: Mosaic GPU's
+    on-device profiler records every step's and barrier's entry and exit (SM clock) there."""
+    if interpret is not None and workers != 1:
+        raise ValueError("interpret mode runs one worker only (no grid barrier)")
+    if interpret is None and (shape.head_dim % 16 or (shape.d - shape.kp) % 16):
+        raise ValueError(
+            f"head_dim={shape.head_dim} and d - {shape.kp} must be multiples of 16: a head's "
+            "cache columns are copied into tiles of 16 columns"
+        )
+    check_fused(shape, workers, ring, x_stages, lag)
+    phases, cols, layers = shape.phases, shape.unit_cols, shape.layers
+    n_phases, splits = len(phases), splits_for(shape.heads, workers)
+    steps_per_iteration = n_phases + layers
+    chunks_d = shape.k_d // UNIT  # 64-row chunks of a d-vector
+    bf16, f32 = jnp.bfloat16, jnp.float32
+
+    def body(meta, state, e_part, gains, tables, rope_bias, k_cache, v_cache, adapter_raw, *refs):
+        w_refs = refs[:n_phases]
+        act, scal, parts, kv_new = refs[n_phases : n_phases + 4]
+        worker = lax.axis_index("b")
+        k = KernelContext(
+            shape=shape, eps=eps, workers=workers, splits=splits, items=shape.heads * splits,
+            reduce=workers > 1, worker=worker, meta=meta, pos=meta[0], act=act, scal=scal,
+            parts=parts, kv_new=kv_new, tables=tables, rope_bias=rope_bias, k_cache=k_cache,
+            v_cache=v_cache, s=dict(zip(SCRATCH_NAMES, refs[n_phases + 4 :], strict=True)),
+            flags=pl.get_global(plgpu.SemaphoreType.REGULAR((shape.heads,)))
+            if splits > 1 else None,
+        )  # fmt: skip
+        s = k.s
+        barrier = GridBarrier(workers, "wait", 0, 1) if k.reduce else None
+        units = [p.units(cols) for p in phases]
+        first = [u * worker // workers for u in units]
+        count = [u * (worker + 1) // workers - f for u, f in zip(units, first, strict=True)]
+        cum = [sum(count[:q], jnp.int32(0)) for q in range(n_phases)]
+        per_iteration = sum(count, jnp.int32(0))
+
+        def issue_weight(q, j, c, raw):
+            """TMA of unit j of the worker's range in phase q into ring slot c % ring; `raw`:
+            the adapter's own rows (the first iteration's, whose state is not normed)."""
+            u = first[q] + j
+            t = u // phases[q].k_chunks
+            kc = u - t * phases[q].k_chunks
+            slot = lax.rem(c, ring)
+            box = pl.ds(kc * UNIT, UNIT), pl.ds(t * cols, cols)
+            dst, bar = s["ring"].at[slot], s["wbar"].at[slot]
+            if q == 0:
+                pl.when(raw)(lambda: plgpu.copy_gmem_to_smem(adapter_raw.at[box], dst, bar))
+                pl.when(jnp.logical_not(raw))(
+                    lambda: plgpu.copy_gmem_to_smem(w_refs[0].at[box], dst, bar)
+                )
+            else:
+                plgpu.copy_gmem_to_smem(w_refs[q].at[box], dst, bar)
+
+        def release(it, p, j):
+            """Unit j of phase p is done: its slot takes the unit `ring` places later, in this
+            phase or the next (of the next iteration after the last)."""
+            jj = j + ring
+            c = it * per_iteration + cum[p] + jj
+            same = jnp.logical_and(it == 0, p == 0)
+            pl.when(jj < count[p])(lambda: issue_weight(p, jj, c, same))
+            if p + 1 < n_phases:
+                pl.when(jj >= count[p])(lambda: issue_weight(p + 1, jj - count[p], c, False))
+            else:
+                more = jnp.logical_and(jj >= count[p], it < iterations - 1)
+                pl.when(more)(lambda: issue_weight(0, jj - count[p], c, False))
+
+        def zero_rows(buf, offset, n):
+            """The worker's tiles of act[buf, offset : offset + n] set to 0."""
+            tiles = n // cols
+
+            @pl.loop(0, -(-tiles // workers))
+            def _(r):
+                t = worker + r * workers
+                dst = act.at[buf, pl.ds(offset + t * cols, cols), :]
+                pl.when(t < tiles)(lambda: plgpu.copy_smem_to_gmem(s["zero"], dst))
+
+        def output_of(p):
+            """(buffer, row offset) of product p's output."""
+            kind, j = kind_of(phases[p].name)
+            if kind == "adapter":
+                return Buffers.A, 0
+            kind = {"qkv": "qkv", "proj": "o", "fc": "fc", "mlp_proj": "m"}[kind]
+            return Buffers.of(kind, j), SHIFT if kind == "qkv" else 0
+
+        def product(it, p):
+            kind, j = kind_of(phases[p].name)
+            kch, n, u0 = phases[p].k_chunks, count[p], first[p]
+            tiles = phases[p].tiles(cols)
+            c0 = it * per_iteration + cum[p]
+            src_a, src_b, sums, gain_col, store, residual = sources(shape, p)
+            owned = sums is not None or store is not None
+            layer_gains = gains.at[max(j, 0)]
+
+            def chunk_src(src, rows, kc):
+                if src == "e_part":
+                    return e_part.at[rows, :]
+                if isinstance(src, tuple):  # the up half of the fc output
+                    return act.at[src[1], pl.ds(shape.k_i + kc * UNIT, UNIT), :]
+                return act.at[src, rows, :]
+
+            def is_owner(i):
+                u = u0 + i
+                t = u // kch
+                return lax.rem(u - t * kch, tiles) == t
+
+            def issue_x(i):
+                slot = lax.rem(i, x_stages)
+                kc = lax.rem(u0 + i, kch)
+                rows = pl.ds(kc * UNIT, UNIT)
+                dst_a, bar_a = s["xa"].at[slot], s["bara"].at[slot]
+                if isinstance(src_a, tuple):  # the adapter: the given state, then the state
+                    fresh, later = state.at[rows, :], act.at[src_a[1], rows, :]
+                    pl.when(it == 0)(lambda: plgpu.copy_gmem_to_smem(fresh, dst_a, bar_a))
+                    pl.when(it > 0)(lambda: plgpu.copy_gmem_to_smem(later, dst_a, bar_a))
+                else:
+                    plgpu.copy_gmem_to_smem(chunk_src(src_a, rows, kc), dst_a, bar_a)
+                if src_b is not None:
+                    src = chunk_src(src_b, rows, kc)
+                    plgpu.copy_gmem_to_smem(src, s["xbb"].at[slot], s["barb"].at[slot])
+                if gain_col is not None and sums[1] is not None:
+                    g_src = layer_gains.at[rows, :]
+                    pl.when(is_owner(i))(
+                        lambda: plgpu.copy_gmem_to_smem(g_src, s["xg"].at[slot], s["barg"].at[slot])
+                    )
+
+            for i in range(x_stages):
+                issue_x(i)
+            if residual is not None:
+                issue_residual(residual, worker)
+            zero_next(it, p)
+            if (kind, j) == ("qkv", 0) or kind == "mlp_proj" or (kind == "proj" and j > 0):
+                k.load_scalars()  # while the first chunks are on their way
+            fn, residual_scale = scaled(k, it, p)
+            dst_buf, dst_off = output_of(p)
+
+            def own(i, kc, v):
+                """The owner of chunk kc: its sums of squares and the stored vector."""
+                if sums is not None:
+                    tile = in_row(jnp.sum(v * v, axis=0), sums[0])
+                    if sums[1] is not None:
+                        xs = lax.rem(i, x_stages)
+                        plgpu.barrier_wait(s["barg"].at[xs])
+                        g = col_of(plgpu.load(s["xg"].at[xs], layout=WGMMA), gain_col)
+                        tile = tile + in_row(jnp.sum((v * g) * (v * g), axis=0), sums[1])
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    s["sst"][...] = tile
+                    plgpu.commit_smem()
+                    k.add_into(s["sst"], scal.at[lax.rem(it, 2)], SCALAR_ROWS)
+                if store is not None:
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    s["vst"][...] = v
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(s["vst"], act.at[store, pl.ds(kc * UNIT, UNIT), :])
+
+            @pl.loop(u0 // kch, (u0 + n - 1) // kch + 1)
+            def _segment(t):
+                ua = jnp.maximum(u0, t * kch) - u0
+                ub = jnp.minimum(u0 + n, (t + 1) * kch) - u0
+
+                def compute(acc):
+                    @pl.loop(ua, ub)
+                    def _unit(i):
+                        xs, bs = lax.rem(i, x_stages), lax.rem(i, lag + 1)
+                        kc = lax.rem(u0 + i, kch)
+                        plgpu.barrier_wait(s["bara"].at[xs])
+                        a = plgpu.load(s["xa"].at[xs], layout=WGMMA)
+                        b = None
+                        if src_b is not None:
+                            plgpu.barrier_wait(s["barb"].at[xs])
+                            b = plgpu.load(s["xbb"].at[xs], layout=WGMMA)
+                        inp, v = fn(a, b)
+                        if owned:
+                            pl.when(lax.rem(kc, tiles) == t)(lambda: own(i, kc, v))
+                        s["bt"].at[bs].T[...] = inp.astype(bf16)
+                        plgpu.commit_smem()
+                        pl.when(i + x_stages < n)(lambda: issue_x(i + x_stages))
+                        slot = lax.rem(c0 + i, ring)
+                        plgpu.barrier_wait(s["wbar"].at[slot])
+                        plgpu.wgmma(acc, s["ring"].at[slot].T, s["bt"].at[bs].T)
+                        plgpu.wgmma_wait(lag)
+                        pl.when(i - lag >= ua)(lambda: release(it, p, i - lag))
+
+                    partial = acc[...]
+                    for back in range(lag, 0, -1):
+                        jb = ub - back
+                        pl.when(jb >= ua)(lambda jb=jb: release(it, p, jb))
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    s["out"][...] = partial
+                    plgpu.commit_smem()
+                    dst = act.at[dst_buf, pl.ds(dst_off + t * cols, cols), :]
+                    if k.reduce:
+                        plgpu.copy_smem_to_gmem(s["out"], dst, reduction_op="add")
+                    else:
+                        plgpu.copy_smem_to_gmem(s["out"], dst)
+
+                pl.run_scoped(compute, plgpu.ACC((cols, N_PAD), f32))
+
+            if residual is not None:
+                plgpu.wait_smem_to_gmem(0)  # one worker: the product's tiles are written
+                add_residual(residual, residual_scale, dst_buf)
+
+        def issue_residual(residual, c):
+            """Copies of residual chunk c and its layer's gains (issued at the product's start
+            for the worker's first chunk)."""
+            src, _, layer = residual
+            rows = pl.ds(c * UNIT, UNIT)
+
+            @pl.when(c < chunks_d)
+            def _():
+                plgpu.copy_gmem_to_smem(act.at[src, rows, :], s["rx"].at[0], s["rbar"])
+                plgpu.copy_gmem_to_smem(gains.at[layer, rows, :], s["rx"].at[1], s["rbar"])
+
+        def add_residual(residual, scale, dst_buf):
+            """Adds the worker's chunks (c = worker + r workers) of x g r into the output."""
+            _, gain_col, _ = residual
+
+            @pl.loop(0, -(-chunks_d // workers))
+            def _(r):
+                c = worker + r * workers
+
+                @pl.when(c < chunks_d)
+                def _():
+                    pl.when(r > 0)(lambda: issue_residual(residual, c))
+                    plgpu.barrier_wait(s["rbar"])
+                    x = plgpu.load(s["rx"].at[0], layout=WGMMA)
+                    x = x * col_of(plgpu.load(s["rx"].at[1], layout=WGMMA), gain_col)
+                    if scale is not None:
+                        x = x * bcast_rows(scale, UNIT)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    s["rsum"][...] = x
+                    plgpu.commit_smem()
+                    k.add_into(s["rsum"], act.at[dst_buf, pl.ds(c * UNIT, UNIT), :], UNIT)
+
+        def zero_next(it, p):
+            """Zeroes what later steps add into: the next product's output (several workers),
+            during a qkv the attention output, during layer 0's qkv the next scalar tile."""
+            kind, j = kind_of(phases[p].name)
+            if kind == "qkv":
+                zero_rows(Buffers.of("att", j), 0, pad_to(shape.k_d, cols))
+                if j == 0:
+
+                    @pl.when(worker == 0)
+                    def _():
+                        zero = s["zero"].at[pl.ds(0, SCALAR_ROWS)]
+                        plgpu.copy_smem_to_gmem(zero, scal.at[lax.rem(it + 1, 2)])
+
+            nxt = (p + 1) % n_phases
+            buf, off = output_of(nxt)
+            if k.reduce:  # one worker writes each output tile whole (then adds the residual)
+                if p + 1 < n_phases:
+                    zero_rows(buf, off, phases[nxt].n)
+                else:
+                    pl.when(it < iterations - 1)(lambda: zero_rows(buf, off, phases[nxt].n))
+
+        def cross(it, step):
+            if not k.reduce:
+                return
+            epoch = 2 + it * steps_per_iteration + step
+
+            def go():
+                with jax.named_scope("barrier"):
+                    barrier.arrive()
+                    barrier.wait(epoch)
+
+            if step == steps_per_iteration - 1:
+                pl.when(it < iterations - 1)(go)
+            else:
+                go()
+
+        # Prologue: the ring's first fill; a, both scalar tiles and the qkv buffers' padding
+        # rows zeroed; one barrier.
+        for g in range(ring):
+            issue_weight(0, g, g, True)
+        s["zero"][...] = jnp.zeros((cols, N_PAD), f32)
+        plgpu.commit_smem()
+
+        @pl.when(worker == 0)
+        def _pads():
+            for parity in range(2):
+                plgpu.copy_smem_to_gmem(s["zero"].at[pl.ds(0, SCALAR_ROWS)], scal.at[parity])
+            for j in range(layers):  # the rows around the product that RoPE's windows read
+                for r in (0, SHIFT + phases[1].n):
+                    dst = act.at[Buffers.of("qkv", j), pl.ds(r, SHIFT), :]
+                    plgpu.copy_smem_to_gmem(s["zero"].at[pl.ds(0, SHIFT)], dst)
+
+        if k.reduce:
+            zero_rows(Buffers.A, 0, phases[0].n)
+        plgpu.wait_smem_to_gmem(0)
+        if k.reduce:
+            barrier.arrive()
+            barrier.wait(1)
+
+        @pl.loop(0, iterations)
+        def _iteration(it):
+            step = 0
+            for p in range(n_phases):
+                with jax.named_scope(phases[p].name):
+                    product(it, p)
+                plgpu.wait_smem_to_gmem(0)
+                cross(it, step)
+                step += 1
+                kind, j = kind_of(phases[p].name)
+                if kind == "qkv":
+                    with jax.named_scope(f"attn{j}"):
+                        attention_step(k, it, j)
+                    plgpu.wait_smem_to_gmem(0)
+                    cross(it, step)
+                    step += 1
+
+    scratch, kp = scratch_types(shape, ring, x_stages, lag), shape.kp
+    SCRATCH_NAMES = tuple(scratch)
+    out_type = (
+        jax.ShapeDtypeStruct((Buffers.count(layers), shape.buffer_rows, N_PAD), f32),
+        jax.ShapeDtypeStruct((2, SCALAR_ROWS, N_PAD), f32),
+        jax.ShapeDtypeStruct((shape.heads * splits, kp + SCALAR_ROWS, N_PAD), f32),
+        jax.ShapeDtypeStruct((iterations, layers, 2, shape.heads, kp, N_PAD), f32),
+    )
+    params = plgpu.CompilerParams()
+    if profile_dir:  # a range per step and per barrier, and a few more
+        ranges = iterations * 2 * steps_per_iteration + 8
+        params = plgpu.CompilerParams(profile_space=ranges, profile_dir=profile_dir)
+    return plgpu.kernel(
+        body,
+        out_type=out_type,
+        scratch_types=tuple(scratch.values()),
+        grid=(workers,),
+        grid_names=("b",),
+        compiler_params=params,
+        interpret=interpret,
+    )

@@ -1,0 +1,206 @@
+"""The attention step of the fused Core kernel (`fused.py`), between a layer's qkv and proj.
+
+Each (head, block of its cached positions) is one worker's item; the worker reads the head's q,
+k, v rows from the complete qkv output (a window of kp rows, `FusedShape.head_window`):
+- scale by the layer input's two norms (rx r1, from the scalar tile), RoPE by rows shifted by
+  one (x cos + x[r + 1] (-sin) + x[r - 1] sin, the tables per column), the qk bias's RoPE added
+  after the scale (RoPE is linear), q times 1 / sqrt(head_dim);
+- per sequence of the batch, scores and weighted values by wgmma over blocks of 64 cached
+  positions (< pos) with an online softmax (q and the weights rounded to bf16 for the wgmma);
+- the head's first split adds the new position (k, v rounded to bf16, as the cache holds them)
+  and, once the others' flags count their partials, combines them and adds the head's rows into
+  the attention output; it also writes the new k and v rows for the caller's cache write.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.core_step.fused_plan import (
+    BLOCK,
+    N_PAD,
+    SCALAR_ROWS,
+    SHIFT,
+    Buffers,
+    ScalarRows,
+)
+from pallas_kernels.core_step.tiles import WGMMA, bcast_rows, in_row, round_bf16, row_of
+
+MASKED = -1e30  # the model's masked score: finite, so exp(MASKED - m) is 0, never NaN
+
+
+def attention_step(k, it, j) -> None:
+    """Layer j's attention at iteration `it`; `k`: the kernel's `fused.KernelContext`."""
+    shape = k.shape
+    kp = shape.kp
+    k.load_scalars()
+    if j == 0:
+        rx = plgpu.layout_cast(jnp.ones((N_PAD,), jnp.float32), WGMMA.reduce(0))
+    else:
+        rx = k.inv_rms(k.scalar(it, ScalarRows.z(j)))
+    r1 = k.inv_rms(k.scalar(it, ScalarRows.zg(j)) * rx * rx)
+    scale = bcast_rows(rx * r1, kp)
+
+    @pl.loop(0, -(-k.items // k.workers))
+    def _item(rr):
+        item = k.worker + rr * k.workers
+        pl.when(item < k.items)(lambda: _head_item(k, it, j, scale, item))
+
+
+def _head_item(k, it, j, scale, item) -> None:
+    shape, s = k.shape, k.s
+    kp, hd, d = shape.kp, shape.head_dim, shape.d
+    win = kp + 2 * SHIFT
+    h, split = item // k.splits, lax.rem(item, k.splits)
+    c0 = jnp.minimum(h * hd, d - kp)  # FusedShape.head_window
+    delta = h * hd - c0
+    qkv = Buffers.of("qkv", j)
+    for w, base in enumerate((0, d, 2 * d)):
+        plgpu.copy_gmem_to_smem(k.act.at[qkv, pl.ds(base + c0, win), :], s["win"].at[w], s["abar"])
+    tabs, biases = s["tab"].at[pl.ds(0, 3)], s["tab"].at[pl.ds(3, 2)]
+    plgpu.copy_gmem_to_smem(k.tables.at[:, pl.ds(c0, kp), :], tabs, s["abar"])
+    plgpu.copy_gmem_to_smem(k.rope_bias.at[j, :, pl.ds(c0, kp), :], biases, s["abar"])
+    plgpu.barrier_wait(s["abar"])
+    rows = plgpu.broadcasted_iota(jnp.int32, (kp, N_PAD), 0, layout=WGMMA)
+    valid = jnp.logical_and(rows >= delta, rows < delta + hd)
+
+    def window(w, shift):
+        return plgpu.load(s["win"].at[w, pl.ds(SHIFT + shift, kp)], layout=WGMMA)
+
+    def tab(t):
+        return plgpu.load(s["tab"].at[t], layout=WGMMA)
+
+    def rope(w):
+        return window(w, 0) * tab(0) + window(w, 1) * tab(1) + window(w, -1) * tab(2)
+
+    q = jnp.where(valid, (scale * rope(0) + tab(3)) * (1.0 / math.sqrt(hd)), 0.0)
+    k_new = jnp.where(valid, round_bf16(scale * rope(1) + tab(4)), 0.0)
+    v_new = jnp.where(valid, round_bf16(scale * window(2, 0)), 0.0)
+
+    @pl.when(split == 0)
+    def _store_new_rows():
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        for w, value in enumerate((k_new, v_new)):
+            s["pout"].at[pl.ds(w * kp, kp)][...] = value
+        plgpu.commit_smem()
+        for w in range(2):
+            plgpu.copy_smem_to_gmem(s["pout"].at[pl.ds(w * kp, kp)], k.kv_new.at[it, j, w, h])
+
+    m_all, l_all, acc_all = _own_blocks(k, it, j, q, c0, split)
+
+    def merge(m_all, l_all, acc_all, m_o, l_o, acc_o):
+        m_new = jnp.maximum(m_all, m_o)
+        wa, wo = jnp.exp(m_all - m_new), jnp.exp(m_o - m_new)
+        return m_new, l_all * wa + l_o * wo, acc_all * wa + acc_o * wo
+
+    def partial_out():
+        ml = in_row(jnp.max(m_all, axis=0), 0) + in_row(jnp.max(l_all, axis=0), 1)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        s["pout"].at[pl.ds(0, kp)][...] = acc_all
+        s["pout"].at[pl.ds(kp, SCALAR_ROWS)][...] = ml
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(s["pout"].at[pl.ds(0, kp + SCALAR_ROWS)], k.parts.at[item])
+        plgpu.wait_smem_to_gmem(0)
+        plgpu.semaphore_signal(k.flags.at[h], 1, memory_scope="gpu")
+
+    if k.splits > 1:
+        pl.when(split > 0)(partial_out)
+
+    @pl.when(split == 0)
+    def _combine():
+        s_new = bcast_rows(jnp.sum(q * k_new, axis=0), kp)
+        merged = merge(m_all, l_all, acc_all, s_new, jnp.ones_like(s_new), v_new)
+        if k.splits > 1:
+            target = jnp.asarray((it * shape.layers + j + 1) * (k.splits - 1), jnp.int32)
+            plgpu.semaphore_wait(k.flags.at[h], target, decrement=False, memory_scope="gpu")
+            for other in range(1, k.splits):
+                plgpu.copy_gmem_to_smem(k.parts.at[h * k.splits + other], s["pin"], s["pbar"])
+                plgpu.barrier_wait(s["pbar"])
+                acc_o = plgpu.load(s["pin"].at[pl.ds(0, kp)], layout=WGMMA)
+                ml = plgpu.load(s["pin"].at[pl.ds(kp, SCALAR_ROWS)], layout=WGMMA)
+                merged = merge(*merged, row_of(ml, 0, kp), row_of(ml, 1, kp), acc_o)
+        _, l_fin, acc_fin = merged
+        out = jnp.where(valid, acc_fin / l_fin, 0.0)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        s["pout"].at[pl.ds(0, kp)][...] = out
+        plgpu.commit_smem()
+        dst = k.act.at[Buffers.of("att", j), pl.ds(c0, kp), :]
+        k.add_into(s["pout"].at[pl.ds(0, kp)], dst, kp)
+
+
+def _own_blocks(k, it, j, q, c0, split):
+    """This split's blocks of the head's cached positions, every sequence of the batch:
+    (max, sum, weighted values), each [kp, 8] (the [8] ones broadcast over the rows)."""
+    kp = k.shape.kp
+    nb = (k.pos + BLOCK - 1) // BLOCK
+    lo, hi = nb * split // k.splits, nb * (split + 1) // k.splits
+    slot = k.meta[1 + it * k.shape.layers + j]
+    colidx = plgpu.broadcasted_iota(jnp.int32, (kp, N_PAD), 1, layout=WGMMA)
+    init = (jnp.full((kp, N_PAD), MASKED), jnp.zeros((kp, N_PAD)), jnp.zeros((kp, N_PAD)))
+    init = tuple(plgpu.layout_cast(x.astype(jnp.float32), WGMMA) for x in init)
+
+    def one_row(b, carry):
+        """Row b of the batch: its own cache, so its own pass over the blocks."""
+        m_all, l_all, acc_all = carry
+        k.s["btq"].T[...] = jnp.where(colidx == b, q, 0.0).astype(jnp.bfloat16)
+        plgpu.commit_smem()
+        m, ll, acc = _blocks(k, slot, b, c0, lo, hi)
+        pick = colidx == b
+        return (
+            jnp.where(pick, bcast_rows(m, kp), m_all),
+            jnp.where(pick, bcast_rows(ll, kp), l_all),
+            jnp.where(pick, acc, acc_all),
+        )
+
+    return lax.fori_loop(0, k.shape.batch, one_row, init)
+
+
+def _blocks(k, slot, b, c0, lo, hi):
+    """Online softmax of the q column b over cached blocks [lo, hi) (positions < pos):
+    (max [8], sum [8], weighted values [kp, 8]); other columns carry no meaning."""
+    s, kp, f32 = k.s, k.shape.kp, jnp.float32
+    rows64 = plgpu.broadcasted_iota(jnp.int32, (BLOCK, N_PAD), 0, layout=WGMMA)
+
+    def copy_block(blk, st):
+        """The window's kp columns of 64 cached positions."""
+        src = pl.ds(blk * BLOCK, BLOCK), pl.ds(c0, kp)
+        for cache, buf in ((k.k_cache, s["kblk"]), (k.v_cache, s["vblk"])):
+            plgpu.copy_gmem_to_smem(cache.at[slot, b, *src], buf.at[st], s["kvbar"].at[st])
+
+    pl.when(lo < hi)(lambda: copy_block(lo, 0))
+
+    def step(blk, carry):
+        m, ll, acc = carry
+        st = lax.rem(blk - lo, 2)
+        plgpu.barrier_wait(s["kvbar"].at[st])
+        pl.when(blk + 1 < hi)(lambda: copy_block(blk + 1, 1 - st))
+
+        def scores_of(acc_ref):
+            plgpu.wgmma(acc_ref, s["kblk"].at[st], s["btq"].T)
+            return acc_ref[...]
+
+        sc = pl.run_scoped(scores_of, plgpu.ACC((BLOCK, N_PAD), f32))
+        sc = jnp.where(rows64 + blk * BLOCK < k.pos, sc, MASKED)
+        m_new = jnp.maximum(m, jnp.max(sc, axis=0))
+        alpha = jnp.exp(m - m_new)
+        pr = jnp.exp(sc - bcast_rows(m_new, BLOCK))
+        ll = ll * alpha + jnp.sum(pr, axis=0)
+        s["pb"].T[...] = pr.astype(jnp.bfloat16)
+        plgpu.commit_smem()
+
+        def pv(acc_ref):
+            plgpu.wgmma(acc_ref, s["vblk"].at[st].T, s["pb"].T)
+            return acc_ref[...]
+
+        weighted = pl.run_scoped(pv, plgpu.ACC((kp, N_PAD), f32))
+        return m_new, ll, acc * bcast_rows(alpha, kp) + weighted
+
+    m0 = plgpu.layout_cast(jnp.full((N_PAD,), MASKED, f32), WGMMA.reduce(0))
+    l0 = plgpu.layout_cast(jnp.zeros((N_PAD,), f32), WGMMA.reduce(0))
+    acc0 = plgpu.layout_cast(jnp.zeros((kp, N_PAD), f32), WGMMA)
+    return lax.fori_loop(lo, hi, step, (m0, l0, acc0))

@@ -1,0 +1,236 @@
+"""The static layout of the fused Core decode kernel (`fused.py`): shapes, buffers, scalar rows,
+shared memory.
+
+Activations are kept transposed, [rows, 8] float32 (row = feature, column = sequence of the
+batch, padded to the wgmma N of 8), in one array of buffers `act` (`Buffers`). Per-row scalars
+(sums of squares) live in the rows of a [64, 8] tile (`ScalarRows`), two tiles used in turn by
+the iterations. Every product's k is padded to 64 and n to the tile width, as the weight stream's
+(`plan.py`); the qkv output has 8 rows of padding before and after, so that RoPE can read each
+row's neighbour with a shifted window.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.core_step.plan import UNIT, Phase, check_unit_cols, pad_to, pad_unit
+from pallas_kernels.core_step.stream import MAX_RING, SMEM_ALIGN, SMEM_LIMIT, SWIZZLE_128
+
+N_PAD = 8  # batch columns of every activation tile: the wgmma N
+MAX_BATCH = N_PAD
+BLOCK = 64  # cached positions per attention block
+SHIFT = 8  # rows of padding around the qkv output (RoPE reads row r - 1 and r + 1)
+SCALAR_ROWS = 64
+BUFFER_KINDS = ("qkv", "att", "o", "fc", "m")
+REDUCTION_SCRATCH = 2048  # bytes Mosaic GPU adds for reductions across warps
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedShape:
+    """A Core of `layers` sandwich blocks: d = heads * head_dim, MLP width `intermediate`."""
+
+    d: int
+    heads: int
+    head_dim: int
+    intermediate: int
+    layers: int
+    batch: int
+    unit_cols: int = 128
+
+    def __post_init__(self):
+        check_unit_cols(self.unit_cols)
+        if self.heads * self.head_dim != self.d:
+            raise ValueError(f"d={self.d} must be heads * head_dim")
+        if self.head_dim % 2 or self.kp > 128 or self.kp > self.d:
+            raise ValueError(
+                f"head_dim={self.head_dim} must be even, padded to 64 at most 128 and at most d"
+            )
+        if not 1 <= self.batch <= MAX_BATCH:
+            raise ValueError(f"batch={self.batch} must be in [1, {MAX_BATCH}]")
+        if not 1 <= self.layers or 1 + 4 * self.layers > SCALAR_ROWS:
+            raise ValueError(f"layers={self.layers} must be in [1, {(SCALAR_ROWS - 1) // 4}]")
+
+    @property
+    def kp(self) -> int:
+        """A head's rows as the kernel holds them: head_dim padded to 64."""
+        return pad_unit(self.head_dim)
+
+    @property
+    def k_d(self) -> int:
+        return pad_unit(self.d)
+
+    @property
+    def n_d(self) -> int:
+        return pad_to(self.d, self.unit_cols)
+
+    @property
+    def k_i(self) -> int:
+        """Rows of the MLP's gate and of its up half in the fc output (and the mlp proj's k)."""
+        return pad_unit(self.intermediate)
+
+    @property
+    def phases(self) -> tuple[Phase, ...]:
+        """The products of one iteration: adapter (the state half), then per layer qkv, proj,
+        fc ([gate | up], each padded to k_i), mlp proj."""
+        cols = self.unit_cols
+        out = [Phase("adapter", self.k_d, self.n_d)]
+        for j in range(self.layers):
+            out += [
+                Phase(f"qkv{j}", self.k_d, pad_to(3 * self.d, cols)),
+                Phase(f"proj{j}", self.k_d, self.n_d),
+                Phase(f"fc{j}", self.k_d, pad_to(2 * self.k_i, cols)),
+                Phase(f"mlp_proj{j}", self.k_i, self.n_d),
+            ]
+        return tuple(out)
+
+    def head_window(self, head: int) -> tuple[int, int]:
+        """(c0, delta): head `head`'s kp-row window starts at column c0 of its section (the
+        last heads' windows end at d), and the head's rows are [delta, delta + head_dim) of it.
+        A wider window than the head reads kp / head_dim of its cache bytes: copies of the
+        head's columns alone would leave tiles that are not contiguous."""
+        c0 = min(head * self.head_dim, self.d - self.kp)
+        return c0, head * self.head_dim - c0
+
+    @property
+    def buffer_rows(self) -> int:
+        """Rows of each `act` buffer: the widest product output, the qkv output with the
+        padding around it."""
+        return max(2 * SHIFT + self.phases[1].n, max(p.n for p in self.phases))
+
+
+class Buffers:
+    """Indices into `act`: the adapter output a, layer 0's input z0 = a r + e @ Wa[D:], then per
+    layer the qkv output (rows shifted by SHIFT), the attention output, the proj output with the
+    residual added (h1), the fc output and the mlp output with the residual added (the next
+    layer's input z, or after the last layer the state)."""
+
+    A = 0
+    Z0 = 1
+
+    @staticmethod
+    def of(kind: str, layer: int) -> int:
+        return 2 + len(BUFFER_KINDS) * layer + BUFFER_KINDS.index(kind)
+
+    @staticmethod
+    def count(layers: int) -> int:
+        return 2 + len(BUFFER_KINDS) * layers
+
+
+class ScalarRows:
+    """Rows of the scalar tile: Σ of squares of the iteration's vectors, per batch column."""
+
+    STATE = 0  # Σ z², z the state the adapter takes (iterations after the first)
+
+    @staticmethod
+    def z(layer: int) -> int:  # Σ z², z layer j's input before norm_4 of layer j - 1
+        return 1 + 4 * layer
+
+    @staticmethod
+    def zg(layer: int) -> int:  # Σ (z g4)²
+        return 2 + 4 * layer
+
+    @staticmethod
+    def h1(layer: int) -> int:  # Σ h1², h1 = x + attention
+        return 3 + 4 * layer
+
+    @staticmethod
+    def h1g(layer: int) -> int:  # Σ (h1 g2)²
+        return 4 + 4 * layer
+
+
+GAIN_G4_BEFORE, GAIN_G2 = 0, 1  # columns of a layer's gain tile: norm_4 of the layer before, norm_2
+
+
+def splits_for(heads: int, workers: int) -> int:
+    """Blocks of each head's cached positions, one per worker: as many as keep every split on
+    its own worker (at least 1)."""
+    return max(1, workers // heads)
+
+
+def smem_bytes(shape: FusedShape, ring: int, x_stages: int, lag: int) -> int:
+    """Shared memory of one block, each buffer aligned to 1 KiB as Pallas allocates them."""
+    cols, kp, chunk = shape.unit_cols, shape.kp, UNIT * N_PAD * 4
+    buffers = (
+        ring * UNIT * cols * 2,  # weight ring
+        *(x_stages * chunk,) * 3,  # input chunks (a, b), an owner's gains
+        (lag + 1) * N_PAD * UNIT * 2,  # bf16 B tiles
+        cols * N_PAD * 4,  # out
+        cols * N_PAD * 4,  # zero
+        chunk,  # vector store
+        chunk,  # sums of squares
+        2 * chunk,  # the two scalar tiles
+        2 * chunk,  # a residual's chunk and gains
+        chunk,  # the residual to add
+        3 * (kp + 2 * SHIFT) * N_PAD * 4,  # q, k, v windows
+        5 * kp * N_PAD * 4,  # RoPE tables, RoPE'd biases
+        2 * 2 * BLOCK * kp * 2,  # k and v blocks, two stages
+        N_PAD * kp * 2,  # q as a B tile
+        N_PAD * BLOCK * 2,  # p as a B tile
+        2 * kp * N_PAD * 4,  # partial out (and the new k, v rows)
+        (kp + SCALAR_ROWS) * N_PAD * 4,  # partial in
+    )
+    aligned = sum(-(-b // SMEM_ALIGN) * SMEM_ALIGN for b in buffers)
+    return aligned + REDUCTION_SCRATCH + 8 * (6 + 3 * x_stages + ring)
+
+
+def check_fused(shape: FusedShape, workers: int, ring: int, x_stages: int, lag: int) -> None:
+    """ValueError unless the schedule can run (as `stream.check_schedule`): a ring longer than
+    the wgmma lag and shorter than every worker's units of each product, buffers that fit."""
+    if not 1 <= ring <= MAX_RING or not 0 <= lag < ring or not 1 <= x_stages <= ring:
+        raise ValueError(f"need 0 <= lag={lag} < ring={ring} <= {MAX_RING}, x_stages <= ring")
+    fewest = min(p.units(shape.unit_cols) // workers for p in shape.phases)
+    if fewest <= ring:
+        raise ValueError(
+            f"a worker owns {fewest} units of some product with {workers} workers: the ring "
+            f"({ring}) must be shorter"
+        )
+    need = smem_bytes(shape, ring, x_stages, lag)
+    if need > SMEM_LIMIT:
+        raise ValueError(f"ring={ring}, x_stages={x_stages}: {need} bytes of smem > {SMEM_LIMIT}")
+
+
+def scratch_types(shape: FusedShape, ring: int, x_stages: int, lag: int) -> dict:
+    """The kernel's shared memory and barriers, by name (`smem_bytes` counts the same)."""
+    # the attention's wgmma operands: a head's columns start at multiples of 16 (h * head_dim),
+    # which the 16-column tiles of a 32-byte swizzle divide; a wgmma's operands share a swizzle
+    swizzle_32 = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
+    bf16, f32, cols = jnp.bfloat16, jnp.float32, shape.unit_cols
+    kp, chunk = shape.kp, (UNIT, N_PAD)
+    win = kp + 2 * SHIFT
+    return dict(
+        ring=plgpu.SMEM((ring, UNIT, cols), bf16, transforms=SWIZZLE_128),
+        wbar=plgpu.Barrier(num_barriers=ring),
+        xa=plgpu.SMEM((x_stages, *chunk), f32),
+        xbb=plgpu.SMEM((x_stages, *chunk), f32),
+        xg=plgpu.SMEM((x_stages, *chunk), f32),
+        bara=plgpu.Barrier(num_barriers=x_stages),
+        barb=plgpu.Barrier(num_barriers=x_stages),
+        barg=plgpu.Barrier(num_barriers=x_stages),
+        bt=plgpu.SMEM((lag + 1, N_PAD, UNIT), bf16, transforms=SWIZZLE_128),
+        out=plgpu.SMEM((cols, N_PAD), f32),
+        zero=plgpu.SMEM((cols, N_PAD), f32),
+        vst=plgpu.SMEM(chunk, f32),
+        sst=plgpu.SMEM(chunk, f32),
+        sc=plgpu.SMEM((2, *chunk), f32),
+        scbar=plgpu.Barrier(),
+        rx=plgpu.SMEM((2, *chunk), f32),
+        rbar=plgpu.Barrier(num_arrivals=2),
+        rsum=plgpu.SMEM(chunk, f32),
+        win=plgpu.SMEM((3, win, N_PAD), f32),
+        tab=plgpu.SMEM((5, kp, N_PAD), f32),
+        abar=plgpu.Barrier(num_arrivals=5),
+        kblk=plgpu.SMEM((2, BLOCK, kp), bf16, transforms=swizzle_32),
+        vblk=plgpu.SMEM((2, BLOCK, kp), bf16, transforms=swizzle_32),
+        kvbar=plgpu.Barrier(num_arrivals=2, num_barriers=2),
+        btq=plgpu.SMEM((N_PAD, kp), bf16, transforms=swizzle_32),
+        pb=plgpu.SMEM((N_PAD, BLOCK), bf16, transforms=swizzle_32),
+        pout=plgpu.SMEM((2 * kp, N_PAD), f32),
+        pin=plgpu.SMEM((kp + SCALAR_ROWS, N_PAD), f32),
+        pbar=plgpu.Barrier(),
+    )
+
+
+__all__ = ["BLOCK", "N_PAD", "SHIFT", "UNIT", "Buffers", "FusedShape", "ScalarRows"]

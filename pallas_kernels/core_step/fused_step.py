@@ -1,0 +1,233 @@
+"""The fused Core decode kernel's inputs and outputs in the model's terms.
+
+`pack_weights` pads and packs a Core's weights once (bf16 products in the kernel's padded
+shapes, the norm gains as per-product gain tiles, the qk bias); `fused_core_decode` runs
+`iterations` Core iterations at one position from a state and the embedded token, over each
+(iteration, layer)'s cache slot, and returns the state (pending its last norm, as
+`step_program.Pending`) and the new k and v rows per (iteration, layer), which
+`write_new_rows` puts into the cache. The adapter's embedded half e @ Wa[D:] is the same in every
+iteration of a token: it is one product here, before the kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.core_step.fused import build_fused_core
+from pallas_kernels.core_step.fused_plan import N_PAD, Buffers, FusedShape
+from pallas_kernels.core_step.step_program import LayerWeights, Pending, StepWeights, rope_row
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FusedWeights:
+    """A Core's weights as the kernel reads them (`pack_weights`)."""
+
+    products: tuple[jax.Array, ...]  # per phase, [k, n] bf16, zero-padded, gains folded in
+    adapter_raw: jax.Array  # Wa[:D] padded: the first iteration's (its state is not normed)
+    embedded_half: jax.Array  # Wa[D:] [D, D], the adapter's embedded rows
+    gains: jax.Array  # [L, k_d, 8] f32: per layer, norm_4 of the layer before (1), norm_2
+    qk_bias: jax.Array  # [L, 2, D] f32 (zeros without a bias)
+    last_norm: jax.Array  # [D]: norm_4 of the last layer, pending on the returned state
+    shape: FusedShape = dataclasses.field(metadata=dict(static=True))
+    eps: float = dataclasses.field(metadata=dict(static=True))
+    rope_base: float = dataclasses.field(metadata=dict(static=True))
+
+
+def _pad2(x, rows: int, cols: int, dtype=jnp.bfloat16):
+    return jnp.pad(x, ((0, rows - x.shape[0]), (0, cols - x.shape[1]))).astype(dtype)
+
+
+def pack_weights(
+    w: StepWeights, *, heads: int, batch: int, rope_base: float, unit_cols: int = 128
+) -> FusedWeights:
+    """Pads every product to the kernel's shapes with the norms' gains folded into its rows
+    (rms_norm(z, g) @ W = (z @ (g W)) rsqrt(mean(z²) + eps)): the adapter's state rows by the
+    last layer's norm_4 (and once as they are, for the first iteration), qkv by norm_4 of the
+    layer before and norm_1, fc by norm_2 and norm_3. Per layer, the gain tile holds what the
+    kernel still multiplies by: norm_4 of the layer before (ones for layer 0) and norm_2, for the
+    sums of squares and the residuals."""
+    d = w.adapter.shape[1]
+    layers = len(w.layers)
+    f = w.layers[0].mlp_proj.shape[0]
+    shape = FusedShape(d, heads, w.head_dim, f, layers, batch, unit_cols)
+    phases = iter(shape.phases)
+    ones = jnp.ones((d,), jnp.float32)
+    adapter = w.adapter[:d].astype(jnp.float32)
+    kn = _kn(next(phases))
+    products = [_pad2(w.layers[-1].norm_4[:, None] * adapter, *kn)]
+    tiles = []
+    for j, lw in enumerate(w.layers):
+        g4_prev = ones if j == 0 else w.layers[j - 1].norm_4
+        fc = jnp.concatenate(
+            [_pad2(half, d, shape.k_i, jnp.float32) for half in jnp.split(lw.fc, 2, axis=1)],
+            axis=1,
+        )
+        folded = (
+            (g4_prev * lw.norm_1)[:, None] * lw.wqkv,
+            lw.proj,
+            (lw.norm_2 * lw.norm_3)[:, None] * fc,
+            lw.mlp_proj,
+        )
+        products += [_pad2(weight, *_kn(next(phases))) for weight in folded]
+        tiles.append(jnp.stack([g4_prev, lw.norm_2], axis=-1))
+    gains = jnp.stack(tiles).astype(jnp.float32)
+    gains = jnp.pad(gains, ((0, 0), (0, shape.k_d - d), (0, N_PAD - 2)))
+    bias = [
+        jnp.zeros((2, d)) if lw.qk_bias is None else lw.qk_bias.reshape(2, d) for lw in w.layers
+    ]
+    return FusedWeights(
+        products=tuple(products),
+        adapter_raw=_pad2(adapter, *kn),
+        embedded_half=w.adapter[d:],
+        gains=gains,
+        qk_bias=jnp.stack(bias).astype(jnp.float32),
+        last_norm=w.layers[-1].norm_4,
+        shape=shape,
+        eps=w.eps,
+        rope_base=rope_base,
+    )
+
+
+def _bf16_dot(x, w):
+    """x @ w of bf16 operands, f32 sums (upcast on a CPU: its dot has no bf16 x bf16 = f32)."""
+    x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    if jax.default_backend() == "cpu":
+        x, w = x.astype(jnp.float32), w.astype(jnp.float32)
+    return jnp.dot(x, w, preferred_element_type=jnp.float32)
+
+
+def _kn(phase):
+    return phase.k, phase.n
+
+
+def rope_tables(pos, head_dim: int, d: int, base: float) -> jax.Array:
+    """[3, d] per column c of a head section: cos, -sin on even c (paired with c + 1) and sin on
+    odd c (paired with c - 1), the angle of pair (c mod head_dim) // 2 at `pos`."""
+    cos, sin = rope_row(pos, head_dim, base)
+    pair = (jnp.arange(d) % head_dim) // 2
+    even = jnp.arange(d) % 2 == 0
+    c, s = cos[pair], sin[pair]
+    return jnp.stack([c, jnp.where(even, -s, 0.0), jnp.where(even, 0.0, s)])
+
+
+def _rope_columns(x, tables):
+    """RoPE of x [..., d] by the tables (the model's pairs)."""
+    up = jnp.concatenate([x[..., 1:], jnp.zeros_like(x[..., :1])], axis=-1)
+    down = jnp.concatenate([jnp.zeros_like(x[..., :1]), x[..., :-1]], axis=-1)
+    return x * tables[0] + up * tables[1] + down * tables[2]
+
+
+@functools.partial(
+    jax.jit, static_argnames=("iterations", "workers", "ring", "interpret", "profile_dir")
+)
+def fused_core_decode(
+    fw: FusedWeights,
+    state: Pending,
+    embedded: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    slots: jax.Array,
+    pos,
+    *,
+    iterations: int,
+    workers: int,
+    ring: int = 4,
+    interpret: Any = None,
+    profile_dir: str = "",
+) -> tuple[Pending, jax.Array, jax.Array]:
+    """`iterations` Core iterations at position `pos`. state: Pending with gain None (the value
+    [B, D]); embedded [B, D]; k_cache, v_cache [slots, B, S, H, K] (S a multiple of 64); slots
+    [iterations, L] int32: each (iteration, layer)'s cache slot. Returns (Pending state, k_new,
+    v_new [iterations, L, B, H, K] in the cache's dtype)."""
+    if state.gain is not None:
+        raise ValueError("the kernel starts from a state value (Pending with gain None)")
+    shape = fw.shape
+    d, kd, b = shape.d, shape.k_d, state.z.shape[0]
+    if b != shape.batch:
+        raise ValueError(f"batch {b} != the packed batch {shape.batch}")
+    s_len = k_cache.shape[2]
+    if s_len % 64:
+        raise ValueError(f"cache slots hold {s_len} positions: must be a multiple of 64")
+    f32 = jnp.float32
+
+    def columns(x, rows):  # [B, n] -> [rows, 8] f32
+        return jnp.pad(x.astype(f32).T, ((0, rows - x.shape[1]), (0, N_PAD - b)))
+
+    e_part = _bf16_dot(embedded, fw.embedded_half)
+    tables = rope_tables(pos, shape.head_dim, d, fw.rope_base)
+    rope_bias = _rope_columns(fw.qk_bias, tables)  # linear: rope(q s + b) = s rope(q) + rope(b)
+
+    def per_column(x):  # [..., d] -> [..., d, 8]
+        return jnp.broadcast_to(x.astype(f32)[..., None], (*x.shape, N_PAD))
+
+    meta = jnp.concatenate([jnp.asarray(pos, jnp.int32)[None], slots.reshape(-1).astype(jnp.int32)])
+    kernel = build_fused_core(
+        shape, iterations, workers=workers, eps=fw.eps, ring=ring, interpret=interpret,
+        profile_dir=profile_dir,
+    )  # fmt: skip
+    flat = (k_cache.shape[0], b, s_len, d)
+    act, _, _, kv_new = kernel(
+        meta,
+        columns(state.z, kd),
+        columns(e_part, kd),
+        fw.gains,
+        per_column(tables),
+        per_column(rope_bias),
+        k_cache.reshape(flat),
+        v_cache.reshape(flat),
+        fw.adapter_raw,
+        *fw.products,
+    )
+    z = act[Buffers.of("m", shape.layers - 1), :d, :b].T  # the last mlp output + its residual
+    # kv_new [it, L, 2, H, kp, 8] -> the head's rows -> [2, it, L, B, H, K]
+    rows = np.stack(
+        [np.arange(shape.head_dim) + shape.head_window(h)[1] for h in range(shape.heads)]
+    )
+    picked = jnp.take_along_axis(kv_new, rows[None, None, None, :, :, None], axis=4)
+    new = jnp.moveaxis(picked[..., :b], -1, 3).transpose(2, 0, 1, 3, 4, 5)
+    return Pending(z, fw.last_norm), new[0].astype(k_cache.dtype), new[1].astype(v_cache.dtype)
+
+
+def write_new_rows(k_cache, v_cache, slots, pos, k_new, v_new):
+    """The caches with each (iteration, layer)'s new row written at `pos` of its slot."""
+    flat = slots.reshape(-1)
+    k_cache = k_cache.at[flat, :, pos].set(k_new.reshape(-1, *k_new.shape[2:]))
+    v_cache = v_cache.at[flat, :, pos].set(v_new.reshape(-1, *v_new.shape[2:]))
+    return k_cache, v_cache
+
+
+def random_step_weights(d: int, heads: int, f: int, layers: int, seed: int = 5) -> StepWeights:
+    """A Core of random weights for tests and measurements: bf16-valued products (normal /
+    sqrt(k)), norm gains 1 + 0.3 N (not 1, so that a misplaced gain shows), qk bias 0.5 N."""
+    keys = iter(jax.random.split(jax.random.key(seed), 16 * layers + 1))
+
+    def matrix(k, n):
+        x = jax.random.normal(next(keys), (k, n)) / k**0.5
+        return x.astype(jnp.bfloat16).astype(jnp.float32)
+
+    def gain():
+        return 1 + 0.3 * jax.random.normal(next(keys), (d,))
+
+    layer = []
+    for _ in range(layers):
+        layer.append(
+            LayerWeights(
+                norm_1=gain(),
+                wqkv=matrix(d, 3 * d),
+                qk_bias=0.5 * jax.random.normal(next(keys), (2, 1, heads, d // heads)),
+                proj=matrix(d, d),
+                norm_2=gain(),
+                norm_3=gain(),
+                fc=matrix(d, 2 * f),
+                mlp_proj=matrix(f, d),
+                norm_4=gain(),
+            )  # fmt: skip
+        )
+    return StepWeights(matrix(2 * d, d), tuple(layer), head_dim=d // heads, eps=1e-6)

@@ -1,0 +1,203 @@
+"""The fused Core decode kernel (pallas_kernels/core_step/fused.py) against the plain-JAX
+specification of the iteration (`step_program.core_iteration`), on the tiny preset with random
+norm gains and qk bias: one worker in GPU interpret mode on CPU, lowering for sm_90 with every
+SM at huginn-0125's shapes, and on a GPU with every SM."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from huginn_jax.config import HuginnConfig
+from pallas_kernels.core_step import Pending, StepWeights, core_iteration, rope_row
+from pallas_kernels.core_step.fused import build_fused_core
+from pallas_kernels.core_step.fused_plan import FusedShape, check_fused
+from pallas_kernels.core_step.fused_step import (
+    fused_core_decode,
+    pack_weights,
+    random_step_weights,
+    write_new_rows,
+)
+from tests.test_core_step_program import core, step_weights
+from tests.tolerance import rel_fro
+
+CFG = HuginnConfig.from_name("tiny")  # D 96, 4 heads of 24, F 160, 4 Core layers
+SLOT = 128  # positions per cache slot: two blocks of 64
+ON_GPU = jax.devices()[0].platform == "gpu"
+gpu = pytest.mark.gpu
+requires_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (Mosaic GPU, sm_90)")
+# bf16 products, q and the softmax weights in bf16 for the wgmmas, over 5 L steps per iteration
+RTOL = 2e-2
+
+
+def bf16_weights(w: StepWeights) -> StepWeights:
+    """The weights the kernel multiplies by: each product's matrix rounded to bf16."""
+
+    def rounded(x):
+        return x.astype(jnp.bfloat16).astype(jnp.float32)
+
+    layers = tuple(
+        lw.__class__(**{
+            **{f: getattr(lw, f) for f in lw.__dataclass_fields__},
+            **{f: rounded(getattr(lw, f)) for f in ("wqkv", "proj", "fc", "mlp_proj")},
+        })
+        for lw in w.layers
+    )  # fmt: skip
+    return StepWeights(rounded(w.adapter), layers, head_dim=w.head_dim, eps=w.eps)
+
+
+@functools.cache
+def inputs(batch: int, iterations: int):
+    keys = jax.random.split(jax.random.key(3), 4)
+    state, embedded = (jax.random.normal(k, (batch, CFG.n_embd)) for k in keys[:2])
+    cache_shape = (iterations * CFG.n_core, batch, SLOT, CFG.n_heads, CFG.head_dim)
+    k, v = (jax.random.normal(key, cache_shape).astype(jnp.bfloat16) for key in keys[2:])
+    slots = jnp.arange(iterations * CFG.n_core, dtype=jnp.int32).reshape(iterations, CFG.n_core)
+    return state, embedded, k, v, slots
+
+
+def reference(w, batch, iterations, pos):
+    """(state value [B, D], k rows, v rows [iterations, L, B, H, K]) of step_program."""
+    state, embedded, k, v, slots = inputs(batch, iterations)
+    cos, sin = rope_row(pos, CFG.head_dim, CFG.rope_base)
+    pending, e_part, k_rows, v_rows = Pending(state), None, [], []
+    for i in range(iterations):
+        idx = slots[i]
+        pending, k_new, v_new, e_part = core_iteration(
+            w, pending, embedded, k[idx].astype(jnp.float32), v[idx].astype(jnp.float32), pos,
+            cos, sin, e_part=e_part,
+        )  # fmt: skip
+        k_rows.append(k_new[:, :, pos])
+        v_rows.append(v_new[:, :, pos])
+    return pending.value(w.eps), jnp.stack(k_rows), jnp.stack(v_rows)
+
+
+def kernel_run(w, batch, iterations, pos, *, workers, interpret, unit_cols=64, ring=3):
+    state, embedded, k, v, slots = inputs(batch, iterations)
+    fw = pack_weights(
+        w, heads=CFG.n_heads, batch=batch, rope_base=CFG.rope_base, unit_cols=unit_cols
+    )
+    pending, k_new, v_new = fused_core_decode(
+        fw, Pending(state), embedded, k, v, slots, jnp.int32(pos),
+        iterations=iterations, workers=workers, ring=ring, interpret=interpret,
+    )  # fmt: skip
+    return pending.value(w.eps), k_new, v_new
+
+
+@pytest.mark.parametrize("batch,iterations,pos", [(1, 1, 70), (2, 2, 0), (2, 1, SLOT - 1)])
+def test_interpret_one_worker_matches_the_step_program(batch, iterations, pos):
+    w = bf16_weights(step_weights(core()))
+    want = reference(w, batch, iterations, pos)
+    got = kernel_run(w, batch, iterations, pos, workers=1, interpret=plgpu.InterpretGPUParams())
+    for g, r in zip(got, want, strict=True):
+        assert g.shape == r.shape
+        assert rel_fro(np.asarray(g, np.float32), np.asarray(r, np.float32)) <= RTOL
+
+
+def test_new_rows_land_in_their_slots():
+    _, _, k, v, slots = inputs(2, 2)
+    k_new = jnp.ones((2, CFG.n_core, 2, CFG.n_heads, CFG.head_dim), k.dtype)
+    k2, v2 = write_new_rows(k, v, slots, 5, k_new, 2 * k_new)
+    np.testing.assert_array_equal(k2[:, :, 5], 1)
+    np.testing.assert_array_equal(v2[:, :, 5], 2)
+    np.testing.assert_array_equal(
+        np.delete(np.asarray(k2), 5, axis=2), np.delete(np.asarray(k), 5, axis=2)
+    )
+
+
+SMALL = (512, 8, 768, 2)  # d, heads (of 64), MLP width, layers: 16 workers, 2 splits per head
+HUGINN = (5280, 55, 17920, 4)
+# shape, workers, batch, iterations, position, positions per slot
+GPU_CASES = [
+    (SMALL, 16, 1, 2, 130, 192),
+    (SMALL, 16, 8, 1, 63, 128),
+    (HUGINN, 132, 1, 2, 1000, 1024),
+    (HUGINN, 132, 8, 1, 200, 256),
+]
+
+
+def gpu_schedule(workers: int) -> tuple[int, int]:
+    """(unit_cols, ring) of the GPU tests: [64, 128] units at huginn-0125 (the longest ring that
+    fits), [64, 64] on the small shape so that every worker owns more units than the ring."""
+    return (128, 4) if workers == 132 else (64, 3)
+
+
+@gpu
+@requires_gpu
+@pytest.mark.parametrize("dims,workers,batch,iterations,pos,slot_len", GPU_CASES)
+def test_matches_the_step_program_gpu(dims, workers, batch, iterations, pos, slot_len):
+    d, heads, f, layers = dims
+    w = random_step_weights(*dims)
+    keys = jax.random.split(jax.random.key(6), 4)
+    state, embedded = (jax.random.normal(k, (batch, d)) for k in keys[:2])
+    cache_shape = (iterations * layers, batch, slot_len, heads, d // heads)
+    k, v = (jax.random.normal(key, cache_shape).astype(jnp.bfloat16) for key in keys[2:])
+    slots = jnp.arange(iterations * layers, dtype=jnp.int32).reshape(iterations, layers)
+    cols, ring = gpu_schedule(workers)
+    fw = pack_weights(w, heads=heads, batch=batch, rope_base=10000.0, unit_cols=cols)
+    got = fused_core_decode(
+        fw, Pending(state), embedded, k, v, slots, jnp.int32(pos),
+        iterations=iterations, workers=workers, ring=ring,
+    )  # fmt: skip
+    cos, sin = rope_row(pos, d // heads, 10000.0)
+    pending, e_part, k_rows, v_rows = Pending(state), None, [], []
+    for i in range(iterations):
+        idx = slots[i]
+        pending, k_new, v_new, e_part = jax.jit(core_iteration)(
+            w, pending, embedded, k[idx].astype(jnp.float32), v[idx].astype(jnp.float32),
+            pos, cos, sin, e_part=e_part,
+        )  # fmt: skip
+        k_rows.append(k_new[:, :, pos])
+        v_rows.append(v_new[:, :, pos])
+    want = (pending.value(w.eps), jnp.stack(k_rows), jnp.stack(v_rows))
+    got = (got[0].value(w.eps), got[1], got[2])
+    for g, r in zip(got, want, strict=True):
+        assert rel_fro(np.asarray(g, np.float32), np.asarray(r, np.float32)) <= RTOL
+
+
+def test_gpu_configurations_fit():
+    """The GPU tests' schedules pass the checks (ring, shared memory) on CPU."""
+    for (d, heads, f, layers), workers, batch, _, _, _ in GPU_CASES:
+        cols, ring = gpu_schedule(workers)
+        shape = FusedShape(d, heads, d // heads, f, layers, batch, cols)
+        check_fused(shape, workers, ring=ring, x_stages=2, lag=1)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_lowers_for_cuda_with_every_sm(batch):
+    """Traces and lowers the kernel for sm_90 at huginn-0125's shapes (one Core layer, to keep
+    the test short): catches API misuse, unprovable tile alignment and smem overflow."""
+    shape = FusedShape(5280, 55, 96, 17920, 1, batch)
+    f = build_fused_core(shape, 2, workers=132, eps=1e-6, ring=4)
+    sd = jax.ShapeDtypeStruct
+    cache = sd((2, batch, 1024, 5280), jnp.bfloat16)
+    args = [
+        sd((3,), jnp.int32), sd((shape.k_d, 8), jnp.float32), sd((shape.k_d, 8), jnp.float32),
+        sd((1, shape.k_d, 8), jnp.float32), sd((3, 5280, 8), jnp.float32),
+        sd((1, 2, 5280, 8), jnp.float32), cache, cache,
+        sd((shape.phases[0].k, shape.phases[0].n), jnp.bfloat16),
+        *(sd((p.k, p.n), jnp.bfloat16) for p in shape.phases),
+    ]  # fmt: skip
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def test_refuses_what_it_cannot_run():
+    with pytest.raises(ValueError, match="heads \\* head_dim"):
+        FusedShape(100, 3, 32, 64, 1, 1)
+    with pytest.raises(ValueError, match="batch"):
+        FusedShape(256, 4, 64, 688, 1, 9)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        build_fused_core(FusedShape(96, 4, 24, 160, 1, 1), 1, workers=1, eps=1e-6, ring=1)
+    with pytest.raises(ValueError, match="smem"):
+        check_fused(FusedShape(5280, 55, 96, 17920, 1, 1), 132, ring=8, x_stages=2, lag=1)
+    with pytest.raises(ValueError, match="one worker"):
+        build_fused_core(
+            FusedShape(96, 4, 24, 160, 1, 1), 1, workers=2, eps=1e-6,
+            interpret=plgpu.InterpretGPUParams(),
+        )  # fmt: skip
