@@ -28,6 +28,7 @@ from tests.tolerance import rel_fro
 
 CFG = HuginnConfig.from_name("tiny")  # D 96, 4 heads of 24, F 160, 4 Core layers
 SLOT = 128  # positions per cache slot: two blocks of 64
+LAYERS = 2  # of the tiny Core's 4: interpret mode's time grows with them
 ON_GPU = jax.devices()[0].platform == "gpu"
 gpu = pytest.mark.gpu
 requires_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (Mosaic GPU, sm_90)")
@@ -55,9 +56,9 @@ def bf16_weights(w: StepWeights) -> StepWeights:
 def inputs(batch: int, iterations: int):
     keys = jax.random.split(jax.random.key(3), 4)
     state, embedded = (jax.random.normal(k, (batch, CFG.n_embd)) for k in keys[:2])
-    cache_shape = (iterations * CFG.n_core, batch, SLOT, CFG.n_heads, CFG.head_dim)
+    cache_shape = (iterations * LAYERS, batch, SLOT, CFG.n_heads, CFG.head_dim)
     k, v = (jax.random.normal(key, cache_shape).astype(jnp.bfloat16) for key in keys[2:])
-    slots = jnp.arange(iterations * CFG.n_core, dtype=jnp.int32).reshape(iterations, CFG.n_core)
+    slots = jnp.arange(iterations * LAYERS, dtype=jnp.int32).reshape(iterations, LAYERS)
     return state, embedded, k, v, slots
 
 
@@ -89,9 +90,10 @@ def kernel_run(w, batch, iterations, pos, *, workers, interpret, unit_cols=64, r
     return pending.value(w.eps), k_new, v_new
 
 
-@pytest.mark.parametrize("batch,iterations,pos", [(1, 1, 70), (2, 2, 0), (2, 1, SLOT - 1)])
+@pytest.mark.parametrize("batch,iterations,pos", [(1, 1, 70), (1, 2, 0), (2, 1, SLOT - 1)])
 def test_interpret_one_worker_matches_the_step_program(batch, iterations, pos):
     w = bf16_weights(step_weights(core()))
+    w = StepWeights(w.adapter, w.layers[:LAYERS], head_dim=w.head_dim, eps=w.eps)
     want = reference(w, batch, iterations, pos)
     got = kernel_run(w, batch, iterations, pos, workers=1, interpret=plgpu.InterpretGPUParams())
     for g, r in zip(got, want, strict=True):
@@ -101,7 +103,7 @@ def test_interpret_one_worker_matches_the_step_program(batch, iterations, pos):
 
 def test_new_rows_land_in_their_slots():
     _, _, k, v, slots = inputs(2, 2)
-    k_new = jnp.ones((2, CFG.n_core, 2, CFG.n_heads, CFG.head_dim), k.dtype)
+    k_new = jnp.ones((2, LAYERS, 2, CFG.n_heads, CFG.head_dim), k.dtype)
     k2, v2 = write_new_rows(k, v, slots, 5, k_new, 2 * k_new)
     np.testing.assert_array_equal(k2[:, :, 5], 1)
     np.testing.assert_array_equal(v2[:, :, 5], 2)
@@ -168,7 +170,7 @@ def test_gpu_configurations_fit():
         check_fused(shape, workers, ring=ring, x_stages=2, lag=1)
 
 
-@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("batch", [8])  # the batch is a loop bound: 1 lowers the same code
 def test_lowers_for_cuda_with_every_sm(batch):
     """Traces and lowers the kernel for sm_90 at huginn-0125's shapes (one Core layer, to keep
     the test short): catches API misuse, unprovable tile alignment and smem overflow."""
