@@ -24,8 +24,10 @@ chain: $(INSTALLED)
 roofline: $(INSTALLED)
 	$(PY) -m experiments.roofline --device=h200
 
+# two pytest processes, each test file whole in one of them (module fixtures start work ahead);
+# no JAX process takes most of a GPU's memory up front
 test: $(INSTALLED)
-	$(PY) -m pytest -q
+	XLA_PYTHON_CLIENT_PREALLOCATE=false $(PY) -m pytest -q -n 2 --dist loadfile
 
 lint: $(INSTALLED)
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .

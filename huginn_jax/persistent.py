@@ -32,7 +32,6 @@ from huginn_jax.kv_cache import KVCache
 from huginn_jax.model import Core, Huginn
 from pallas_kernels.core_step.step_program import LayerWeights, Pending, StepWeights
 
-DEFAULT_RING = 4  # weight units in flight per worker
 DEFAULT_UNIT_COLS = 128  # output columns of a [64, unit_cols] weight unit
 CACHE_MULTIPLE = 64  # the kernel reads cached positions in blocks of this many
 HOPPER = "9.0"  # the compute capability the kernel is built for (wgmma, TMA)
@@ -112,11 +111,12 @@ class PersistentCore:
         batch: int,
         *,
         workers: int | None = None,
-        ring: int = DEFAULT_RING,
+        ring: int | None = None,
         unit_cols: int = DEFAULT_UNIT_COLS,
         device=None,
     ) -> PersistentCore:
         """Packs `model`'s Core for `batch` sequences (one compiled pass over the weights).
+        `ring`: weight units in flight per worker (None: the kernel's default schedule).
         ValueError where the kernel cannot run (`target_for`, or shapes it refuses)."""
         target, reason = target_for(workers, device)
         if reason:
@@ -129,7 +129,7 @@ class PersistentCore:
             rope_base=cfg.rope_base,
             unit_cols=unit_cols,
         )
-        return cls(packed, target.workers, ring, target.interpret)
+        return cls(packed, target.workers, default_ring(ring), target.interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("heads", "batch", "rope_base", "unit_cols"))
@@ -137,6 +137,15 @@ def _pack(weights: StepWeights, *, heads: int, batch: int, rope_base: float, uni
     from pallas_kernels.core_step.fused_step import pack_weights
 
     return pack_weights(weights, heads=heads, batch=batch, rope_base=rope_base, unit_cols=unit_cols)
+
+
+def default_ring(ring: int | None) -> int:
+    """`ring`, or where None the kernel's default (`fused_plan.RING`, with its KV_STAGES)."""
+    if ring is not None:
+        return ring
+    from pallas_kernels.core_step.fused_plan import RING
+
+    return RING
 
 
 def packed_bytes(
@@ -221,7 +230,7 @@ def why_not_persistent(
     num_steps: int,
     tokens: int = 1,
     workers: int | None = None,
-    ring: int = DEFAULT_RING,
+    ring: int | None = None,
     unit_cols: int = DEFAULT_UNIT_COLS,
     device=None,
 ) -> str | None:
@@ -260,7 +269,7 @@ def _trace_kernel(config, batch, cache, num_steps, target: Target, ring, unit_co
         fused_core_decode,
         iterations=num_steps,
         workers=target.workers,
-        ring=ring,
+        ring=default_ring(ring),
         interpret=target.interpret,
     )
     row = jax.ShapeDtypeStruct((batch, config.n_embd), dtype)

@@ -78,24 +78,29 @@ def reference(w, batch, iterations, pos):
     return pending.value(w.eps), jnp.stack(k_rows), jnp.stack(v_rows)
 
 
-def kernel_run(w, batch, iterations, pos, *, workers, interpret, unit_cols=64, ring=3):
+def kernel_run(w, batch, iterations, pos, *, workers, interpret, unit_cols=64, ring=3, kv_stages=2):
     state, embedded, k, v, slots = inputs(batch, iterations)
     fw = pack_weights(
         w, heads=CFG.n_heads, batch=batch, rope_base=CFG.rope_base, unit_cols=unit_cols
     )
     pending, k_new, v_new = fused_core_decode(
         fw, Pending(state), embedded, k, v, slots, jnp.int32(pos),
-        iterations=iterations, workers=workers, ring=ring, interpret=interpret,
+        iterations=iterations, workers=workers, ring=ring, kv_stages=kv_stages,
+        interpret=interpret,
     )  # fmt: skip
     return pending.value(w.eps), k_new, v_new
 
 
-@pytest.mark.parametrize("batch,iterations,pos", [(1, 2, 0), (2, 1, SLOT - 1)])
-def test_interpret_one_worker_matches_the_step_program(batch, iterations, pos):
+# kv_stages 3 over 2 sequences x 2 blocks: the copies run ahead across a sequence's end
+@pytest.mark.parametrize("batch,iterations,pos,kv_stages", [(1, 2, 0, 2), (2, 1, SLOT - 1, 3)])
+def test_interpret_one_worker_matches_the_step_program(batch, iterations, pos, kv_stages):
     w = bf16_weights(step_weights(core()))
     w = StepWeights(w.adapter, w.layers[:LAYERS], head_dim=w.head_dim, eps=w.eps)
     want = reference(w, batch, iterations, pos)
-    got = kernel_run(w, batch, iterations, pos, workers=1, interpret=plgpu.InterpretGPUParams())
+    got = kernel_run(
+        w, batch, iterations, pos, workers=1, interpret=plgpu.InterpretGPUParams(),
+        kv_stages=kv_stages,
+    )  # fmt: skip
     for g, r in zip(got, want, strict=True):
         assert g.shape == r.shape
         assert rel_fro(np.asarray(g, np.float32), np.asarray(r, np.float32)) <= RTOL
@@ -123,10 +128,11 @@ GPU_CASES = [
 ]
 
 
-def gpu_schedule(workers: int) -> tuple[int, int]:
-    """(unit_cols, ring) of the GPU tests: [64, 128] units at huginn-0125 (the longest ring that
-    fits), [64, 64] on the small shape so that every worker owns more units than the ring."""
-    return (128, 4) if workers == 132 else (64, 3)
+def gpu_schedule(workers: int) -> tuple[int, int, int]:
+    """(unit_cols, ring, kv_stages) of the GPU tests: [64, 128] units at huginn-0125 (the
+    longest ring that fits), [64, 64] on the small shape so that every worker owns more units
+    than the ring, with 3 cached blocks in flight."""
+    return (128, 8, 2) if workers == 132 else (64, 3, 3)
 
 
 @gpu
@@ -140,11 +146,11 @@ def test_matches_the_step_program_gpu(dims, workers, batch, iterations, pos, slo
     cache_shape = (iterations * layers, batch, slot_len, heads, d // heads)
     k, v = (jax.random.normal(key, cache_shape).astype(jnp.bfloat16) for key in keys[2:])
     slots = jnp.arange(iterations * layers, dtype=jnp.int32).reshape(iterations, layers)
-    cols, ring = gpu_schedule(workers)
+    cols, ring, kv_stages = gpu_schedule(workers)
     fw = pack_weights(w, heads=heads, batch=batch, rope_base=10000.0, unit_cols=cols)
     got = fused_core_decode(
         fw, Pending(state), embedded, k, v, slots, jnp.int32(pos),
-        iterations=iterations, workers=workers, ring=ring,
+        iterations=iterations, workers=workers, ring=ring, kv_stages=kv_stages,
     )  # fmt: skip
     cos, sin = rope_row(pos, d // heads, 10000.0)
     pending, e_part, k_rows, v_rows = Pending(state), None, [], []
@@ -165,9 +171,9 @@ def test_matches_the_step_program_gpu(dims, workers, batch, iterations, pos, slo
 def test_gpu_configurations_fit():
     """The GPU tests' schedules pass the checks (ring, shared memory) on CPU."""
     for (d, heads, f, layers), workers, batch, _, _, _ in GPU_CASES:
-        cols, ring = gpu_schedule(workers)
+        cols, ring, kv_stages = gpu_schedule(workers)
         shape = FusedShape(d, heads, d // heads, f, layers, batch, cols)
-        check_fused(shape, workers, ring=ring, x_stages=2, lag=1)
+        check_fused(shape, workers, ring=ring, x_stages=2, lag=1, kv_stages=kv_stages)
 
 
 @pytest.mark.parametrize("batch", [8])  # the batch is a loop bound: 1 lowers the same code
@@ -175,7 +181,7 @@ def test_lowers_for_cuda_with_every_sm(batch):
     """Traces and lowers the kernel for sm_90 at huginn-0125's shapes (one Core layer, to keep
     the test short): catches API misuse, unprovable tile alignment and smem overflow."""
     shape = FusedShape(5280, 55, 96, 17920, 1, batch)
-    f = build_fused_core(shape, 2, workers=132, eps=1e-6, ring=4)
+    f = build_fused_core(shape, 2, workers=132, eps=1e-6)  # the default schedule
     sd = jax.ShapeDtypeStruct
     cache = sd((2, batch, 1024, 5280), jnp.bfloat16)
     args = [
@@ -197,7 +203,7 @@ def test_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="multiples of 16"):
         build_fused_core(FusedShape(96, 4, 24, 160, 1, 1), 1, workers=1, eps=1e-6, ring=1)
     with pytest.raises(ValueError, match="smem"):
-        check_fused(FusedShape(5280, 55, 96, 17920, 1, 1), 132, ring=8, x_stages=2, lag=1)
+        check_fused(FusedShape(5280, 55, 96, 17920, 1, 1), 132, ring=9, x_stages=2, lag=1)
     with pytest.raises(ValueError, match="one worker"):
         build_fused_core(
             FusedShape(96, 4, 24, 160, 1, 1), 1, workers=2, eps=1e-6,

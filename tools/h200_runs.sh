@@ -22,9 +22,10 @@
 #   core_stream  the Core's weight stream as one persistent kernel (pallas_kernels/core_step)
 #             against XLA's chain of the same products, batch 1 and 8
 #   core_persistent  the whole Core iteration as one kernel (experiments.core --impls=persistent)
-#             beside xla_pallas and torch_compile, decode, batch 1, one process
-#   core_fused  that kernel per context and batch against its floor and its bare weight stream,
-#             and where its time goes (Mosaic GPU's on-device profiler)
+#             beside xla_pallas and torch_compile, decode, batch 1 and 8, one process
+#   core_fused  that kernel per context, batch and schedule ($FUSED_SCHEDULES, RING:KV_STAGES)
+#             against its floor and its bare weight stream, and where its time goes (Mosaic
+#             GPU's on-device profiler)
 #   prefill_gemm  the Core's prefill GEMMs shape by shape, XLA against PyTorch
 #   multi_gpu  tensor parallelism (docs/tensor_parallel.md): all-reduce latency and bandwidth at
 #             the Core's activation sizes -> allreduce.json, then the Core (xla, xla_cudnn) on 1,
@@ -183,17 +184,18 @@ stage_core_stream() {
 stage_core_persistent() {
   # the fused Core kernel as the model runs it, beside XLA's fastest decode and torch.compile
   local d=$1
-  timeout 360 python3 -m experiments.core --mode=decode \
-    --impls=persistent,xla_pallas,torch_compile --iterations=8 --context=1024 --batch=1 \
+  timeout 520 python3 -m experiments.core --mode=decode \
+    --impls=persistent,xla_pallas,torch_compile --iterations=8 --context=1024 --batch=1,8 \
     $CEILINGS --json_out="$d/core_persistent.json" > "$d/core_persistent.txt" 2>&1
   echo "== core_persistent rc $?"; grep -v "it/s\]" "$d/core_persistent.txt" | tail -12
 }
 
 stage_core_fused() {
   local d=$1
-  timeout 420 python3 -m experiments.kernels.core_fused --batch=1,8 --contexts=64,1024,4096 \
-    --profile --json_out="$d/core_fused.json" > "$d/core_fused.txt" 2>&1
-  echo "== core_fused rc $?"; grep -v "it/s\]" "$d/core_fused.txt" | tail -24
+  timeout 540 python3 -m experiments.kernels.core_fused --batch=1,8 --contexts=64,1024,4096 \
+    --schedules="${FUSED_SCHEDULES:-8:2,6:3}" --profile --json_out="$d/core_fused.json" \
+    > "$d/core_fused.txt" 2>&1
+  echo "== core_fused rc $?"; grep -v "it/s\]" "$d/core_fused.txt" | tail -30
 }
 
 stage_prefill_gemm() {

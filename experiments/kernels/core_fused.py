@@ -2,6 +2,7 @@
 against its own weight stream, and where its time goes.
 
     python -m experiments.kernels.core_fused [--batch=1 --contexts=64,1024,4096 --profile]
+        [--schedules=8:2,6:3]
 
 Random weights (`fused_step.random_step_weights`), `--iterations` Core iterations per call at one
 position `context` (the cache slots hold context + 64 positions), each row the device time of
@@ -13,7 +14,9 @@ head_dim in bf16) at the measured read ceiling (results/<device>/ceilings.json),
 The "stream" row runs the same products alone (`weight_stream`, [64, 128] tiles, ring 8): what
 the fusion of the rest costs is the difference. The first row of each batch is checked against
 `step_program.core_iteration` (float32). --profile: Mosaic GPU's on-device profiler records
-each step and barrier (SM cycles per iteration, median over the workers, and their p10-p90).
+each step and barrier (SM cycles per iteration, median over the workers, and their p10-p90),
+with the first schedule. A schedule RING:KV_STAGES: weight units in flight per worker and
+cached blocks in flight in the attention (the shared memory bounds the two together).
 Needs an sm_90 GPU.
 """
 
@@ -49,7 +52,10 @@ def define_flags() -> None:
     flags.DEFINE_list("batch", ["1"], "Sequences per call (1..8), a list.")
     flags.DEFINE_list("contexts", ["64", "1024", "4096"], "Cached positions, a list.")
     flags.DEFINE_integer("iterations", 8, "Core iterations per call.")
-    flags.DEFINE_integer("ring", 4, "Weight units in flight per worker.")
+    flags.DEFINE_list(
+        "schedules", ["8:2"],
+        "RING:KV_STAGES, a list: weight units in flight per worker, cached blocks in flight.",
+    )  # fmt: skip
     flags.DEFINE_integer("reps", 10, "Timed calls per row (median).")
     flags.DEFINE_bool("profile", False, "Record the steps' cycles (batch 1, the last context).")
     flags.DEFINE_string("json_out", "out/core_fused.json", "Results JSON.")
@@ -65,12 +71,12 @@ def floor_bytes(batch: int, context: int) -> tuple[int, int]:
     return stream_bytes(shape.phases), batch * layers * 2 * context * d * 2
 
 
-def fused_rows(w, batch: int, contexts: list[int], ceiling) -> list[dict]:
+def fused_rows(w, batch: int, contexts: list[int], schedule, ceiling) -> list[dict]:
     from pallas_kernels.core_step import Pending, core_iteration, rope_row
     from pallas_kernels.core_step.fused_step import fused_core_decode, pack_weights
 
     d, heads, _, layers = SHAPE
-    its = FLAGS.iterations
+    its, (ring, kv_stages) = FLAGS.iterations, schedule
     keys = jax.random.split(jax.random.key(6), 4)
     state, embedded = (jax.random.normal(k, (batch, d)) for k in keys[:2])
     cache_shape = (its * layers, batch, max(contexts) + 64, heads, d // heads)
@@ -81,14 +87,14 @@ def fused_rows(w, batch: int, contexts: list[int], ceiling) -> list[dict]:
     def call(fw, state, embedded, k, v, slots, pos):
         return fused_core_decode(
             fw, Pending(state), embedded, k, v, slots, pos,
-            iterations=its, workers=WORKERS, ring=FLAGS.ring,
+            iterations=its, workers=WORKERS, ring=ring, kv_stages=kv_stages,
         )  # fmt: skip
 
     fn = jax.jit(call)
     rows = []
     for context in contexts:
         pos = jnp.int32(context)
-        row = dict(impl="fused", batch=batch, context=context, ring=FLAGS.ring)
+        row = dict(impl="fused", batch=batch, context=context, ring=ring, kv_stages=kv_stages)
         if not rows:  # the first row: the state against the specification
             got = fn(fw, state, embedded, k, v, slots, pos)[0].value(w.eps)
             want, e_part = Pending(state), None
@@ -135,7 +141,7 @@ def stream_row(batch: int, ceiling) -> dict:
     return timed(row, fn, ceiling, stream_bytes(phases), 0, x0, weights)
 
 
-def profile(w, context: int) -> dict:
+def profile(w, context: int, schedule) -> dict:
     """Cycles per iteration of each step kind and of the barriers, over the workers."""
     from pallas_kernels.core_step import Pending
     from pallas_kernels.core_step.fused_step import fused_core_decode, pack_weights
@@ -151,7 +157,7 @@ def profile(w, context: int) -> dict:
     fw = pack_weights(w, heads=heads, batch=1, rope_base=10000.0, unit_cols=UNIT_COLS)
     out = fused_core_decode(
         fw, Pending(state), embedded, k, v, slots, jnp.int32(context), iterations=its,
-        workers=WORKERS, ring=FLAGS.ring, profile_dir=directory,
+        workers=WORKERS, ring=schedule[0], kv_stages=schedule[1], profile_dir=directory,
     )  # fmt: skip
     jax.block_until_ready(out)
     trace = json.loads(max(Path(directory).glob("*.json"), key=os.path.getmtime).read_text())
@@ -172,12 +178,24 @@ def profile(w, context: int) -> dict:
             p10=vals[len(vals) // 10],
             p90=vals[9 * len(vals) // 10],
         )
-    return dict(context=context, workers=len(per_worker), cycles_per_iteration=out)
+    return dict(
+        context=context, schedule=list(schedule), workers=len(per_worker),
+        cycles_per_iteration=out,
+    )  # fmt: skip
+
+
+def parse_schedule(text: str) -> tuple[int, int]:
+    """ "8:2" -> (8, 2): ring, kv_stages."""
+    ring, _, kv_stages = text.partition(":")
+    if not (ring.isdigit() and kv_stages.isdigit()):
+        raise UserError(f"--schedules: {text!r} is not RING:KV_STAGES (e.g. 8:2)")
+    return int(ring), int(kv_stages)
 
 
 def format_table(rows: list[dict], prof: dict | None) -> str:
     head = (
-        f"{'batch':>5}  {'impl':<8}{'context':>8}{'ms/iter':>9}{'floor ms':>10}{'% floor':>9}  err"
+        f"{'batch':>5}  {'impl':<8}{'sched':>6}{'context':>8}{'ms/iter':>9}{'floor ms':>10}"
+        f"{'% floor':>9}  err"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -185,10 +203,14 @@ def format_table(rows: list[dict], prof: dict | None) -> str:
         cells = f"{ms:9.3f}" if ms else f"{'-':>9}"
         cells += f"{floor:10.3f}{r['pct_floor']:8.1f}%" if floor and ms else f"{'-':>10}{'-':>9}"
         err = f"{r['rel_err']:.1e}" if "rel_err" in r else "-"
-        lines.append(f"{r['batch']:>5}  {r['impl']:<8}{r['context']:>8}{cells}  {err}")
+        sched = f"{r['ring']}:{r['kv_stages']}" if "kv_stages" in r else f"{r['ring']}"
+        lines.append(f"{r['batch']:>5}  {r['impl']:<8}{sched:>6}{r['context']:>8}{cells}  {err}")
     if prof:
-        lines.append(f"\ncycles per iteration (median over {prof['workers']} workers, p10-p90), "
-                     f"context {prof['context']}, batch 1:")  # fmt: skip
+        ring, kv_stages = prof["schedule"]
+        lines.append(
+            f"\ncycles per iteration (median over {prof['workers']} workers, p10-p90), "
+            f"context {prof['context']}, batch 1, schedule {ring}:{kv_stages}:"
+        )
         for kind, c in prof["cycles_per_iteration"].items():
             lines.append(f"  {kind:<10}{c['median']:>12.0f}   {c['p10']:.0f}-{c['p90']:.0f}")
     return "\n".join(lines)
@@ -203,15 +225,17 @@ def main(argv: list[str]) -> None:
         raise UserError(f"--batch={max(batches)}: the kernel takes at most 8 sequences")
     if FLAGS.iterations < 1 or FLAGS.reps < 1:
         raise UserError("--iterations and --reps must be >= 1")
+    schedules = [parse_schedule(text) for text in FLAGS.schedules]
     from pallas_kernels.core_step.fused_plan import FusedShape, check_fused
 
     d, heads, f, layers = SHAPE
     for batch in batches:
-        try:
-            shape = FusedShape(d, heads, d // heads, f, layers, batch, UNIT_COLS)
-            check_fused(shape, WORKERS, FLAGS.ring, x_stages=2, lag=1)
-        except ValueError as e:
-            raise UserError(f"--ring={FLAGS.ring} --batch={batch}: {e}") from None
+        for ring, kv_stages in schedules:
+            try:
+                shape = FusedShape(d, heads, d // heads, f, layers, batch, UNIT_COLS)
+                check_fused(shape, WORKERS, ring, x_stages=2, lag=1, kv_stages=kv_stages)
+            except ValueError as e:
+                raise UserError(f"schedule {ring}:{kv_stages}, --batch={batch}: {e}") from None
     program.check_outputs(FLAGS.json_out)
     device = jax.devices()[0]
     if device.platform != "gpu":
@@ -224,8 +248,9 @@ def main(argv: list[str]) -> None:
     rows = []
     for batch in program.progress(batches, PROGRAM):
         rows.append(stream_row(batch, ceiling))
-        rows += fused_rows(w, batch, contexts, ceiling)
-    prof = profile(w, contexts[-1]) if FLAGS.profile else None
+        for schedule in schedules:
+            rows += fused_rows(w, batch, contexts, schedule, ceiling)
+    prof = profile(w, contexts[-1], schedules[0]) if FLAGS.profile else None
     program.write_results(FLAGS.json_out, {"rows": rows, "profile": prof, "complete": True})
     print(format_table(rows, prof))
 

@@ -35,12 +35,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.core_step.fused_attention import attention_step
 from pallas_kernels.core_step.fused_inputs import KernelContext, kind_of, scaled, sources
 from pallas_kernels.core_step.fused_plan import (
+    KV_STAGES,
     N_PAD,
+    RING,
     SCALAR_ROWS,
     SHIFT,
     Buffers,
     FusedShape,
     check_fused,
+    scoped,
     scratch_types,
     splits_for,
 )
@@ -55,9 +58,10 @@ def build_fused_core(
     *,
     workers: int,
     eps: float,
-    ring: int = 4,
+    ring: int = RING,
     x_stages: int = 2,
     lag: int = 1,
+    kv_stages: int = KV_STAGES,
     interpret: Any = None,
     profile_dir: str = "",
 ):
@@ -72,7 +76,7 @@ def build_fused_core(
             f"head_dim={shape.head_dim} and d - {shape.kp} must be multiples of 16: a head's "
             "cache columns are copied into tiles of 16 columns"
         )
-    check_fused(shape, workers, ring, x_stages, lag)
+    check_fused(shape, workers, ring, x_stages, lag, kv_stages)
     phases, cols, layers = shape.phases, shape.unit_cols, shape.layers
     n_phases, splits = len(phases), splits_for(shape.heads, workers)
     steps_per_iteration = n_phases + layers
@@ -88,6 +92,7 @@ def build_fused_core(
             reduce=workers > 1, worker=worker, meta=meta, pos=meta[0], act=act, scal=scal,
             parts=parts, kv_new=kv_new, tables=tables, rope_bias=rope_bias, k_cache=k_cache,
             v_cache=v_cache, s=dict(zip(SCRATCH_NAMES, refs[n_phases + 4 :], strict=True)),
+            rope_types=rope_types, block_types=block_types, kv_stages=kv_stages,
             flags=pl.get_global(plgpu.SemaphoreType.REGULAR((shape.heads,)))
             if splits > 1 else None,
         )  # fmt: skip
@@ -148,6 +153,10 @@ def build_fused_core(
             return Buffers.of(kind, j), SHIFT if kind == "qkv" else 0
 
         def product(it, p):
+            """Product p, its buffers in a scope of their own (`fused_plan.scratch_types`)."""
+            scoped(product_types, lambda ps: product_in_scope(it, p, {**s, **ps}))
+
+        def product_in_scope(it, p, s):
             kind, j = kind_of(phases[p].name)
             kch, n, u0 = phases[p].k_chunks, count[p], first[p]
             tiles = phases[p].tiles(cols)
@@ -191,7 +200,7 @@ def build_fused_core(
             for i in range(x_stages):
                 issue_x(i)
             if residual is not None:
-                issue_residual(residual, worker)
+                issue_residual(residual, worker, s)
             zero_next(it, p)
             if (kind, j) == ("qkv", 0) or kind == "mlp_proj" or (kind == "proj" and j > 0):
                 k.load_scalars()  # while the first chunks are on their way
@@ -262,9 +271,9 @@ def build_fused_core(
 
             if residual is not None:
                 plgpu.wait_smem_to_gmem(0)  # one worker: the product's tiles are written
-                add_residual(residual, residual_scale, dst_buf)
+                add_residual(residual, residual_scale, dst_buf, s)
 
-        def issue_residual(residual, c):
+        def issue_residual(residual, c, s):
             """Copies of residual chunk c and its layer's gains (issued at the product's start
             for the worker's first chunk)."""
             src, _, layer = residual
@@ -275,7 +284,7 @@ def build_fused_core(
                 plgpu.copy_gmem_to_smem(act.at[src, rows, :], s["rx"].at[0], s["rbar"])
                 plgpu.copy_gmem_to_smem(gains.at[layer, rows, :], s["rx"].at[1], s["rbar"])
 
-        def add_residual(residual, scale, dst_buf):
+        def add_residual(residual, scale, dst_buf, s):
             """Adds the worker's chunks (c = worker + r workers) of x g r into the output."""
             _, gain_col, _ = residual
 
@@ -285,7 +294,7 @@ def build_fused_core(
 
                 @pl.when(c < chunks_d)
                 def _():
-                    pl.when(r > 0)(lambda: issue_residual(residual, c))
+                    pl.when(r > 0)(lambda: issue_residual(residual, c, s))
                     plgpu.barrier_wait(s["rbar"])
                     x = plgpu.load(s["rx"].at[0], layout=WGMMA)
                     x = x * col_of(plgpu.load(s["rx"].at[1], layout=WGMMA), gain_col)
@@ -372,8 +381,10 @@ def build_fused_core(
                     cross(it, step)
                     step += 1
 
-    scratch, kp = scratch_types(shape, ring, x_stages, lag), shape.kp
-    SCRATCH_NAMES = tuple(scratch)
+    scratch, product_types, rope_types, block_types = scratch_types(
+        shape, ring, x_stages, lag, kv_stages
+    )
+    SCRATCH_NAMES, kp = tuple(scratch), shape.kp
     out_type = (
         jax.ShapeDtypeStruct((Buffers.count(layers), shape.buffer_rows, N_PAD), f32),
         jax.ShapeDtypeStruct((2, SCALAR_ROWS, N_PAD), f32),

@@ -5,11 +5,15 @@ k, v rows from the complete qkv output (a window of kp rows, `FusedShape.head_wi
 - scale by the layer input's two norms (rx r1, from the scalar tile), RoPE by rows shifted by
   one (x cos + x[r + 1] (-sin) + x[r - 1] sin, the tables per column), the qk bias's RoPE added
   after the scale (RoPE is linear), q times 1 / sqrt(head_dim);
-- per sequence of the batch, scores and weighted values by wgmma over blocks of 64 cached
-  positions (< pos) with an online softmax (q and the weights rounded to bf16 for the wgmma);
+- scores and weighted values by wgmma over blocks of 64 cached positions (< pos), an online
+  softmax per sequence of the batch, in one pass over the item's (sequence, block) pairs with
+  `kv_stages` copies in flight (q and the weights rounded to bf16 for the wgmma);
 - the head's first split adds the new position (k, v rounded to bf16, as the cache holds them)
   and, once the others' flags count their partials, combines them and adds the head's rows into
   the attention output; it also writes the new k and v rows for the caller's cache write.
+
+The windows and tables, then the blocks, each take a scope of shared memory
+(`fused_plan.scratch_types`) that the products' scopes reuse.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from pallas_kernels.core_step.fused_plan import (
     SHIFT,
     Buffers,
     ScalarRows,
+    scoped,
 )
 from pallas_kernels.core_step.tiles import WGMMA, bcast_rows, in_row, round_bf16, row_of
 
@@ -53,12 +58,21 @@ def attention_step(k, it, j) -> None:
 
 
 def _head_item(k, it, j, scale, item) -> None:
-    shape, s = k.shape, k.s
+    shape = k.shape
+    kp, hd, d = shape.kp, shape.head_dim, shape.d
+    c0 = jnp.minimum(item // k.splits * hd, d - kp)  # FusedShape.head_window
+    delta = item // k.splits * hd - c0
+    rows = plgpu.broadcasted_iota(jnp.int32, (kp, N_PAD), 0, layout=WGMMA)
+    valid = jnp.logical_and(rows >= delta, rows < delta + hd)
+    q, k_new, v_new = scoped(k.rope_types, lambda s: _rope(k, j, scale, c0, valid, s))
+    scoped(k.block_types, lambda s: _attend(k, it, j, item, c0, valid, q, k_new, v_new, s))
+
+
+def _rope(k, j, scale, c0, valid, s):
+    """(q, k_new, v_new) [kp, 8] of the head's window at column c0, RoPE'd and scaled."""
+    shape = k.shape
     kp, hd, d = shape.kp, shape.head_dim, shape.d
     win = kp + 2 * SHIFT
-    h, split = item // k.splits, lax.rem(item, k.splits)
-    c0 = jnp.minimum(h * hd, d - kp)  # FusedShape.head_window
-    delta = h * hd - c0
     qkv = Buffers.of("qkv", j)
     for w, base in enumerate((0, d, 2 * d)):
         plgpu.copy_gmem_to_smem(k.act.at[qkv, pl.ds(base + c0, win), :], s["win"].at[w], s["abar"])
@@ -66,8 +80,6 @@ def _head_item(k, it, j, scale, item) -> None:
     plgpu.copy_gmem_to_smem(k.tables.at[:, pl.ds(c0, kp), :], tabs, s["abar"])
     plgpu.copy_gmem_to_smem(k.rope_bias.at[j, :, pl.ds(c0, kp), :], biases, s["abar"])
     plgpu.barrier_wait(s["abar"])
-    rows = plgpu.broadcasted_iota(jnp.int32, (kp, N_PAD), 0, layout=WGMMA)
-    valid = jnp.logical_and(rows >= delta, rows < delta + hd)
 
     def window(w, shift):
         return plgpu.load(s["win"].at[w, pl.ds(SHIFT + shift, kp)], layout=WGMMA)
@@ -81,17 +93,26 @@ def _head_item(k, it, j, scale, item) -> None:
     q = jnp.where(valid, (scale * rope(0) + tab(3)) * (1.0 / math.sqrt(hd)), 0.0)
     k_new = jnp.where(valid, round_bf16(scale * rope(1) + tab(4)), 0.0)
     v_new = jnp.where(valid, round_bf16(scale * window(2, 0)), 0.0)
+    return q, k_new, v_new
+
+
+def _attend(k, it, j, item, c0, valid, q, k_new, v_new, s) -> None:
+    """The item's blocks, then its partials out (a later split) or the head's combine (the
+    first split); `s`: the blocks' scope with the kernel-wide buffers."""
+    s = {**k.s, **s}
+    shape = k.shape
+    kp = shape.kp
+    h, split = item // k.splits, lax.rem(item, k.splits)
 
     @pl.when(split == 0)
     def _store_new_rows():
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         for w, value in enumerate((k_new, v_new)):
             s["pout"].at[pl.ds(w * kp, kp)][...] = value
         plgpu.commit_smem()
         for w in range(2):
             plgpu.copy_smem_to_gmem(s["pout"].at[pl.ds(w * kp, kp)], k.kv_new.at[it, j, w, h])
 
-    m_all, l_all, acc_all = _own_blocks(k, it, j, q, c0, split)
+    m_all, l_all, acc_all = _own_blocks(k, it, j, q, c0, split, s)
 
     def merge(m_all, l_all, acc_all, m_o, l_o, acc_o):
         m_new = jnp.maximum(m_all, m_o)
@@ -132,53 +153,48 @@ def _head_item(k, it, j, scale, item) -> None:
         dst = k.act.at[Buffers.of("att", j), pl.ds(c0, kp), :]
         k.add_into(s["pout"].at[pl.ds(0, kp)], dst, kp)
 
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the scope's bytes are reused next
 
-def _own_blocks(k, it, j, q, c0, split):
-    """This split's blocks of the head's cached positions, every sequence of the batch:
-    (max, sum, weighted values), each [kp, 8] (the [8] ones broadcast over the rows)."""
-    kp = k.shape.kp
+
+def _own_blocks(k, it, j, q, c0, split, s):
+    """This split's blocks [lo, hi) of the head's cached positions (< pos) for every sequence
+    of the batch, one pass over (sequence, block) pairs with `kv_stages` copies in flight, an
+    online softmax per sequence: (max, sum, weighted values), each [kp, 8] (column b the
+    sequence b's; the [8] ones broadcast over the rows). The scores are those of every q column
+    against sequence b's keys, of which column b is kept (q rounded to bf16 for the wgmma)."""
+    kp, stages, f32 = k.shape.kp, k.kv_stages, jnp.float32
     nb = (k.pos + BLOCK - 1) // BLOCK
     lo, hi = nb * split // k.splits, nb * (split + 1) // k.splits
+    own = jnp.maximum(hi - lo, 1)
+    total = k.shape.batch * (hi - lo)
     slot = k.meta[1 + it * k.shape.layers + j]
     colidx = plgpu.broadcasted_iota(jnp.int32, (kp, N_PAD), 1, layout=WGMMA)
-    init = (jnp.full((kp, N_PAD), MASKED), jnp.zeros((kp, N_PAD)), jnp.zeros((kp, N_PAD)))
-    init = tuple(plgpu.layout_cast(x.astype(jnp.float32), WGMMA) for x in init)
-
-    def one_row(b, carry):
-        """Row b of the batch: its own cache, so its own pass over the blocks."""
-        m_all, l_all, acc_all = carry
-        k.s["btq"].T[...] = jnp.where(colidx == b, q, 0.0).astype(jnp.bfloat16)
-        plgpu.commit_smem()
-        m, ll, acc = _blocks(k, slot, b, c0, lo, hi)
-        pick = colidx == b
-        return (
-            jnp.where(pick, bcast_rows(m, kp), m_all),
-            jnp.where(pick, bcast_rows(ll, kp), l_all),
-            jnp.where(pick, acc, acc_all),
-        )
-
-    return lax.fori_loop(0, k.shape.batch, one_row, init)
-
-
-def _blocks(k, slot, b, c0, lo, hi):
-    """Online softmax of the q column b over cached blocks [lo, hi) (positions < pos):
-    (max [8], sum [8], weighted values [kp, 8]); other columns carry no meaning."""
-    s, kp, f32 = k.s, k.shape.kp, jnp.float32
     rows64 = plgpu.broadcasted_iota(jnp.int32, (BLOCK, N_PAD), 0, layout=WGMMA)
+    s["btq"].T[...] = q.astype(jnp.bfloat16)
+    plgpu.commit_smem()
 
-    def copy_block(blk, st):
-        """The window's kp columns of 64 cached positions."""
+    def copy_block(f):
+        """Pair f's k and v: the window's kp columns of 64 cached positions."""
+        b = f // own
+        blk = lo + f - b * own
+        st = lax.rem(f, stages)
         src = pl.ds(blk * BLOCK, BLOCK), pl.ds(c0, kp)
         for cache, buf in ((k.k_cache, s["kblk"]), (k.v_cache, s["vblk"])):
             plgpu.copy_gmem_to_smem(cache.at[slot, b, *src], buf.at[st], s["kvbar"].at[st])
 
-    pl.when(lo < hi)(lambda: copy_block(lo, 0))
+    for f in range(stages - 1):
+        pl.when(f < total)(lambda f=f: copy_block(f))
 
-    def step(blk, carry):
-        m, ll, acc = carry
-        st = lax.rem(blk - lo, 2)
+    def step(f, carry):
+        m, ll, acc, m_all, l_all, acc_all = carry
+        b = f // own
+        blk = lo + f - b * own
+        st = lax.rem(f, stages)
         plgpu.barrier_wait(s["kvbar"].at[st])
-        pl.when(blk + 1 < hi)(lambda: copy_block(blk + 1, 1 - st))
+        ahead = f + stages - 1  # its stage was read by the step before, whose wgmmas are done
+        pl.when(ahead < total)(lambda: copy_block(ahead))
+        keep = (blk != lo).astype(f32)  # 0 at a sequence's first block: start afresh
+        m, ll, acc = m * keep + MASKED * (1.0 - keep), ll * keep, acc * keep
 
         def scores_of(acc_ref):
             plgpu.wgmma(acc_ref, s["kblk"].at[st], s["btq"].T)
@@ -197,10 +213,16 @@ def _blocks(k, slot, b, c0, lo, hi):
             plgpu.wgmma(acc_ref, s["vblk"].at[st].T, s["pb"].T)
             return acc_ref[...]
 
-        weighted = pl.run_scoped(pv, plgpu.ACC((kp, N_PAD), f32))
-        return m_new, ll, acc * bcast_rows(alpha, kp) + weighted
+        acc = acc * bcast_rows(alpha, kp) + pl.run_scoped(pv, plgpu.ACC((kp, N_PAD), f32))
+        pick = colidx == jnp.where(blk == hi - 1, b, -1)  # column b at its last block
+        m_all = jnp.where(pick, bcast_rows(m_new, kp), m_all)
+        l_all = jnp.where(pick, bcast_rows(ll, kp), l_all)
+        acc_all = jnp.where(pick, acc, acc_all)
+        return m_new, ll, acc, m_all, l_all, acc_all
 
     m0 = plgpu.layout_cast(jnp.full((N_PAD,), MASKED, f32), WGMMA.reduce(0))
     l0 = plgpu.layout_cast(jnp.zeros((N_PAD,), f32), WGMMA.reduce(0))
-    acc0 = plgpu.layout_cast(jnp.zeros((kp, N_PAD), f32), WGMMA)
-    return lax.fori_loop(lo, hi, step, (m0, l0, acc0))
+    init = (jnp.full((kp, N_PAD), MASKED), jnp.zeros((kp, N_PAD)), jnp.zeros((kp, N_PAD)))
+    init = tuple(plgpu.layout_cast(x.astype(f32), WGMMA) for x in init)
+    carry = lax.fori_loop(0, total, step, (m0, l0, init[2], *init))
+    return carry[3:]

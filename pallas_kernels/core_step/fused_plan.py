@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.core_step.plan import UNIT, Phase, check_unit_cols, pad_to, pad_unit
@@ -26,6 +27,9 @@ SHIFT = 8  # rows of padding around the qkv output (RoPE reads row r - 1 and r +
 SCALAR_ROWS = 64
 BUFFER_KINDS = ("qkv", "att", "o", "fc", "m")
 REDUCTION_SCRATCH = 2048  # bytes Mosaic GPU adds for reductions across warps
+# the default schedule: weight units in flight per worker, cached blocks (k and v) in flight or in
+# use per worker; the shared memory bounds the two together (docs/core_step.md: how they compare)
+RING, KV_STAGES = 6, 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,59 +154,89 @@ def splits_for(heads: int, workers: int) -> int:
     return max(1, workers // heads)
 
 
-def smem_bytes(shape: FusedShape, ring: int, x_stages: int, lag: int) -> int:
-    """Shared memory of one block, each buffer aligned to 1 KiB as Pallas allocates them."""
+def _aligned(buffers) -> int:
+    return sum(-(-b // SMEM_ALIGN) * SMEM_ALIGN for b in buffers)
+
+
+def smem_bytes(
+    shape: FusedShape, ring: int, x_stages: int, lag: int, kv_stages: int = KV_STAGES
+) -> int:
+    """Shared memory of one block, each buffer aligned to 1 KiB as Pallas allocates them: the
+    kernel-wide buffers, then the largest of the step scopes (`scratch_types`), which reuse
+    the same bytes one after the other."""
     cols, kp, chunk = shape.unit_cols, shape.kp, UNIT * N_PAD * 4
-    buffers = (
+    kernel_wide = (
         ring * UNIT * cols * 2,  # weight ring
+        cols * N_PAD * 4,  # zeros
+        2 * chunk,  # the two scalar tiles
+        (kp + SCALAR_ROWS) * N_PAD * 4,  # partial in
+    )
+    product = (
         *(x_stages * chunk,) * 3,  # input chunks (a, b), an owner's gains
         (lag + 1) * N_PAD * UNIT * 2,  # bf16 B tiles
         cols * N_PAD * 4,  # out
-        cols * N_PAD * 4,  # zero
         chunk,  # vector store
         chunk,  # sums of squares
-        2 * chunk,  # the two scalar tiles
         2 * chunk,  # a residual's chunk and gains
         chunk,  # the residual to add
+    )
+    rope = (
         3 * (kp + 2 * SHIFT) * N_PAD * 4,  # q, k, v windows
         5 * kp * N_PAD * 4,  # RoPE tables, RoPE'd biases
-        2 * 2 * BLOCK * kp * 2,  # k and v blocks, two stages
+    )
+    blocks = (
+        2 * kv_stages * BLOCK * kp * 2,  # k and v blocks
         N_PAD * kp * 2,  # q as a B tile
         N_PAD * BLOCK * 2,  # p as a B tile
         2 * kp * N_PAD * 4,  # partial out (and the new k, v rows)
-        (kp + SCALAR_ROWS) * N_PAD * 4,  # partial in
     )
-    aligned = sum(-(-b // SMEM_ALIGN) * SMEM_ALIGN for b in buffers)
-    return aligned + REDUCTION_SCRATCH + 8 * (6 + 3 * x_stages + ring)
+    scopes = max(_aligned(product), _aligned(rope), _aligned(blocks))
+    barriers = 8 * (6 + 3 * x_stages + ring + kv_stages)
+    return _aligned(kernel_wide) + scopes + REDUCTION_SCRATCH + barriers
 
 
-def check_fused(shape: FusedShape, workers: int, ring: int, x_stages: int, lag: int) -> None:
+def check_fused(
+    shape: FusedShape, workers: int, ring: int, x_stages: int, lag: int, kv_stages: int = KV_STAGES
+) -> None:
     """ValueError unless the schedule can run (as `stream.check_schedule`): a ring longer than
-    the wgmma lag and shorter than every worker's units of each product, buffers that fit."""
+    the wgmma lag and shorter than every worker's units of each product, at least 2 stages of
+    cached blocks, buffers that fit."""
     if not 1 <= ring <= MAX_RING or not 0 <= lag < ring or not 1 <= x_stages <= ring:
         raise ValueError(f"need 0 <= lag={lag} < ring={ring} <= {MAX_RING}, x_stages <= ring")
+    if not 2 <= kv_stages <= MAX_RING:
+        raise ValueError(f"kv_stages={kv_stages} must be in [2, {MAX_RING}]")
     fewest = min(p.units(shape.unit_cols) // workers for p in shape.phases)
     if fewest <= ring:
         raise ValueError(
             f"a worker owns {fewest} units of some product with {workers} workers: the ring "
             f"({ring}) must be shorter"
         )
-    need = smem_bytes(shape, ring, x_stages, lag)
+    need = smem_bytes(shape, ring, x_stages, lag, kv_stages)
     if need > SMEM_LIMIT:
-        raise ValueError(f"ring={ring}, x_stages={x_stages}: {need} bytes of smem > {SMEM_LIMIT}")
+        raise ValueError(f"ring={ring}, kv_stages={kv_stages}: {need} bytes of smem > {SMEM_LIMIT}")
 
 
-def scratch_types(shape: FusedShape, ring: int, x_stages: int, lag: int) -> dict:
-    """The kernel's shared memory and barriers, by name (`smem_bytes` counts the same)."""
+def scratch_types(shape: FusedShape, ring: int, x_stages: int, lag: int, kv_stages: int):
+    """The kernel's shared memory and barriers, by name, as four dicts: the kernel-wide ones
+    (the weight ring, zeros, scalar tiles, partials in), then those of three scopes that take
+    the same bytes in turn: a product's, the attention's RoPE (its windows and tables) and the
+    attention's blocks. `smem_bytes` counts the same."""
     # the attention's wgmma operands: a head's columns start at multiples of 16 (h * head_dim),
     # which the 16-column tiles of a 32-byte swizzle divide; a wgmma's operands share a swizzle
     swizzle_32 = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
     bf16, f32, cols = jnp.bfloat16, jnp.float32, shape.unit_cols
     kp, chunk = shape.kp, (UNIT, N_PAD)
     win = kp + 2 * SHIFT
-    return dict(
+    kernel_wide = dict(
         ring=plgpu.SMEM((ring, UNIT, cols), bf16, transforms=SWIZZLE_128),
         wbar=plgpu.Barrier(num_barriers=ring),
+        zero=plgpu.SMEM((cols, N_PAD), f32),
+        sc=plgpu.SMEM((2, *chunk), f32),
+        scbar=plgpu.Barrier(),
+        pin=plgpu.SMEM((kp + SCALAR_ROWS, N_PAD), f32),
+        pbar=plgpu.Barrier(),
+    )
+    product = dict(
         xa=plgpu.SMEM((x_stages, *chunk), f32),
         xbb=plgpu.SMEM((x_stages, *chunk), f32),
         xg=plgpu.SMEM((x_stages, *chunk), f32),
@@ -211,26 +245,33 @@ def scratch_types(shape: FusedShape, ring: int, x_stages: int, lag: int) -> dict
         barg=plgpu.Barrier(num_barriers=x_stages),
         bt=plgpu.SMEM((lag + 1, N_PAD, UNIT), bf16, transforms=SWIZZLE_128),
         out=plgpu.SMEM((cols, N_PAD), f32),
-        zero=plgpu.SMEM((cols, N_PAD), f32),
         vst=plgpu.SMEM(chunk, f32),
         sst=plgpu.SMEM(chunk, f32),
-        sc=plgpu.SMEM((2, *chunk), f32),
-        scbar=plgpu.Barrier(),
         rx=plgpu.SMEM((2, *chunk), f32),
         rbar=plgpu.Barrier(num_arrivals=2),
         rsum=plgpu.SMEM(chunk, f32),
+    )
+    rope = dict(
         win=plgpu.SMEM((3, win, N_PAD), f32),
         tab=plgpu.SMEM((5, kp, N_PAD), f32),
         abar=plgpu.Barrier(num_arrivals=5),
-        kblk=plgpu.SMEM((2, BLOCK, kp), bf16, transforms=swizzle_32),
-        vblk=plgpu.SMEM((2, BLOCK, kp), bf16, transforms=swizzle_32),
-        kvbar=plgpu.Barrier(num_arrivals=2, num_barriers=2),
+    )
+    blocks = dict(
+        kblk=plgpu.SMEM((kv_stages, BLOCK, kp), bf16, transforms=swizzle_32),
+        vblk=plgpu.SMEM((kv_stages, BLOCK, kp), bf16, transforms=swizzle_32),
+        kvbar=plgpu.Barrier(num_arrivals=2, num_barriers=kv_stages),
         btq=plgpu.SMEM((N_PAD, kp), bf16, transforms=swizzle_32),
         pb=plgpu.SMEM((N_PAD, BLOCK), bf16, transforms=swizzle_32),
         pout=plgpu.SMEM((2 * kp, N_PAD), f32),
-        pin=plgpu.SMEM((kp + SCALAR_ROWS, N_PAD), f32),
-        pbar=plgpu.Barrier(),
     )
+    return kernel_wide, product, rope, blocks
+
+
+def scoped(types: dict, fn):
+    """fn(refs) inside a scope that holds the buffers and barriers of `types` (a dict of
+    scratch types, as `scratch_types` gives) by name; returns what fn returns."""
+    names = tuple(types)
+    return pl.run_scoped(lambda *refs: fn(dict(zip(names, refs, strict=True))), *types.values())
 
 
 __all__ = ["BLOCK", "N_PAD", "SHIFT", "UNIT", "Buffers", "FusedShape", "ScalarRows"]

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.core_step.fused import build_fused_core
-from pallas_kernels.core_step.fused_plan import N_PAD, Buffers, FusedShape
+from pallas_kernels.core_step.fused_plan import KV_STAGES, N_PAD, RING, Buffers, FusedShape
 from pallas_kernels.core_step.step_program import LayerWeights, Pending, StepWeights, rope_row
 
 
@@ -125,7 +125,8 @@ def _rope_columns(x, tables):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("iterations", "workers", "ring", "interpret", "profile_dir")
+    jax.jit,
+    static_argnames=("iterations", "workers", "ring", "kv_stages", "interpret", "profile_dir"),
 )
 def fused_core_decode(
     fw: FusedWeights,
@@ -138,7 +139,8 @@ def fused_core_decode(
     *,
     iterations: int,
     workers: int,
-    ring: int = 4,
+    ring: int = RING,
+    kv_stages: int = KV_STAGES,
     interpret: Any = None,
     profile_dir: str = "",
 ) -> tuple[Pending, jax.Array, jax.Array]:
@@ -169,8 +171,8 @@ def fused_core_decode(
 
     meta = jnp.concatenate([jnp.asarray(pos, jnp.int32)[None], slots.reshape(-1).astype(jnp.int32)])
     kernel = build_fused_core(
-        shape, iterations, workers=workers, eps=fw.eps, ring=ring, interpret=interpret,
-        profile_dir=profile_dir,
+        shape, iterations, workers=workers, eps=fw.eps, ring=ring, kv_stages=kv_stages,
+        interpret=interpret, profile_dir=profile_dir,
     )  # fmt: skip
     flat = (k_cache.shape[0], b, s_len, d)
     act, _, _, kv_new = kernel(
