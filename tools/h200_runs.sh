@@ -23,6 +23,8 @@
 #             against XLA's chain of the same products, batch 1 and 8
 #   core_persistent  the whole Core iteration as one kernel (experiments.core --impls=persistent)
 #             beside xla_pallas and torch_compile, decode, batch 1 and 8, one process
+#   core_persistent_profile  the same call traced kernel by kernel (--trace_dir) and its HBM
+#             bytes per iteration by Nsight Compute (--hbm), beside torch_compile's
 #   core_fused  that kernel per context, batch and schedule ($FUSED_SCHEDULES, RING:KV_STAGES)
 #             against its floor and its bare weight stream, and where its time goes (Mosaic
 #             GPU's on-device profiler)
@@ -36,7 +38,7 @@
 # only when the machine's flax lacks nnx.List).
 set -u
 [ $# -ge 1 ] || { echo "usage: $0 STAGE [STAGE...] (see the list above)" >&2; exit 2; }
-STAGES="ceilings tests compile_modes core chain chain_trace adapter decode_attention prefill_attention generate core_stream core_persistent core_fused prefill_gemm multi_gpu"
+STAGES="ceilings tests compile_modes core chain chain_trace adapter decode_attention prefill_attention generate core_stream core_persistent core_persistent_profile core_fused prefill_gemm multi_gpu"
 for stage in "$@"; do
   [[ " $STAGES " == *" $stage "* ]] || { echo "unknown stage $stage; known: $STAGES" >&2; exit 2; }
 done
@@ -188,6 +190,19 @@ stage_core_persistent() {
     --impls=persistent,xla_pallas,torch_compile --iterations=8 --context=1024 --batch=1,8 \
     $CEILINGS --json_out="$d/core_persistent.json" > "$d/core_persistent.txt" 2>&1
   echo "== core_persistent rc $?"; grep -v "it/s\]" "$d/core_persistent.txt" | tail -12
+}
+
+stage_core_persistent_profile() {
+  # where the model's persistent Core call spends its time beyond the kernel (per-kernel trace
+  # with the gaps) and the HBM bytes it reads per iteration (Nsight Compute), beside
+  # torch_compile's; batch 1, context 1024
+  local d=$1
+  timeout 560 python3 -m experiments.core --mode=decode --impls=persistent,torch_compile \
+    --iterations=8 --context=1024 --batch=1 --trace_dir="$d/trace" --hbm \
+    --hbm_impls=persistent,torch_compile $CEILINGS --json_out="$d/core_persistent_profile.json" \
+    > "$d/core_persistent_profile.txt" 2>&1
+  echo "== core_persistent_profile rc $?"
+  grep -v "it/s\]" "$d/core_persistent_profile.txt" | grep -v "^AUTOTUNE\|triton_mm\|strides:\|dtypes:" | tail -40
 }
 
 stage_core_fused() {
