@@ -49,12 +49,15 @@ UNIT_COLS = 128
 
 
 def define_flags() -> None:
+    from pallas_kernels.core_step.fused_plan import KV_STAGES, RING
+
     flags.DEFINE_list("batch", ["1"], "Sequences per call (1..8), a list.")
     flags.DEFINE_list("contexts", ["64", "1024", "4096"], "Cached positions, a list.")
     flags.DEFINE_integer("iterations", 8, "Core iterations per call.")
     flags.DEFINE_list(
-        "schedules", ["8:2"],
-        "RING:KV_STAGES, a list: weight units in flight per worker, cached blocks in flight.",
+        "schedules", [f"{RING}:{KV_STAGES}"],
+        "RING:KV_STAGES, a list: weight units in flight per worker, cached blocks in flight "
+        "(default: the kernel's default schedule).",
     )  # fmt: skip
     flags.DEFINE_integer("reps", 10, "Timed calls per row (median).")
     flags.DEFINE_bool("profile", False, "Record the steps' cycles (batch 1, the last context).")
@@ -185,7 +188,7 @@ def profile(w, context: int, schedule) -> dict:
 
 
 def parse_schedule(text: str) -> tuple[int, int]:
-    """ "8:2" -> (8, 2): ring, kv_stages."""
+    """(ring, kv_stages) of a RING:KV_STAGES string such as 8:2."""
     ring, _, kv_stages = text.partition(":")
     if not (ring.isdigit() and kv_stages.isdigit()):
         raise UserError(f"--schedules: {text!r} is not RING:KV_STAGES (e.g. 8:2)")
