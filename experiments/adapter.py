@@ -335,8 +335,6 @@ def format_table(records: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
     if FLAGS.ncu_child:
         ncu_child(FLAGS.ncu_child)
         return

@@ -193,8 +193,6 @@ def format_table(records: list[dict], fits: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
     if FLAGS.chain < 1 or FLAGS.repeats < 1 or FLAGS.warmup < 0 or FLAGS.sweep < 0:
         raise UserError("--chain and --repeats must be >= 1, --warmup and --sweep >= 0")
     try:

@@ -187,8 +187,6 @@ def format_table(records: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
     counts = check_flags()
     try:
         xla_flags.use_gemm(FLAGS.gemm)  # before the backend starts

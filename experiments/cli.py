@@ -43,16 +43,21 @@ def flag_values(names) -> dict:
     return {name: flags.FLAGS[name].value for name in names}
 
 
-def main_runner(program: str, main: Callable[[list[str]], None]) -> Callable[[list[str]], None]:
+def main_runner(
+    program: str, main: Callable[[list[str]], None], *, arguments: bool = False
+) -> Callable[[list[str]], None]:
     """`main` for `app.run`, with a UserError, or a damaged model file (huginn_jax's
     CheckpointError, whose message names the file), ending in `program: message` and exit code
-    2. Without --verbosity, absl logs warnings and errors only: the backends' INFO lines (e.g. a
-    TPU probe on a CPU host) stay off stderr, where an error is one line."""
+    2; so do positional arguments unless `arguments` (main takes them). Without --verbosity,
+    absl logs warnings and errors only: the backends' INFO lines (e.g. a TPU probe on a CPU
+    host) stay off stderr, where an error is one line."""
 
     def run(argv: list[str]) -> None:
         if not flags.FLAGS["verbosity"].present:
             logging.set_verbosity(logging.WARNING)
         try:
+            if len(argv) > 1 and not arguments:
+                raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
             main(argv)
         except UserError as e:
             fail(program, str(e))

@@ -310,8 +310,6 @@ def check_flags() -> tuple[list[int], list[int], list[str]]:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
     check_flags()  # the user's values, before the backend starts
     program.check_outputs(FLAGS.json_out)
     cpu_line = program.cpu_defaults(CPU_DEFAULTS)

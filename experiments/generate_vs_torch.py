@@ -282,8 +282,6 @@ def run_torch(model: Huginn, plan: Plan, impls: list[str], notes: list[str], det
 
 def main(argv: list[str]) -> None:
     logging.set_verbosity(logging.WARNING)  # no backend-probing chatter around the output
-    if len(argv) > 1:
-        raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
     if FLAGS.graph_warmup < 1:
         raise UserError("--graph_warmup must be at least 1 (cuBLAS and friends initialise there)")
     impls = _torch_impls()

@@ -163,4 +163,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    program.run("headline", define_flags, main)
+    program.run("headline", define_flags, main, arguments=True)

@@ -50,7 +50,6 @@ from absl import flags  # noqa: E402
 from experiments import attention_bench as bench  # noqa: E402
 from experiments import attention_sweep as sweep  # noqa: E402
 from experiments import cli, program  # noqa: E402
-from experiments.cli import UserError  # noqa: E402
 from experiments.measure import compare, memory  # noqa: E402
 from experiments.measure import trace as trace_lib  # noqa: E402
 from experiments.measure.ceilings import Ceilings  # noqa: E402
@@ -230,8 +229,6 @@ def check_flags() -> tuple[list[int], list[int], list[str]]:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
     check_flags()  # the user's values, before the backend starts
     # The traces go into folders under --trace_dir: a file there must be creatable.
     program.check_outputs(FLAGS.json_out, FLAGS.trace_dir and str(Path(FLAGS.trace_dir) / "probe"))

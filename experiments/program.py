@@ -67,15 +67,22 @@ def define(define_flags: Callable[[], None]) -> list[str]:
     return list(_own_flags)
 
 
-def run(name: str, define_flags: Callable[[], None], main: Callable[[list[str]], None]) -> None:
+def run(
+    name: str,
+    define_flags: Callable[[], None],
+    main: Callable[[list[str]], None],
+    *,
+    arguments: bool = False,
+) -> None:
     """Defines the program's flags, parses argv (a bad value: `name: message`, exit 2) and runs
-    `main(argv)`; a UserError from it ends in `name: message` on stderr and exit 2. Standard
+    `main(argv)`; a UserError from it ends in `name: message` on stderr and exit 2, and so do
+    positional arguments unless `arguments` (main takes them, e.g. file paths). Standard
     output is line-buffered, so that note and result lines show as they happen through a pipe."""
     _name[0] = name
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)
     define(define_flags)
-    app.run(cli.main_runner(name, main), flags_parser=cli.flags_parser(name))
+    app.run(cli.main_runner(name, main, arguments=arguments), flags_parser=cli.flags_parser(name))
 
 
 def own_flag_values() -> dict[str, Any]:

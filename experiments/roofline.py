@@ -196,8 +196,6 @@ def check_fits(
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
     program.check_outputs(FLAGS.json_out)
     try:
         device = costs.get_device(FLAGS.device)

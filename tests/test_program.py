@@ -93,6 +93,7 @@ def test_a_run_writes_its_own_flags_and_prints_the_table_last(tmp_path):
         (["--count=0"], "toy: --count=0: must be >= 1"),
         (["--count=x"], "toy: flag --count=x"),
         (["--json_out=/dev/null/r.json"], "cannot write there"),
+        (["extra"], "toy: unexpected arguments: extra"),  # before main runs
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):

@@ -50,7 +50,6 @@ from absl import flags
 from experiments import program
 from experiments.chain import options as options_lib
 from experiments.chain.report import failed_checks, format_table
-from experiments.cli import UserError
 
 FLAGS = flags.FLAGS
 
@@ -64,8 +63,6 @@ def main(argv: list[str]) -> None:
     """The chain, or one of its children (--child)."""
     # Before the JAX backend starts: the parent, torch and child processes share the GPU.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    if len(argv) > 1:
-        raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
     opts = options_lib.options_from_flags()
     # Traces go into folders under --trace_dir: a file there must be creatable.
     trace_probe = opts.trace_dir and os.path.join(opts.trace_dir, "probe")

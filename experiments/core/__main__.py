@@ -160,8 +160,6 @@ def check_flags() -> tuple[list[cases_lib.Case], list[str], HuginnConfig]:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
     use_gemm(FLAGS.gemm)  # before anything starts the backend (ncu children inherit it)
     use_command_buffers(FLAGS.command_buffers)
     if FLAGS.ncu_child:

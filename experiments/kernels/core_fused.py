@@ -220,8 +220,6 @@ def format_table(rows: list[dict], prof: dict | None) -> str:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
     batches = cli.positive_ints("batch", FLAGS.batch)
     contexts = cli.positive_ints("contexts", FLAGS.contexts)
     if max(batches) > 8:

@@ -168,8 +168,6 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
     batches = cli.positive_ints("batch", FLAGS.batch)
     if max(batches) > 64:
         raise UserError(f"--batch={max(batches)}: at most 64 rows")

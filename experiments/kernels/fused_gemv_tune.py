@@ -150,8 +150,6 @@ def check_flags() -> list[str]:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
     shapes = check_flags()
     t0 = time.perf_counter()
     results = []

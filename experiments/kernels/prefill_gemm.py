@@ -263,8 +263,6 @@ def format_table(records: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
     check_flags()  # the user's values, before the backend starts
     program.check_outputs(FLAGS.json_out)
     try:  # --gemm, then --xla_flags, before the backend starts

@@ -40,7 +40,6 @@ from typing import Any
 from absl import flags, logging
 
 from experiments import program
-from experiments.program import UserError
 from experiments.train import compare, loop, options, report
 from experiments.train.options import Options, options_from_flags
 
@@ -130,8 +129,6 @@ def main(argv: list[str]) -> None:
 
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # keep orbax/backend INFO lines off stderr
-    if len(argv) > 1:
-        raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
     opts = options_from_flags()  # every flag checked before the backend starts
     paths = opts.paths
     paths.check_writable()  # and every output path, before any training
