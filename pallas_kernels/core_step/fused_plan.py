@@ -12,6 +12,7 @@ row's neighbour with a shifted window.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -154,45 +155,30 @@ def splits_for(heads: int, workers: int) -> int:
     return max(1, workers // heads)
 
 
-def _aligned(buffers) -> int:
-    return sum(-(-b // SMEM_ALIGN) * SMEM_ALIGN for b in buffers)
-
-
 def smem_bytes(
     shape: FusedShape, ring: int, x_stages: int, lag: int, kv_stages: int = KV_STAGES
 ) -> int:
-    """Shared memory of one block, each buffer aligned to 1 KiB as Pallas allocates them: the
-    kernel-wide buffers, then the largest of the step scopes (`scratch_types`), which reuse
-    the same bytes one after the other."""
-    cols, kp, chunk = shape.unit_cols, shape.kp, UNIT * N_PAD * 4
-    kernel_wide = (
-        ring * UNIT * cols * 2,  # weight ring
-        cols * N_PAD * 4,  # zeros
-        2 * chunk,  # the two scalar tiles
-        (kp + SCALAR_ROWS) * N_PAD * 4,  # partial in
+    """Shared memory of one block, from `scratch_types`: the kernel-wide buffers, then the
+    largest of the step scopes (they reuse the same bytes one after the other), each buffer
+    aligned to 1 KiB as Pallas allocates them, 8 bytes per mbarrier."""
+    groups = scratch_types(shape, ring, x_stages, lag, kv_stages)
+
+    def buffer_bytes(types: dict) -> int:
+        sizes = [
+            math.prod(t.shape) * jnp.dtype(t.dtype).itemsize
+            for t in types.values()
+            if not isinstance(t, plgpu.Barrier)
+        ]
+        return sum(-(-b // SMEM_ALIGN) * SMEM_ALIGN for b in sizes)
+
+    barriers = sum(
+        math.prod(t.num_barriers)
+        for types in groups
+        for t in types.values()
+        if isinstance(t, plgpu.Barrier)
     )
-    product = (
-        *(x_stages * chunk,) * 3,  # input chunks (a, b), an owner's gains
-        (lag + 1) * N_PAD * UNIT * 2,  # bf16 B tiles
-        cols * N_PAD * 4,  # out
-        chunk,  # vector store
-        chunk,  # sums of squares
-        2 * chunk,  # a residual's chunk and gains
-        chunk,  # the residual to add
-    )
-    rope = (
-        3 * (kp + 2 * SHIFT) * N_PAD * 4,  # q, k, v windows
-        5 * kp * N_PAD * 4,  # RoPE tables, RoPE'd biases
-    )
-    blocks = (
-        2 * kv_stages * BLOCK * kp * 2,  # k and v blocks
-        N_PAD * kp * 2,  # q as a B tile
-        N_PAD * BLOCK * 2,  # p as a B tile
-        2 * kp * N_PAD * 4,  # partial out (and the new k, v rows)
-    )
-    scopes = max(_aligned(product), _aligned(rope), _aligned(blocks))
-    barriers = 8 * (6 + 3 * x_stages + ring + kv_stages)
-    return _aligned(kernel_wide) + scopes + REDUCTION_SCRATCH + barriers
+    scopes = max(buffer_bytes(types) for types in groups[1:])
+    return buffer_bytes(groups[0]) + scopes + REDUCTION_SCRATCH + 8 * barriers
 
 
 def check_fused(
@@ -220,7 +206,7 @@ def scratch_types(shape: FusedShape, ring: int, x_stages: int, lag: int, kv_stag
     """The kernel's shared memory and barriers, by name, as four dicts: the kernel-wide ones
     (the weight ring, zeros, scalar tiles, partials in), then those of three scopes that take
     the same bytes in turn: a product's, the attention's RoPE (its windows and tables) and the
-    attention's blocks. `smem_bytes` counts the same."""
+    attention's blocks (`smem_bytes` counts them)."""
     # the attention's wgmma operands: a head's columns start at multiples of 16 (h * head_dim),
     # which the 16-column tiles of a 32-byte swizzle divide; a wgmma's operands share a swizzle
     swizzle_32 = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
