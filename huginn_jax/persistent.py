@@ -30,6 +30,7 @@ from flax import nnx
 from huginn_jax.config import HuginnConfig
 from huginn_jax.kv_cache import KVCache
 from huginn_jax.model import Core, Huginn
+from pallas_kernels.core_step.fused_plan import Schedule
 from pallas_kernels.core_step.step_program import LayerWeights, Pending, StepWeights
 
 DEFAULT_UNIT_COLS = 128  # output columns of a [64, unit_cols] weight unit
@@ -97,7 +98,7 @@ class PersistentCore:
 
     weights: Any  # fused_step.FusedWeights
     workers: int = dataclasses.field(metadata=dict(static=True))
-    ring: int = dataclasses.field(metadata=dict(static=True))
+    schedule: Schedule = dataclasses.field(metadata=dict(static=True))
     interpret: Any = dataclasses.field(metadata=dict(static=True))
 
     @property
@@ -111,12 +112,12 @@ class PersistentCore:
         batch: int,
         *,
         workers: int | None = None,
-        ring: int | None = None,
+        schedule: Schedule | None = None,
         unit_cols: int = DEFAULT_UNIT_COLS,
         device=None,
     ) -> PersistentCore:
         """Packs `model`'s Core for `batch` sequences (one compiled pass over the weights).
-        `ring`: weight units in flight per worker (None: the kernel's default schedule).
+        `schedule`: the kernel's (None: its default, `fused_plan.Schedule()`).
         ValueError where the kernel cannot run (`target_for`, or shapes it refuses)."""
         target, reason = target_for(workers, device)
         if reason:
@@ -129,7 +130,7 @@ class PersistentCore:
             rope_base=cfg.rope_base,
             unit_cols=unit_cols,
         )
-        return cls(packed, target.workers, default_ring(ring), target.interpret)
+        return cls(packed, target.workers, schedule or Schedule(), target.interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("heads", "batch", "rope_base", "unit_cols"))
@@ -137,15 +138,6 @@ def _pack(weights: StepWeights, *, heads: int, batch: int, rope_base: float, uni
     from pallas_kernels.core_step.fused_step import pack_weights
 
     return pack_weights(weights, heads=heads, batch=batch, rope_base=rope_base, unit_cols=unit_cols)
-
-
-def default_ring(ring: int | None) -> int:
-    """`ring`, or where None the kernel's default (`fused_plan.RING`, with its KV_STAGES)."""
-    if ring is not None:
-        return ring
-    from pallas_kernels.core_step.fused_plan import RING
-
-    return RING
 
 
 def packed_bytes(
@@ -203,8 +195,8 @@ def run_core_persistent(
         start,
         iterations=num_steps,
         workers=prepared.workers,
-        ring=prepared.ring,
         interpret=prepared.interpret,
+        **prepared.schedule.kwargs(),
     )
     writers = last_writers(slots_IxL)
     if writers.size < slots_IxL.size:  # shared slots: only each one's last row is written
@@ -230,7 +222,7 @@ def why_not_persistent(
     num_steps: int,
     tokens: int = 1,
     workers: int | None = None,
-    ring: int | None = None,
+    schedule: Schedule | None = None,
     unit_cols: int = DEFAULT_UNIT_COLS,
     device=None,
 ) -> str | None:
@@ -252,13 +244,13 @@ def why_not_persistent(
     if reason:
         return reason
     try:
-        _trace_kernel(config, batch, cache, num_steps, target, ring, unit_cols)
+        _trace_kernel(config, batch, cache, num_steps, target, schedule or Schedule(), unit_cols)
     except ValueError as e:
         return str(e).strip().splitlines()[0]
     return None
 
 
-def _trace_kernel(config, batch, cache, num_steps, target: Target, ring, unit_cols) -> None:
+def _trace_kernel(config, batch, cache, num_steps, target: Target, schedule, unit_cols) -> None:
     """Traces `pack_weights` and `fused_core_decode` on abstract arguments of this case's
     shapes: the kernel's checks raise ValueError for what it cannot run."""
     from pallas_kernels.core_step.fused_step import fused_core_decode
@@ -269,8 +261,8 @@ def _trace_kernel(config, batch, cache, num_steps, target: Target, ring, unit_co
         fused_core_decode,
         iterations=num_steps,
         workers=target.workers,
-        ring=default_ring(ring),
         interpret=target.interpret,
+        **schedule.kwargs(),
     )
     row = jax.ShapeDtypeStruct((batch, config.n_embd), dtype)
     slots = jax.ShapeDtypeStruct((num_steps, config.n_core), jnp.int32)

@@ -86,6 +86,7 @@ BAD = [
     # core
     Bad(CORE, "--context=100000000", "the Core's cache takes at most"),
     Bad(CORE, "--iterations=", "--iterations is empty"),
+    Bad(CORE, "--persistent_schedule=6", "--persistent_schedule: '6' is not RING:KV_STAGES"),
     Bad(CORE, "--config=/no/such/dir", "--config=/no/such/dir: no such directory"),
     Bad(CORE, "--config={trunc} --weights=trained", "model.safetensors: truncated or damaged"),
     Bad(CORE, "--config={four} --weights=trained", "key 'n_heads' is \"four\"; expected an int"),
@@ -129,6 +130,7 @@ BAD = [
     Bad("experiments.kernels.core_fused", "--batch=9", "at most 8 sequences"),
     Bad("experiments.kernels.core_fused", "--schedules=40:2", "schedule 40:2, --batch=1"),
     Bad("experiments.kernels.core_fused", "--schedules=8", "is not RING:KV_STAGES"),
+    Bad("experiments.kernels.core_fused", "--schedules=6:3:30", "the L2 lookahead (30)"),
     Bad("experiments.kernels.core_fused", "", "needs an sm_90 GPU"),
     Bad("experiments.kernels.prefill_gemm", "--reps=0", "--reps=0: must be >= 1"),
     Bad("experiments.kernels.prefill_gemm", "--xla_flags=-x", "'-x' is not an XLA flag"),

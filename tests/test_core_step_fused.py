@@ -16,7 +16,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from huginn_jax.config import HuginnConfig
 from pallas_kernels.core_step import Pending, StepWeights, core_iteration, rope_row
 from pallas_kernels.core_step.fused import build_fused_core
-from pallas_kernels.core_step.fused_plan import FusedShape, check_fused
+from pallas_kernels.core_step.fused_plan import FusedShape, Schedule, check_fused
 from pallas_kernels.core_step.fused_step import (
     fused_core_decode,
     pack_weights,
@@ -78,29 +78,34 @@ def reference(w, batch, iterations, pos):
     return pending.value(w.eps), jnp.stack(k_rows), jnp.stack(v_rows)
 
 
-def kernel_run(w, batch, iterations, pos, *, workers, interpret, unit_cols=64, ring=3, kv_stages=2):
+def kernel_run(w, batch, iterations, pos, *, workers, interpret, unit_cols=64, ring=3, **schedule):
     state, embedded, k, v, slots = inputs(batch, iterations)
     fw = pack_weights(
         w, heads=CFG.n_heads, batch=batch, rope_base=CFG.rope_base, unit_cols=unit_cols
     )
     pending, k_new, v_new = fused_core_decode(
         fw, Pending(state), embedded, k, v, slots, jnp.int32(pos),
-        iterations=iterations, workers=workers, ring=ring, kv_stages=kv_stages,
-        interpret=interpret,
+        iterations=iterations, workers=workers, ring=ring, interpret=interpret, **schedule,
     )  # fmt: skip
     return pending.value(w.eps), k_new, v_new
 
 
-# kv_stages 3 over 2 sequences x 2 blocks: the copies run ahead across a sequence's end
-@pytest.mark.parametrize("batch,iterations,pos,kv_stages", [(1, 2, 0, 2), (2, 1, SLOT - 1, 3)])
-def test_interpret_one_worker_matches_the_step_program(batch, iterations, pos, kv_stages):
+# kv_stages 3 over 2 sequences x 2 blocks: the copies run ahead across a sequence's end; the L2
+# prefetches (no-ops when interpreted) are traced where they reach into the next product
+@pytest.mark.parametrize(
+    "batch,iterations,pos,schedule",
+    [
+        (1, 2, 0, dict(kv_stages=2)),
+        (2, 1, SLOT - 1, dict(ring=2, kv_stages=3, l2_units=1, l2_blocks=2)),
+    ],
+)
+def test_interpret_one_worker_matches_the_step_program(batch, iterations, pos, schedule):
     w = bf16_weights(step_weights(core()))
     w = StepWeights(w.adapter, w.layers[:LAYERS], head_dim=w.head_dim, eps=w.eps)
     want = reference(w, batch, iterations, pos)
     got = kernel_run(
-        w, batch, iterations, pos, workers=1, interpret=plgpu.InterpretGPUParams(),
-        kv_stages=kv_stages,
-    )  # fmt: skip
+        w, batch, iterations, pos, workers=1, interpret=plgpu.InterpretGPUParams(), **schedule
+    )
     for g, r in zip(got, want, strict=True):
         assert g.shape == r.shape
         assert rel_fro(np.asarray(g, np.float32), np.asarray(r, np.float32)) <= RTOL
@@ -119,26 +124,23 @@ def test_new_rows_land_in_their_slots():
 
 SMALL = (512, 8, 768, 2)  # d, heads (of 64), MLP width, layers: 16 workers, 2 splits per head
 HUGINN = (5280, 55, 17920, 4)
-# shape, workers, batch, iterations, position, positions per slot
+# shape, workers, batch, iterations, position, positions per slot, (unit_cols, schedule): at
+# huginn-0125 [64, 128] units, the kernel's default schedule and one with the longest ring and
+# L2 lookahead that fit; on the small shape [64, 64] units, so that every worker owns more units
+# than the ring, with 3 cached blocks in flight
+SMALL_SCHEDULE = (64, Schedule(3, 3, 0, 0))
 GPU_CASES = [
-    (SMALL, 16, 1, 2, 130, 192),
-    (SMALL, 16, 8, 1, 63, 128),
-    (HUGINN, 132, 1, 2, 1000, 1024),
-    (HUGINN, 132, 8, 1, 200, 256),
+    (SMALL, 16, 1, 2, 130, 192, SMALL_SCHEDULE),
+    (SMALL, 16, 8, 1, 63, 128, SMALL_SCHEDULE),
+    (HUGINN, 132, 1, 2, 1000, 1024, (128, Schedule())),
+    (HUGINN, 132, 8, 1, 200, 256, (128, Schedule(8, 2, 16, 8))),
 ]
-
-
-def gpu_schedule(workers: int) -> tuple[int, int, int]:
-    """(unit_cols, ring, kv_stages) of the GPU tests: [64, 128] units at huginn-0125 (the
-    longest ring that fits), [64, 64] on the small shape so that every worker owns more units
-    than the ring, with 3 cached blocks in flight."""
-    return (128, 8, 2) if workers == 132 else (64, 3, 3)
 
 
 @gpu
 @requires_gpu
-@pytest.mark.parametrize("dims,workers,batch,iterations,pos,slot_len", GPU_CASES)
-def test_matches_the_step_program_gpu(dims, workers, batch, iterations, pos, slot_len):
+@pytest.mark.parametrize("dims,workers,batch,iterations,pos,slot_len,schedule", GPU_CASES)
+def test_matches_the_step_program_gpu(dims, workers, batch, iterations, pos, slot_len, schedule):
     d, heads, f, layers = dims
     w = random_step_weights(*dims)
     keys = jax.random.split(jax.random.key(6), 4)
@@ -146,11 +148,11 @@ def test_matches_the_step_program_gpu(dims, workers, batch, iterations, pos, slo
     cache_shape = (iterations * layers, batch, slot_len, heads, d // heads)
     k, v = (jax.random.normal(key, cache_shape).astype(jnp.bfloat16) for key in keys[2:])
     slots = jnp.arange(iterations * layers, dtype=jnp.int32).reshape(iterations, layers)
-    cols, ring, kv_stages = gpu_schedule(workers)
+    cols, sched = schedule
     fw = pack_weights(w, heads=heads, batch=batch, rope_base=10000.0, unit_cols=cols)
     got = fused_core_decode(
         fw, Pending(state), embedded, k, v, slots, jnp.int32(pos),
-        iterations=iterations, workers=workers, ring=ring, kv_stages=kv_stages,
+        iterations=iterations, workers=workers, **sched.kwargs(),
     )  # fmt: skip
     cos, sin = rope_row(pos, d // heads, 10000.0)
     pending, e_part, k_rows, v_rows = Pending(state), None, [], []
@@ -170,10 +172,11 @@ def test_matches_the_step_program_gpu(dims, workers, batch, iterations, pos, slo
 
 def test_gpu_configurations_fit():
     """The GPU tests' schedules pass the checks (ring, shared memory) on CPU."""
-    for (d, heads, f, layers), workers, batch, _, _, _ in GPU_CASES:
-        cols, ring, kv_stages = gpu_schedule(workers)
+    for (d, heads, f, layers), workers, batch, _, _, _, (cols, sched) in GPU_CASES:
         shape = FusedShape(d, heads, d // heads, f, layers, batch, cols)
-        check_fused(shape, workers, ring=ring, x_stages=2, lag=1, kv_stages=kv_stages)
+        check_fused(
+            shape, workers, sched.ring, 2, 1, kv_stages=sched.kv_stages, l2_units=sched.l2_units
+        )
 
 
 @pytest.mark.parametrize("batch", [8])  # the batch is a loop bound: 1 lowers the same code
@@ -195,6 +198,15 @@ def test_lowers_for_cuda_with_every_sm(batch):
     assert "mosaic_gpu" in text
 
 
+def test_schedule_is_written_as_parsed():
+    assert Schedule.parse("6:3") == Schedule(6, 3, 0, 0)
+    assert str(Schedule.parse("6:3:16:8")) == "6:3:16:8"
+    assert str(Schedule(6, 3, 16, 0)) == "6:3:16" and str(Schedule(6, 3, 0, 8)) == "6:3:0:8"
+    for bad in ("6", "6:3:1:2:3", "6:x"):
+        with pytest.raises(ValueError, match="is not RING:KV_STAGES"):
+            Schedule.parse(bad)
+
+
 def test_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="heads \\* head_dim"):
         FusedShape(100, 3, 32, 64, 1, 1)
@@ -204,6 +216,9 @@ def test_refuses_what_it_cannot_run():
         build_fused_core(FusedShape(96, 4, 24, 160, 1, 1), 1, workers=1, eps=1e-6, ring=1)
     with pytest.raises(ValueError, match="smem"):
         check_fused(FusedShape(5280, 55, 96, 17920, 1, 1), 132, ring=9, x_stages=2, lag=1)
+    with pytest.raises(ValueError, match="L2 lookahead"):  # 26 units of the adapter per worker
+        huginn = FusedShape(5280, 55, 96, 17920, 1, 1)
+        check_fused(huginn, 132, ring=6, x_stages=2, lag=1, l2_units=20)
     with pytest.raises(ValueError, match="one worker"):
         build_fused_core(
             FusedShape(96, 4, 24, 160, 1, 1), 1, workers=2, eps=1e-6,

@@ -24,11 +24,12 @@ from huginn_jax.persistent import (
     run_core_persistent,
     why_not_persistent,
 )
+from pallas_kernels.core_step.fused_plan import Schedule
 from tests.tolerance import rel_fro
 
 CFG = HuginnConfig.from_name("tiny")  # D 96, 4 heads of 24, 4 Core layers; 2 prelude, 2 coda
 POS = 40  # positions [0, 40) are the history; those after it must stay invisible
-SCHEDULE = dict(unit_cols=64, ring=3)  # the tiny products have 4 to 12 [64, 64] units
+SCHEDULE = dict(unit_cols=64, schedule=Schedule(ring=3))  # tiny: 4 to 12 [64, 64] units
 # The kernel multiplies bf16 operands (the reference's weights are bf16-valued, its activations
 # float32) and keeps its activations in float32 where the model rounds none: 5 L chained steps.
 RTOL = 2e-2
@@ -140,7 +141,7 @@ def test_why_not_gives_a_reason_for_each_refused_case():
     assert "bfloat16" in why(cache=abstract_cache(dtype=jnp.float32))
     assert "64" in why(cache=abstract_cache(max_len=60))  # blocks of 64 positions
     assert "not the batch" in why(batch=2, cache=abstract_cache(batch=1))
-    assert "ring" in why(unit_cols=128, ring=4)  # the adapter: 2 units of 128 columns
+    assert "ring" in why(unit_cols=128, schedule=Schedule(ring=4))  # the adapter: 2 units of 128
     a100 = types.SimpleNamespace(**{**vars(H200), "compute_capability": "8.0"})
     a100.device_kind = "NVIDIA A100"
     assert "needs an sm_90 GPU (Hopper); NVIDIA A100 is sm_80" in why(device=a100)

@@ -19,15 +19,19 @@
 #             XLA form, against PyTorch's graph
 #   adapter, decode_attention, prefill_attention  one process each
 #   generate  JAX generation against PyTorch's compiled decode loop, 32 steps per token
+#             (CORE_DECODE=persistent: the decode steps' Core in the persistent kernel)
 #   core_stream  the Core's weight stream as one persistent kernel (pallas_kernels/core_step)
 #             against XLA's chain of the same products, batch 1 and 8
 #   core_persistent  the whole Core iteration as one kernel (experiments.core --impls=persistent)
 #             beside xla_pallas and torch_compile, decode, batch 1 and 8, one process
-#   core_persistent_profile  the same call traced kernel by kernel (--trace_dir) and its HBM
-#             bytes per iteration by Nsight Compute (--hbm), beside torch_compile's
-#   core_fused  that kernel per context, batch and schedule ($FUSED_SCHEDULES, RING:KV_STAGES)
-#             against its floor and its bare weight stream, and where its time goes (Mosaic
-#             GPU's on-device profiler)
+#   core_persistent_profile  the same call traced kernel by kernel (--trace_dir, with its HLO)
+#             and its HBM bytes per iteration by Nsight Compute (--hbm), beside torch_compile's
+#             ($PROFILE_IMPLS)
+#   core_fused  that kernel per context, batch and schedule ($FUSED_SCHEDULES, RING:KV_STAGES,
+#             in $FUSED_JOBS processes at once) against its floor and its bare weight stream,
+#             and where its time goes (Mosaic GPU's on-device profiler)
+#   core_fused_l2  the same with weight units and cached blocks prefetched into L2
+#             (RING:KV_STAGES:L2_UNITS:L2_BLOCKS), contexts 64 and 1024
 #   prefill_gemm  the Core's prefill GEMMs shape by shape, XLA against PyTorch
 #   multi_gpu  tensor parallelism (docs/tensor_parallel.md): all-reduce latency and bandwidth at
 #             the Core's activation sizes -> allreduce.json, then the Core (xla, xla_cudnn) on 1,
@@ -38,7 +42,7 @@
 # only when the machine's flax lacks nnx.List).
 set -u
 [ $# -ge 1 ] || { echo "usage: $0 STAGE [STAGE...] (see the list above)" >&2; exit 2; }
-STAGES="ceilings tests compile_modes core chain chain_trace adapter decode_attention prefill_attention generate core_stream core_persistent core_persistent_profile core_fused prefill_gemm multi_gpu"
+STAGES="ceilings tests compile_modes core chain chain_trace adapter decode_attention prefill_attention generate core_stream core_persistent core_persistent_profile core_fused core_fused_l2 prefill_gemm multi_gpu"
 for stage in "$@"; do
   [[ " $STAGES " == *" $stage "* ]] || { echo "unknown stage $stage; known: $STAGES" >&2; exit 2; }
 done
@@ -169,10 +173,13 @@ stage_prefill_attention() {
 }
 
 stage_generate() {
-  local d=$1
+  # CORE_DECODE=persistent: JAX's decode steps through the persistent Core kernel
+  local d=$1 name=generate_vs_torch
+  [ "${CORE_DECODE:-xla}" = xla ] || name="generate_vs_torch_$CORE_DECODE"
   timeout 500 python3 -m experiments.generate_vs_torch --prompt_len=1024 --max_new_tokens=32 \
-    --num_steps=32 --json_out="$d/generate_vs_torch.json" > "$d/generate_vs_torch.txt" 2>&1
-  tail -20 "$d/generate_vs_torch.txt"
+    --num_steps=32 --core_decode="${CORE_DECODE:-xla}" --json_out="$d/$name.json" \
+    > "$d/$name.txt" 2>&1
+  tail -20 "$d/$name.txt"
 }
 
 stage_core_stream() {
@@ -197,20 +204,33 @@ stage_core_persistent_profile() {
   # with the gaps) and the HBM bytes it reads per iteration (Nsight Compute), beside
   # torch_compile's; batch 1, context 1024
   local d=$1
-  timeout 560 python3 -m experiments.core --mode=decode --impls=persistent,torch_compile \
-    --iterations=8 --context=1024 --batch=1 --trace_dir="$d/trace" --hbm \
-    --hbm_impls=persistent,torch_compile $CEILINGS --json_out="$d/core_persistent_profile.json" \
+  local impls=${PROFILE_IMPLS:-persistent,torch_compile}
+  timeout "${PROFILE_TIMEOUT:-560}" python3 -m experiments.core --mode=decode --impls="$impls" \
+    --iterations=8 --context=1024 --batch=1 --trace_dir="$d/trace" --hlo_dir="$d/hlo" --hbm \
+    --hbm_impls="$impls" $CEILINGS --json_out="$d/core_persistent_profile.json" \
     > "$d/core_persistent_profile.txt" 2>&1
   echo "== core_persistent_profile rc $?"
   grep -v "it/s\]" "$d/core_persistent_profile.txt" | grep -v "^AUTOTUNE\|triton_mm\|strides:\|dtypes:" | tail -40
 }
 
+fused_run() {
+  # fused_run DIR NAME CONTEXTS SCHEDULES JOBS: experiments.kernels.core_fused -> DIR/NAME.{json,txt}
+  local d=$1 name=$2
+  timeout "${FUSED_TIMEOUT:-540}" python3 -m experiments.kernels.core_fused --batch=1,8 \
+    --contexts="$3" --schedules="$4" --jobs="$5" --profile --json_out="$d/$name.json" \
+    > "$d/$name.txt" 2>&1
+  echo "== $name rc $?"; grep -v "it/s\]" "$d/$name.txt" | tail -30
+}
+
 stage_core_fused() {
-  local d=$1
-  timeout 540 python3 -m experiments.kernels.core_fused --batch=1,8 --contexts=64,1024,4096 \
-    --schedules="${FUSED_SCHEDULES:-8:2,6:3}" --profile --json_out="$d/core_fused.json" \
-    > "$d/core_fused.txt" 2>&1
-  echo "== core_fused rc $?"; grep -v "it/s\]" "$d/core_fused.txt" | tail -30
+  fused_run "$1" core_fused 64,1024,4096 "${FUSED_SCHEDULES:-8:2,6:3}" "${FUSED_JOBS:-1}"
+}
+
+stage_core_fused_l2() {
+  # the L2 prefetches of the schedule against none; 5 processes compile at once, each held to
+  # 18 % of the GPU's memory (more at once ran the GPU out of memory)
+  (export XLA_PYTHON_CLIENT_MEM_FRACTION=0.18
+   fused_run "$1" core_fused_l2 64,1024 6:3,6:3:8,6:3:16,6:3:8:4,6:3:16:4 5)
 }
 
 stage_prefill_gemm() {

@@ -118,6 +118,12 @@ def define_flags() -> None:
     flags.DEFINE_enum(
         "gemm", "cublas", list(GEMM_CHOICES), "Dots: cublas (Triton GEMMs off) or xla's choice."
     )
+    flags.DEFINE_string(
+        "persistent_schedule",
+        "",
+        "The persistent impl's kernel schedule RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS]] "
+        "(pallas_kernels.core_step.fused_plan.Schedule; '' = the kernel's default).",
+    )
     flags.DEFINE_bool(
         "command_buffers",
         True,
@@ -156,6 +162,7 @@ def check_flags() -> tuple[list[cases_lib.Case], list[str], HuginnConfig]:
             raise UserError(f"--{name}={FLAGS[name].value}: must be >= {least}")
     cli.names_in("hbm_impls", FLAGS.hbm_impls, cases_lib.IMPLS)
     core_mesh.shards_from_flag()
+    profiling.persistent_schedule()
     return cases, impls, cfg
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from absl import flags
 
+from experiments.cli import UserError
 from experiments.core.cases import JAX_IMPLS, Case, core_config, jax_dtype
 from experiments.core.runners import core_weights, make_runner
 from experiments.measure import ncu as ncu_lib
@@ -22,8 +23,22 @@ FLAGS = flags.FLAGS
 NCU_CALLS = 2  # calls inside the child's profiler range
 
 
+def persistent_schedule():
+    """The persistent impl's `fused_plan.Schedule` (--persistent_schedule); UserError for a bad
+    one."""
+    from pallas_kernels.core_step.fused_plan import Schedule
+
+    try:
+        return (
+            Schedule.parse(FLAGS.persistent_schedule) if FLAGS.persistent_schedule else Schedule()
+        )
+    except ValueError as e:
+        raise UserError(f"--persistent_schedule: {e}") from None
+
+
 def runner_for(impl: str, cfg, graphdef, params, case: Case):
-    """`runners.make_runner` with the flags' dtype, seed and torch.compile mode."""
+    """`runners.make_runner` with the flags' dtype, seed, torch.compile mode and persistent
+    schedule."""
     return make_runner(
         impl,
         cfg,
@@ -33,6 +48,7 @@ def runner_for(impl: str, cfg, graphdef, params, case: Case):
         FLAGS.dtype,
         seed=FLAGS.seed,
         compile_mode=compile_mode_for(FLAGS.torch_compile_mode, case.mode),
+        schedule=persistent_schedule(),
     )
 
 
@@ -101,6 +117,8 @@ def hbm_pass(impl: str, case: Case, ncu: str) -> dict:
         f"--weights={FLAGS.weights}",
         f"--gemm={FLAGS.gemm}",
         f"--torch_compile_mode={FLAGS.torch_compile_mode}",
+        f"--persistent_schedule={FLAGS.persistent_schedule}",
+        f"--command_buffers={FLAGS.command_buffers}",
     ]
     with tempfile.TemporaryDirectory(prefix="core-ncu-") as out:
         text = ncu_lib.run_ncu(

@@ -106,11 +106,27 @@ def jit_core(graphdef, params, *, iterations: int, from_zero=False):
     return jax.jit(core, donate_argnames="cache"), tuple(leaves)
 
 
-class XlaRunner:
-    """The Core compiled once ahead of time; each call feeds the cache back (donated, so XLA
-    updates it in place) and returns the output state."""
+class CompiledRunner:
+    """A JAX executable `compiled(*args, cache, start)` -> (state, cache): each call feeds the
+    cache back (donated, so XLA updates it in place) and returns the output state."""
 
     sync = None
+    compiled: jax.stages.Compiled
+    args: tuple
+    cache: KVCache
+    start: jax.Array
+
+    def compile_report(self):
+        """Optimized HLO text and `memory_analysis()` of the executable that is timed."""
+        return self.compiled.as_text(), self.compiled.memory_analysis()
+
+    def __call__(self):
+        out, self.cache = self.compiled(*self.args, self.cache, self.start)
+        return out
+
+
+class XlaRunner(CompiledRunner):
+    """The Core compiled once ahead of time (`jit_core`)."""
 
     def __init__(self, graphdef, params, state, embedded, cache, case: Case):
         fn, weights = jit_core(
@@ -121,14 +137,6 @@ class XlaRunner:
         self.cache = cache
         self.compiled = fn.lower(*self.args, self.cache, self.start).compile()
 
-    def compile_report(self):
-        """Optimized HLO text and `memory_analysis()` of the executable that is timed."""
-        return self.compiled.as_text(), self.compiled.memory_analysis()
-
-    def __call__(self):
-        out, self.cache = self.compiled(*self.args, self.cache, self.start)
-        return out
-
     def release(self):
         self.cache = self.compiled = None
 
@@ -138,8 +146,9 @@ def persistent_positions(max_len: int) -> int:
     return -(-max_len // persistent.CACHE_MULTIPLE) * persistent.CACHE_MULTIPLE
 
 
-def why_not_persistent(cfg, case: Case, dtype_name: str) -> str | None:
-    """Why the persistent impl cannot run `case` here (None: it can)."""
+def why_not_persistent(cfg, case: Case, dtype_name: str, schedule=None) -> str | None:
+    """Why the persistent impl cannot run `case` with `schedule` (None: the kernel's default)
+    here (None: it can)."""
     if case.mode != "decode":
         return "it runs decode steps (one new position)"
     cache = jax.eval_shape(
@@ -148,19 +157,21 @@ def why_not_persistent(cfg, case: Case, dtype_name: str) -> str | None:
             num_steps=case.iterations, dtype=jax_dtype(dtype_name),
         )
     )  # fmt: skip
-    return persistent.why_not_persistent(cfg, case.batch, cache, num_steps=case.iterations)
+    return persistent.why_not_persistent(
+        cfg, case.batch, cache, num_steps=case.iterations, schedule=schedule
+    )
 
 
-class PersistentRunner:
-    """The Core's decode step in the persistent kernel (`huginn_jax.persistent`): the weights
-    packed and the step compiled once, before any timed call; each call feeds the cache back
-    (donated, written in place) and returns the output state. The cache is `case_inputs`' with
-    zero positions appended up to whole blocks, after the new position, so never visible."""
+class PersistentRunner(CompiledRunner):
+    """The Core's decode step in the persistent kernel (`huginn_jax.persistent`, its
+    `schedule`): the weights packed and the step compiled once, before any timed call. The
+    cache is `case_inputs`' with zero positions appended up to whole blocks, after the new
+    position, so never visible."""
 
-    sync = None
-
-    def __init__(self, graphdef, params, state, embedded, cache, case: Case):
-        self.prepared = persistent.PersistentCore.prepare(nnx.merge(graphdef, params), case.batch)
+    def __init__(self, graphdef, params, state, embedded, cache, case: Case, schedule):
+        self.prepared = persistent.PersistentCore.prepare(
+            nnx.merge(graphdef, params), case.batch, schedule=schedule
+        )
         pad = [(0, 0)] * cache.k.ndim
         pad[2] = (0, persistent_positions(cache.max_len) - cache.max_len)
         self.cache = dataclasses.replace(cache, k=jnp.pad(cache.k, pad), v=jnp.pad(cache.v, pad))
@@ -175,23 +186,22 @@ class PersistentRunner:
         fn = jax.jit(core, donate_argnames="cache")
         self.compiled = fn.lower(*self.args, self.cache, self.start).compile()
 
-    def __call__(self):
-        out, self.cache = self.compiled(*self.args, self.cache, self.start)
-        return out
-
     def release(self):
         self.cache = self.compiled = self.prepared = self.args = None
 
 
-def make_runner(impl, cfg, graphdef, params, case, dtype_name, *, seed: int, compile_mode: str):
+def make_runner(
+    impl, cfg, graphdef, params, case, dtype_name, *, seed: int, compile_mode: str, schedule
+):
     """The runner of `impl` for `case`, over fresh inputs drawn from `seed`: XlaRunner for the
     XLA impls (a variant's model config from XLA_VARIANTS), TorchRunner for the torch ones
-    (`compile_mode`: torch.compile's), PersistentRunner for `persistent`."""
+    (`compile_mode`: torch.compile's), PersistentRunner for `persistent` (the kernel's
+    `schedule`)."""
     state, embedded, cache = case_inputs(cfg, case, jax_dtype(dtype_name), seed)
     if impl == "xla":
         return XlaRunner(graphdef, params, state, embedded, cache, case)
     if impl == PERSISTENT:
-        return PersistentRunner(graphdef, params, state, embedded, cache, case)
+        return PersistentRunner(graphdef, params, state, embedded, cache, case, schedule)
     if impl in XLA_VARIANTS:
         variant = dataclasses.replace(cfg, **XLA_VARIANTS[impl])
         return XlaRunner(

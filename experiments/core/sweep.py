@@ -58,10 +58,12 @@ def run_case(impl, cfg, graphdef, params, case, ceilings) -> tuple[dict, Any]:
         live = runner.cache.nbytes + sum(x.nbytes for x in jax.tree.leaves(params))
         xla_report["temp_pct_of_weights_and_cache"] = 100 * xla_report.get("temp_bytes", 0) / live
         extra["xla_report"] = xla_report
-        if FLAGS.hlo_dir:
-            path = Path(FLAGS.hlo_dir) / f"core-{impl}-{case.spec().replace(':', '-')}.hlo.txt"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
+    if impl == PERSISTENT:
+        extra["schedule"] = str(runner.prepared.schedule)
+    if FLAGS.hlo_dir and hasattr(runner, "compile_report"):  # the JAX impls
+        path = Path(FLAGS.hlo_dir) / f"core-{impl}-{case.spec().replace(':', '-')}.hlo.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(runner.compile_report()[0])
     samples = timing.time_fn(
         runner,
         warmup=FLAGS.warmup,
@@ -152,7 +154,8 @@ def run(cases: list[Case], impls: list[str], result: dict | None = None) -> dict
     conformance: dict[str, dict] = {}  # torch impl -> its Core's check against huginn_tiny_a
     grid = [(c, i) for c in cases for i in impls]
     for case, impl in program.progress(grid, "core"):
-        if impl == PERSISTENT and (reason := why_not_persistent(cfg, case, FLAGS.dtype)):
+        schedule = profiling.persistent_schedule() if impl == PERSISTENT else None
+        if schedule and (reason := why_not_persistent(cfg, case, FLAGS.dtype, schedule)):
             print(f"note: {impl} skipped for {case.spec()}: {reason}")
             continue
         try:

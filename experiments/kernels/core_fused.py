@@ -2,7 +2,7 @@
 against its own weight stream, and where its time goes.
 
     python -m experiments.kernels.core_fused [--batch=1 --contexts=64,1024,4096 --profile]
-        [--schedules=8:2,6:3]
+        [--schedules=8:2,6:3] [--jobs=2]
 
 Random weights (`fused_step.random_step_weights`), `--iterations` Core iterations per call at one
 position `context` (the cache slots hold context + 64 positions), each row the device time of
@@ -15,19 +15,27 @@ The "stream" row runs the same products alone (`weight_stream`, [64, 128] tiles,
 the fusion of the rest costs is the difference. The first row of each batch is checked against
 `step_program.core_iteration` (float32). --profile: Mosaic GPU's on-device profiler records
 each step and barrier (SM cycles per iteration, median over the workers, and their p10-p90),
-with the first schedule. A schedule RING:KV_STAGES: weight units in flight per worker and
-cached blocks in flight in the attention (the shared memory bounds the two together).
-Needs an sm_90 GPU.
+batch 1, the last context, per schedule. A schedule RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS]]:
+weight units in flight per worker and cached blocks in flight in the attention (the shared
+memory bounds the two together), the weight unit that many units further on prefetched into
+L2, and each attention item's first blocks prefetched into L2 (`fused.build_fused_core`).
+--jobs=N: each (batch, schedule) in a process of its own, N at a time, so that their
+compilations overlap; the processes take turns on the GPU (a file lock around their work
+there; the compilations run outside it), and the table is theirs together. Needs an sm_90 GPU.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 import re
 import statistics
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -40,6 +48,7 @@ from experiments import cli, program  # noqa: E402
 from experiments.cli import UserError  # noqa: E402
 from experiments.measure import ceilings as ceilings_lib  # noqa: E402
 from experiments.measure.device_time import cupti_us  # noqa: E402
+from experiments.measure.gpu_lock import held  # noqa: E402
 
 FLAGS = flags.FLAGS
 PROGRAM = "core_fused"
@@ -49,18 +58,26 @@ UNIT_COLS = 128
 
 
 def define_flags() -> None:
-    from pallas_kernels.core_step.fused_plan import KV_STAGES, RING
+    from pallas_kernels.core_step.fused_plan import Schedule
 
     flags.DEFINE_list("batch", ["1"], "Sequences per call (1..8), a list.")
     flags.DEFINE_list("contexts", ["64", "1024", "4096"], "Cached positions, a list.")
     flags.DEFINE_integer("iterations", 8, "Core iterations per call.")
     flags.DEFINE_list(
-        "schedules", [f"{RING}:{KV_STAGES}"],
-        "RING:KV_STAGES, a list: weight units in flight per worker, cached blocks in flight "
-        "(default: the kernel's default schedule).",
+        "schedules", [str(Schedule())],
+        "RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS]], a list: weight units in flight per worker, "
+        "cached blocks in flight, weight units prefetched into L2 beyond the ring, cached "
+        "blocks per attention item prefetched into L2 (default: the kernel's default).",
     )  # fmt: skip
     flags.DEFINE_integer("reps", 10, "Timed calls per row (median).")
-    flags.DEFINE_bool("profile", False, "Record the steps' cycles (batch 1, the last context).")
+    flags.DEFINE_bool(
+        "profile", False, "Record the steps' cycles (batch 1, the last context), per schedule."
+    )
+    flags.DEFINE_integer("jobs", 1, "Processes at once, one per (batch, schedule).")
+    flags.DEFINE_bool("stream", True, "Time the bare weight stream per batch.")
+    flags.DEFINE_string(
+        "gpu_lock", "", "A file to lock around the GPU work (set by --jobs for its processes)."
+    )
     flags.DEFINE_string("json_out", "out/core_fused.json", "Results JSON.")
 
 
@@ -74,43 +91,59 @@ def floor_bytes(batch: int, context: int) -> tuple[int, int]:
     return stream_bytes(shape.phases), batch * layers * 2 * context * d * 2
 
 
-def fused_rows(w, batch: int, contexts: list[int], schedule, ceiling) -> list[dict]:
-    from pallas_kernels.core_step import Pending, core_iteration, rope_row
-    from pallas_kernels.core_step.fused_step import fused_core_decode, pack_weights
-
+def decode_inputs(batch: int, slot_len: int):
+    """(state, embedded [B, D], k, v caches [slots, B, slot_len, H, K] bf16, slots [r, L])."""
     d, heads, _, layers = SHAPE
-    its, (ring, kv_stages) = FLAGS.iterations, schedule
+    its = FLAGS.iterations
     keys = jax.random.split(jax.random.key(6), 4)
     state, embedded = (jax.random.normal(k, (batch, d)) for k in keys[:2])
-    cache_shape = (its * layers, batch, max(contexts) + 64, heads, d // heads)
+    cache_shape = (its * layers, batch, slot_len, heads, d // heads)
     k, v = (jax.random.normal(key, cache_shape).astype(jnp.bfloat16) for key in keys[2:])
     slots = jnp.arange(its * layers, dtype=jnp.int32).reshape(its, layers)
-    fw = pack_weights(w, heads=heads, batch=batch, rope_base=10000.0, unit_cols=UNIT_COLS)
+    return state, embedded, k, v, slots
 
-    def call(fw, state, embedded, k, v, slots, pos):
-        return fused_core_decode(
-            fw, Pending(state), embedded, k, v, slots, pos,
-            iterations=its, workers=WORKERS, ring=ring, kv_stages=kv_stages,
-        )  # fmt: skip
 
-    fn = jax.jit(call)
+def compiled_decode(w, batch: int, slot_len: int, schedule, profile_dir: str = ""):
+    """(the kernel's call compiled for these shapes, its arguments but the position): the
+    inputs are made under the GPU lock, the compilation outside it."""
+    from pallas_kernels.core_step import Pending
+    from pallas_kernels.core_step.fused_step import fused_core_decode, pack_weights
+
+    d, heads, _, _ = SHAPE
+    with held(FLAGS.gpu_lock):
+        state, embedded, k, v, slots = decode_inputs(batch, slot_len)
+        fw = pack_weights(w, heads=heads, batch=batch, rope_base=10000.0, unit_cols=UNIT_COLS)
+        args = jax.block_until_ready((fw, Pending(state), embedded, k, v, slots))
+    decode = fused_core_decode.lower(
+        *args, jnp.int32(0), iterations=FLAGS.iterations, workers=WORKERS,
+        profile_dir=profile_dir, **schedule.kwargs(),
+    ).compile()  # fmt: skip
+    return decode, args
+
+
+def fused_rows(w, batch: int, contexts: list[int], schedule, ceiling) -> list[dict]:
+    from pallas_kernels.core_step import core_iteration, rope_row
+
+    d, heads, _, _ = SHAPE
+    decode, args = compiled_decode(w, batch, max(contexts) + 64, schedule)
+    _, state, embedded, k, v, slots = args
     rows = []
-    for context in contexts:
-        pos = jnp.int32(context)
-        row = dict(impl="fused", batch=batch, context=context, ring=ring, kv_stages=kv_stages)
-        if not rows:  # the first row: the state against the specification
-            got = fn(fw, state, embedded, k, v, slots, pos)[0].value(w.eps)
-            want, e_part = Pending(state), None
-            cos, sin = rope_row(context, d // heads, 10000.0)
-            for i in range(its):
-                kf, vf = (c[slots[i]].astype(jnp.float32) for c in (k, v))
-                want, _, _, e_part = jax.jit(core_iteration)(
-                    w, want, embedded, kf, vf, context, cos, sin, e_part=e_part
-                )
-            want = want.value(w.eps)
-            row["rel_err"] = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
-        rows.append(timed(row, fn, ceiling, *floor_bytes(batch, context), fw, state, embedded,
-                          k, v, slots, pos))  # fmt: skip
+    with held(FLAGS.gpu_lock):
+        for context in contexts:
+            pos = jnp.int32(context)
+            row = dict(impl="fused", batch=batch, context=context, **schedule.kwargs())
+            if not rows:  # the first row: the state against the specification
+                got = decode(*args, pos)[0].value(w.eps)
+                want, e_part = state, None
+                cos, sin = rope_row(context, d // heads, 10000.0)
+                for i in range(FLAGS.iterations):
+                    kf, vf = (c[slots[i]].astype(jnp.float32) for c in (k, v))
+                    want, _, _, e_part = jax.jit(core_iteration)(
+                        w, want, embedded, kf, vf, context, cos, sin, e_part=e_part
+                    )
+                want = want.value(w.eps)
+                row["rel_err"] = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+            rows.append(timed(row, decode, ceiling, *floor_bytes(batch, context), *args, pos))
     return rows
 
 
@@ -131,8 +164,9 @@ def stream_row(batch: int, ceiling) -> dict:
 
     d, _, f, layers = SHAPE
     phases = core_phases(d, f, 3 * d, layers, unit_cols=UNIT_COLS)
-    weights = tuple(jnp.full((p.k, p.n), 0.01, jnp.bfloat16) for p in phases)
-    x0 = jnp.ones((batch, phases[0].k), jnp.float32)
+    with held(FLAGS.gpu_lock):
+        weights = tuple(jnp.full((p.k, p.n), 0.01, jnp.bfloat16) for p in phases)
+        x0 = jax.block_until_ready(jnp.ones((batch, phases[0].k), jnp.float32))
 
     def fn(x, w):
         return weight_stream(
@@ -140,29 +174,19 @@ def stream_row(batch: int, ceiling) -> dict:
             unit_cols=UNIT_COLS, ring=8,
         )  # fmt: skip
 
+    compiled = jax.jit(fn).lower(x0, weights).compile()
     row = dict(impl="stream", batch=batch, context=0, ring=8)
-    return timed(row, fn, ceiling, stream_bytes(phases), 0, x0, weights)
+    with held(FLAGS.gpu_lock):
+        return timed(row, compiled, ceiling, stream_bytes(phases), 0, x0, weights)
 
 
 def profile(w, context: int, schedule) -> dict:
     """Cycles per iteration of each step kind and of the barriers, over the workers."""
-    from pallas_kernels.core_step import Pending
-    from pallas_kernels.core_step.fused_step import fused_core_decode, pack_weights
-
-    d, heads, _, layers = SHAPE
     its = FLAGS.iterations
     directory = tempfile.mkdtemp(prefix="core_fused_profile_")
-    keys = jax.random.split(jax.random.key(6), 4)
-    state, embedded = (jax.random.normal(k, (1, d)) for k in keys[:2])
-    shape = (its * layers, 1, context + 64, heads, d // heads)
-    k, v = (jax.random.normal(key, shape).astype(jnp.bfloat16) for key in keys[2:])
-    slots = jnp.arange(its * layers, dtype=jnp.int32).reshape(its, layers)
-    fw = pack_weights(w, heads=heads, batch=1, rope_base=10000.0, unit_cols=UNIT_COLS)
-    out = fused_core_decode(
-        fw, Pending(state), embedded, k, v, slots, jnp.int32(context), iterations=its,
-        workers=WORKERS, ring=schedule[0], kv_stages=schedule[1], profile_dir=directory,
-    )  # fmt: skip
-    jax.block_until_ready(out)
+    decode, args = compiled_decode(w, 1, context + 64, schedule, profile_dir=directory)
+    with held(FLAGS.gpu_lock):
+        jax.block_until_ready(decode(*args, jnp.int32(context)))
     trace = json.loads(max(Path(directory).glob("*.json"), key=os.path.getmtime).read_text())
     per_worker: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
     opened: dict[int, list] = collections.defaultdict(list)
@@ -182,22 +206,26 @@ def profile(w, context: int, schedule) -> dict:
             p90=vals[9 * len(vals) // 10],
         )
     return dict(
-        context=context, schedule=list(schedule), workers=len(per_worker),
+        context=context, schedule=str(schedule), workers=len(per_worker),
         cycles_per_iteration=out,
     )  # fmt: skip
 
 
-def parse_schedule(text: str) -> tuple[int, int]:
-    """(ring, kv_stages) of a RING:KV_STAGES string such as 8:2."""
-    ring, _, kv_stages = text.partition(":")
-    if not (ring.isdigit() and kv_stages.isdigit()):
-        raise UserError(f"--schedules: {text!r} is not RING:KV_STAGES (e.g. 8:2)")
-    return int(ring), int(kv_stages)
+def parse_schedule(text: str):
+    """The `fused_plan.Schedule` of a --schedules entry; UserError for a bad one."""
+    from pallas_kernels.core_step.fused_plan import Schedule
+
+    try:
+        return Schedule.parse(text)
+    except ValueError as e:
+        raise UserError(f"--schedules: {e}") from None
 
 
-def format_table(rows: list[dict], prof: dict | None) -> str:
+def format_table(rows: list[dict], profiles: list[dict]) -> str:
+    from pallas_kernels.core_step.fused_plan import Schedule
+
     head = (
-        f"{'batch':>5}  {'impl':<8}{'sched':>6}{'context':>8}{'ms/iter':>9}{'floor ms':>10}"
+        f"{'batch':>5}  {'impl':<8}{'sched':>10}{'context':>8}{'ms/iter':>9}{'floor ms':>10}"
         f"{'% floor':>9}  err"
     )
     lines = [head, "-" * len(head)]
@@ -206,17 +234,88 @@ def format_table(rows: list[dict], prof: dict | None) -> str:
         cells = f"{ms:9.3f}" if ms else f"{'-':>9}"
         cells += f"{floor:10.3f}{r['pct_floor']:8.1f}%" if floor and ms else f"{'-':>10}{'-':>9}"
         err = f"{r['rel_err']:.1e}" if "rel_err" in r else "-"
-        sched = f"{r['ring']}:{r['kv_stages']}" if "kv_stages" in r else f"{r['ring']}"
-        lines.append(f"{r['batch']:>5}  {r['impl']:<8}{sched:>6}{r['context']:>8}{cells}  {err}")
-    if prof:
-        ring, kv_stages = prof["schedule"]
+        fields = [f.name for f in dataclasses.fields(Schedule)]
+        sched = str(Schedule(*(r[f] for f in fields))) if "kv_stages" in r else r["ring"]
+        lines.append(f"{r['batch']:>5}  {r['impl']:<8}{sched:>10}{r['context']:>8}{cells}  {err}")
+    for prof in profiles:
         lines.append(
             f"\ncycles per iteration (median over {prof['workers']} workers, p10-p90), "
-            f"context {prof['context']}, batch 1, schedule {ring}:{kv_stages}:"
+            f"context {prof['context']}, batch 1, schedule {prof['schedule']}:"
         )
         for kind, c in prof["cycles_per_iteration"].items():
             lines.append(f"  {kind:<10}{c['median']:>12.0f}   {c['p10']:.0f}-{c['p90']:.0f}")
     return "\n".join(lines)
+
+
+def measure(batches: list[int], contexts: list[int], schedules: list, ceiling):
+    """(rows, profiles) of this process: per batch its stream row (--stream) and each
+    schedule's rows, then with --profile each schedule's profile."""
+    from pallas_kernels.core_step.fused_step import random_step_weights
+
+    with held(FLAGS.gpu_lock):
+        w = jax.block_until_ready(random_step_weights(*SHAPE))
+    rows = []
+    for batch in program.progress(batches, PROGRAM):
+        if FLAGS.stream:
+            rows.append(stream_row(batch, ceiling))
+        for schedule in schedules:
+            rows += fused_rows(w, batch, contexts, schedule, ceiling)
+    profiles = [profile(w, contexts[-1], sch) for sch in schedules] if FLAGS.profile else []
+    return rows, profiles
+
+
+def run_jobs(batches: list[int], schedules: list[str]) -> tuple[list[dict], list[dict]]:
+    """`measure` over the (batch, schedule) cases in processes of their own, --jobs at once,
+    taking turns on the GPU: the rows in the order one process would give them."""
+    with tempfile.TemporaryDirectory(prefix="core_fused_jobs_") as tmp:
+        return _run_jobs(batches, schedules, Path(tmp))
+
+
+def _run_jobs(batches: list[int], schedules: list[str], work: Path):
+    cases = [(b, sch) for b in batches for sch in schedules]
+    lock = work / "gpu.lock"
+    lock.touch()
+
+    def argv(n, batch, sch):  # the stream once per batch, each schedule's profile once
+        first_of_batch, profiled = sch == schedules[0], batch == batches[0]
+        return [
+            sys.executable, "-m", "experiments.kernels.core_fused", f"--batch={batch}",
+            f"--schedules={sch}", f"--contexts={','.join(FLAGS.contexts)}",
+            f"--iterations={FLAGS.iterations}", f"--reps={FLAGS.reps}",
+            f"--stream={FLAGS.stream and first_of_batch}",
+            f"--profile={FLAGS.profile and profiled}", f"--gpu_lock={lock}", "--jobs=1",
+            f"--json_out={work / f'case_{n}.json'}",
+        ]  # fmt: skip
+
+    pending = list(enumerate(cases))
+    running: dict[int, subprocess.Popen] = {}
+    done = 0
+    while pending or running:
+        while pending and len(running) < FLAGS.jobs:
+            n, (batch, sch) = pending.pop(0)
+            with open(work / f"case_{n}.log", "w") as log:
+                running[n] = subprocess.Popen(
+                    argv(n, batch, sch), stdout=log, stderr=subprocess.STDOUT
+                )
+        finished = [n for n, proc in running.items() if proc.poll() is not None]
+        if not finished:
+            time.sleep(1)
+        for n in finished:
+            rc = running.pop(n).returncode
+            done += 1
+            batch, sch = cases[n]
+            print(f"[{done}/{len(cases)}] batch {batch} schedule {sch}: exit {rc}", file=sys.stderr)
+            if rc:
+                for proc in running.values():
+                    proc.kill()
+                tail = (work / f"case_{n}.log").read_text().splitlines()[-15:]
+                raise UserError(f"batch {batch} schedule {sch} failed:\n" + "\n".join(tail))
+    rows, profiles = [], []
+    for n in range(len(cases)):
+        result = json.loads((work / f"case_{n}.json").read_text())
+        rows += result["rows"]
+        profiles += result["profiles"]
+    return rows, profiles
 
 
 def main(argv: list[str]) -> None:
@@ -224,36 +323,34 @@ def main(argv: list[str]) -> None:
     contexts = cli.positive_ints("contexts", FLAGS.contexts)
     if max(batches) > 8:
         raise UserError(f"--batch={max(batches)}: the kernel takes at most 8 sequences")
-    if FLAGS.iterations < 1 or FLAGS.reps < 1:
-        raise UserError("--iterations and --reps must be >= 1")
+    if FLAGS.iterations < 1 or FLAGS.reps < 1 or FLAGS.jobs < 1:
+        raise UserError("--iterations, --reps and --jobs must be >= 1")
     schedules = [parse_schedule(text) for text in FLAGS.schedules]
     from pallas_kernels.core_step.fused_plan import FusedShape, check_fused
 
     d, heads, f, layers = SHAPE
     for batch in batches:
-        for ring, kv_stages in schedules:
+        for sch in schedules:
             try:
                 shape = FusedShape(d, heads, d // heads, f, layers, batch, UNIT_COLS)
-                check_fused(shape, WORKERS, ring, x_stages=2, lag=1, kv_stages=kv_stages)
+                check_fused(
+                    shape, WORKERS, sch.ring, x_stages=2, lag=1, kv_stages=sch.kv_stages,
+                    l2_units=sch.l2_units,
+                )  # fmt: skip
             except ValueError as e:
-                raise UserError(f"schedule {ring}:{kv_stages}, --batch={batch}: {e}") from None
+                raise UserError(f"schedule {sch}, --batch={batch}: {e}") from None
     program.check_outputs(FLAGS.json_out)
     device = jax.devices()[0]
     if device.platform != "gpu":
         raise UserError(f"needs an sm_90 GPU (Mosaic GPU); the backend here is {device.platform}")
-    from pallas_kernels.core_step.fused_step import random_step_weights
-
     found = ceilings_lib.for_device(device.device_kind)
     ceiling = found.read_bytes_per_s if found else None
-    w = random_step_weights(*SHAPE)
-    rows = []
-    for batch in program.progress(batches, PROGRAM):
-        rows.append(stream_row(batch, ceiling))
-        for schedule in schedules:
-            rows += fused_rows(w, batch, contexts, schedule, ceiling)
-    prof = profile(w, contexts[-1], schedules[0]) if FLAGS.profile else None
-    program.write_results(FLAGS.json_out, {"rows": rows, "profile": prof, "complete": True})
-    print(format_table(rows, prof))
+    if FLAGS.jobs > 1 and len(batches) * len(schedules) > 1:
+        rows, profiles = run_jobs(batches, [str(sch) for sch in schedules])
+    else:
+        rows, profiles = measure(batches, contexts, schedules, ceiling)
+    program.write_results(FLAGS.json_out, {"rows": rows, "profiles": profiles, "complete": True})
+    print(format_table(rows, profiles))
 
 
 if __name__ == "__main__":

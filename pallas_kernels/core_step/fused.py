@@ -32,10 +32,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.core_step.fused_attention import attention_step
+from pallas_kernels.core_step.fused_attention import attention_step, prefetch_blocks
 from pallas_kernels.core_step.fused_inputs import KernelContext, kind_of, scaled, sources
 from pallas_kernels.core_step.fused_plan import (
     KV_STAGES,
+    L2_BLOCKS,
+    L2_UNITS,
     N_PAD,
     RING,
     SCALAR_ROWS,
@@ -62,13 +64,20 @@ def build_fused_core(
     x_stages: int = 2,
     lag: int = 1,
     kv_stages: int = KV_STAGES,
+    l2_units: int = L2_UNITS,
+    l2_blocks: int = L2_BLOCKS,
     interpret: Any = None,
     profile_dir: str = "",
 ):
     """Returns f(meta, state0, e_part, gains, tables, rope_bias, k_cache, v_cache, adapter_raw,
     *weights) -> (act, scalars, partials, kv_new); `fused_step.py` builds the inputs and reads
-    the outputs. Interpret mode: one worker (no global semaphores). `profile_dir`: Mosaic GPU's
-    on-device profiler records every step's and barrier's entry and exit (SM clock) there."""
+    the outputs. Schedule (`fused_plan.Schedule`): `ring` weight units in flight per worker into
+    shared memory, `kv_stages` cached blocks in flight in the attention; `l2_units` > 0 also
+    prefetches into L2 the unit that many further on, and `l2_blocks` > 0 each attention item's
+    first blocks (both slower on the H200 than without: docs/core_step.md).
+    Interpret mode: one worker (no global semaphores; prefetches are no-ops). `profile_dir`:
+    Mosaic GPU's on-device profiler records every step's and barrier's entry and exit (SM
+    clock) there."""
     if interpret is not None and workers != 1:
         raise ValueError("interpret mode runs one worker only (no grid barrier)")
     if interpret is None and (shape.head_dim % 16 or (shape.d - shape.kp) % 16):
@@ -76,7 +85,7 @@ def build_fused_core(
             f"head_dim={shape.head_dim} and d - {shape.kp} must be multiples of 16: a head's "
             "cache columns are copied into tiles of 16 columns"
         )
-    check_fused(shape, workers, ring, x_stages, lag, kv_stages)
+    check_fused(shape, workers, ring, x_stages, lag, kv_stages, l2_units)
     phases, cols, layers = shape.phases, shape.unit_cols, shape.layers
     n_phases, splits = len(phases), splits_for(shape.heads, workers)
     steps_per_iteration = n_phases + layers
@@ -104,35 +113,52 @@ def build_fused_core(
         cum = [sum(count[:q], jnp.int32(0)) for q in range(n_phases)]
         per_iteration = sum(count, jnp.int32(0))
 
-        def issue_weight(q, j, c, raw):
-            """TMA of unit j of the worker's range in phase q into ring slot c % ring; `raw`:
-            the adapter's own rows (the first iteration's, whose state is not normed)."""
+        def send_unit(q, j, raw, send):
+            """send(unit) of unit j of the worker's range in phase q (a [64, cols] GMEM ref);
+            `raw`: the adapter's own rows (the first iteration's, whose state is not normed)."""
             u = first[q] + j
             t = u // phases[q].k_chunks
             kc = u - t * phases[q].k_chunks
-            slot = lax.rem(c, ring)
             box = pl.ds(kc * UNIT, UNIT), pl.ds(t * cols, cols)
-            dst, bar = s["ring"].at[slot], s["wbar"].at[slot]
             if q == 0:
-                pl.when(raw)(lambda: plgpu.copy_gmem_to_smem(adapter_raw.at[box], dst, bar))
-                pl.when(jnp.logical_not(raw))(
-                    lambda: plgpu.copy_gmem_to_smem(w_refs[0].at[box], dst, bar)
-                )
+                pl.when(raw)(lambda: send(adapter_raw.at[box]))
+                pl.when(jnp.logical_not(raw))(lambda: send(w_refs[0].at[box]))
             else:
-                plgpu.copy_gmem_to_smem(w_refs[q].at[box], dst, bar)
+                send(w_refs[q].at[box])
 
-        def release(it, p, j):
-            """Unit j of phase p is done: its slot takes the unit `ring` places later, in this
-            phase or the next (of the next iteration after the last)."""
-            jj = j + ring
-            c = it * per_iteration + cum[p] + jj
+        def issue_weight(q, j, c, raw):
+            """TMA of unit j of phase q into ring slot c % ring."""
+            slot = lax.rem(c, ring)
+            dst, bar = s["ring"].at[slot], s["wbar"].at[slot]
+            send_unit(q, j, raw, lambda src: plgpu.copy_gmem_to_smem(src, dst, bar))
+
+        def prefetch_weight(q, j, raw):
+            """Unit j of phase q into L2 (its TMA into the ring comes `l2_units` units later)."""
+            send_unit(q, j, raw, plgpu.async_prefetch)
+
+        def ahead(it, p, jj, issue):
+            """issue(q, j, raw) of the unit jj places after unit 0 of phase p: in this phase
+            or the next (of the next iteration after the last); jj < the next phase's count."""
             same = jnp.logical_and(it == 0, p == 0)
-            pl.when(jj < count[p])(lambda: issue_weight(p, jj, c, same))
+            pl.when(jj < count[p])(lambda: issue(p, jj, same))
             if p + 1 < n_phases:
-                pl.when(jj >= count[p])(lambda: issue_weight(p + 1, jj - count[p], c, False))
+                pl.when(jj >= count[p])(lambda: issue(p + 1, jj - count[p], False))
             else:
                 more = jnp.logical_and(jj >= count[p], it < iterations - 1)
-                pl.when(more)(lambda: issue_weight(0, jj - count[p], c, False))
+                pl.when(more)(lambda: issue(0, jj - count[p], False))
+
+        def release(it, p, j):
+            """Unit j of phase p is done: its slot takes the unit `ring` places later, and the
+            unit `ring + l2_units` places later goes into L2. When that L2 lookahead leaves a
+            qkv, the attention's first cached blocks go into L2 too."""
+            jj = j + ring
+            c = it * per_iteration + cum[p] + jj
+            ahead(it, p, jj, lambda q, jq, raw: issue_weight(q, jq, c, raw))
+            if l2_units:
+                ahead(it, p, jj + l2_units, prefetch_weight)
+            kind, layer = kind_of(phases[p].name)
+            if l2_blocks and kind == "qkv":
+                pl.when(jj + l2_units == count[p])(lambda: prefetch_blocks(k, it, layer, l2_blocks))
 
         def zero_rows(buf, offset, n):
             """The worker's tiles of act[buf, offset : offset + n] set to 0."""
@@ -345,6 +371,8 @@ def build_fused_core(
         # rows zeroed; one barrier.
         for g in range(ring):
             issue_weight(0, g, g, True)
+        for g in range(ring, ring + l2_units):
+            prefetch_weight(0, g, True)
         s["zero"][...] = jnp.zeros((cols, N_PAD), f32)
         plgpu.commit_smem()
 

@@ -58,10 +58,9 @@ def attention_step(k, it, j) -> None:
 
 
 def _head_item(k, it, j, scale, item) -> None:
-    shape = k.shape
-    kp, hd, d = shape.kp, shape.head_dim, shape.d
-    c0 = jnp.minimum(item // k.splits * hd, d - kp)  # FusedShape.head_window
-    delta = item // k.splits * hd - c0
+    kp, hd = k.shape.kp, k.shape.head_dim
+    h, _, c0 = _window(k, item)
+    delta = h * hd - c0
     rows = plgpu.broadcasted_iota(jnp.int32, (kp, N_PAD), 0, layout=WGMMA)
     valid = jnp.logical_and(rows >= delta, rows < delta + hd)
     q, k_new, v_new = scoped(k.rope_types, lambda s: _rope(k, j, scale, c0, valid, s))
@@ -102,7 +101,7 @@ def _attend(k, it, j, item, c0, valid, q, k_new, v_new, s) -> None:
     s = {**k.s, **s}
     shape = k.shape
     kp = shape.kp
-    h, split = item // k.splits, lax.rem(item, k.splits)
+    h, split, _ = _window(k, item)
 
     @pl.when(split == 0)
     def _store_new_rows():
@@ -156,39 +155,78 @@ def _attend(k, it, j, item, c0, valid, q, k_new, v_new, s) -> None:
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the scope's bytes are reused next
 
 
+class _Pairs:
+    """The (sequence, block) pairs of split `split` of a head at layer j, iteration it: its
+    blocks [lo, hi) of the cached positions (< pos) for every sequence of the batch, `total`
+    of them; pair f is block lo + f mod own of sequence f // own, in cache slot `slot`."""
+
+    def __init__(self, k, it, j, split):
+        nb = (k.pos + BLOCK - 1) // BLOCK
+        self.lo, self.hi = nb * split // k.splits, nb * (split + 1) // k.splits
+        self.own = jnp.maximum(self.hi - self.lo, 1)
+        self.total = k.shape.batch * (self.hi - self.lo)
+        self.slot = k.meta[1 + it * k.shape.layers + j]
+
+    def pair(self, f):
+        """(sequence, block) of pair f."""
+        b = f // self.own
+        return b, self.lo + f - b * self.own
+
+    def source(self, cache, f, c0, kp):
+        """Pair f's window of `cache`: kp columns from c0 of its 64 cached positions."""
+        b, blk = self.pair(f)
+        return cache.at[self.slot, b, pl.ds(blk * BLOCK, BLOCK), pl.ds(c0, kp)]
+
+
+def _window(k, item):
+    """(head, split, c0) of an item: c0 the first column of the head's window (head_window)."""
+    h = item // k.splits
+    return h, lax.rem(item, k.splits), jnp.minimum(h * k.shape.head_dim, k.shape.d - k.shape.kp)
+
+
+def prefetch_blocks(k, it, j, count: int) -> None:
+    """Layer j's attention at iteration `it`: the first `count` (sequence, block) pairs (k and
+    v) of each of the worker's items into L2, ahead of their copies."""
+
+    def prefetch(item):
+        _, split, c0 = _window(k, item)
+        pairs = _Pairs(k, it, j, split)
+        for f in range(count):
+            for cache in (k.k_cache, k.v_cache):
+                src = pairs.source(cache, f, c0, k.shape.kp)
+                plgpu.async_prefetch(src, predicate=f < pairs.total)
+
+    for rr in range(-(-k.items // k.workers)):
+        item = k.worker + rr * k.workers
+        pl.when(item < k.items)(lambda item=item: prefetch(item))
+
+
 def _own_blocks(k, it, j, q, c0, split, s):
-    """This split's blocks [lo, hi) of the head's cached positions (< pos) for every sequence
-    of the batch, one pass over (sequence, block) pairs with `kv_stages` copies in flight, an
-    online softmax per sequence: (max, sum, weighted values), each [kp, 8] (column b the
-    sequence b's; the [8] ones broadcast over the rows). The scores are those of every q column
-    against sequence b's keys, of which column b is kept (q rounded to bf16 for the wgmma)."""
+    """This split's (sequence, block) pairs (`_Pairs`), one pass over them with `kv_stages`
+    copies in flight, an online softmax per sequence: (max, sum, weighted values), each [kp, 8]
+    (column b the sequence b's; the [8] ones broadcast over the rows). The scores are those of
+    every q column against sequence b's keys, of which column b is kept (q rounded to bf16 for
+    the wgmma)."""
     kp, stages, f32 = k.shape.kp, k.kv_stages, jnp.float32
-    nb = (k.pos + BLOCK - 1) // BLOCK
-    lo, hi = nb * split // k.splits, nb * (split + 1) // k.splits
-    own = jnp.maximum(hi - lo, 1)
-    total = k.shape.batch * (hi - lo)
-    slot = k.meta[1 + it * k.shape.layers + j]
+    pairs = _Pairs(k, it, j, split)
+    lo, hi, total = pairs.lo, pairs.hi, pairs.total
     colidx = plgpu.broadcasted_iota(jnp.int32, (kp, N_PAD), 1, layout=WGMMA)
     rows64 = plgpu.broadcasted_iota(jnp.int32, (BLOCK, N_PAD), 0, layout=WGMMA)
     s["btq"].T[...] = q.astype(jnp.bfloat16)
     plgpu.commit_smem()
 
     def copy_block(f):
-        """Pair f's k and v: the window's kp columns of 64 cached positions."""
-        b = f // own
-        blk = lo + f - b * own
+        """Pair f's k and v into stage f mod kv_stages."""
         st = lax.rem(f, stages)
-        src = pl.ds(blk * BLOCK, BLOCK), pl.ds(c0, kp)
         for cache, buf in ((k.k_cache, s["kblk"]), (k.v_cache, s["vblk"])):
-            plgpu.copy_gmem_to_smem(cache.at[slot, b, *src], buf.at[st], s["kvbar"].at[st])
+            plgpu.copy_gmem_to_smem(pairs.source(cache, f, c0, kp), buf.at[st], s["kvbar"].at[st])
 
     for f in range(stages - 1):
         pl.when(f < total)(lambda f=f: copy_block(f))
 
     def step(f, carry):
         m, ll, acc, m_all, l_all, acc_all = carry
-        b = f // own
-        blk = lo + f - b * own
+        b, blk = pairs.pair(f)
         st = lax.rem(f, stages)
         plgpu.barrier_wait(s["kvbar"].at[st])
         ahead = f + stages - 1  # its stage was read by the step before, whose wgmmas are done

@@ -31,6 +31,40 @@ REDUCTION_SCRATCH = 2048  # bytes Mosaic GPU adds for reductions across warps
 # the default schedule: weight units in flight per worker, cached blocks (k and v) in flight or in
 # use per worker; the shared memory bounds the two together (docs/core_step.md: how they compare)
 RING, KV_STAGES = 6, 3
+# and what goes into L2 ahead of its TMA: the weight unit this many units after the ring's newest,
+# and each attention item's first cached blocks (k and v), this many of them
+L2_UNITS, L2_BLOCKS = 0, 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """How the kernel keeps its reads in flight (`fused.build_fused_core`): `ring` weight units
+    per worker into shared memory, the unit `l2_units` further on into L2, `kv_stages` cached
+    blocks in the attention, each attention item's first `l2_blocks` blocks into L2 ahead of
+    it. Written RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS]] (`parse`, `str`)."""
+
+    ring: int = RING
+    kv_stages: int = KV_STAGES
+    l2_units: int = L2_UNITS
+    l2_blocks: int = L2_BLOCKS
+
+    @classmethod
+    def parse(cls, text: str) -> Schedule:
+        """6:3 or 6:3:16:8 (the L2 fields 0 where left out); ValueError otherwise."""
+        parts = text.split(":")
+        if not 2 <= len(parts) <= 4 or not all(p.isdigit() for p in parts):
+            raise ValueError(f"{text!r} is not RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS]] (6:3:16:8)")
+        return cls(*(int(p) for p in parts))
+
+    def __str__(self) -> str:
+        values = list(dataclasses.astuple(self))
+        while len(values) > 2 and not values[-1]:
+            values.pop()
+        return ":".join(map(str, values))
+
+    def kwargs(self) -> dict[str, int]:
+        """The kernel's keyword arguments (`build_fused_core`, `fused_core_decode`)."""
+        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,20 +216,29 @@ def smem_bytes(
 
 
 def check_fused(
-    shape: FusedShape, workers: int, ring: int, x_stages: int, lag: int, kv_stages: int = KV_STAGES
+    shape: FusedShape,
+    workers: int,
+    ring: int,
+    x_stages: int,
+    lag: int,
+    kv_stages: int = KV_STAGES,
+    l2_units: int = L2_UNITS,
 ) -> None:
     """ValueError unless the schedule can run (as `stream.check_schedule`): a ring longer than
-    the wgmma lag and shorter than every worker's units of each product, at least 2 stages of
-    cached blocks, buffers that fit."""
+    the wgmma lag, the ring and the L2 lookahead shorter than every worker's units of each
+    product (the lookahead reaches into the next product only), at least 2 stages of cached
+    blocks, buffers that fit."""
     if not 1 <= ring <= MAX_RING or not 0 <= lag < ring or not 1 <= x_stages <= ring:
         raise ValueError(f"need 0 <= lag={lag} < ring={ring} <= {MAX_RING}, x_stages <= ring")
     if not 2 <= kv_stages <= MAX_RING:
         raise ValueError(f"kv_stages={kv_stages} must be in [2, {MAX_RING}]")
+    if l2_units < 0:
+        raise ValueError(f"l2_units={l2_units} must be >= 0")
     fewest = min(p.units(shape.unit_cols) // workers for p in shape.phases)
-    if fewest <= ring:
+    if fewest <= ring + l2_units:
         raise ValueError(
             f"a worker owns {fewest} units of some product with {workers} workers: the ring "
-            f"({ring}) must be shorter"
+            f"({ring}) and the L2 lookahead ({l2_units}) must be shorter"
         )
     need = smem_bytes(shape, ring, x_stages, lag, kv_stages)
     if need > SMEM_LIMIT:

@@ -20,7 +20,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.core_step.fused import build_fused_core
-from pallas_kernels.core_step.fused_plan import KV_STAGES, N_PAD, RING, Buffers, FusedShape
+from pallas_kernels.core_step.fused_plan import (
+    KV_STAGES,
+    L2_BLOCKS,
+    L2_UNITS,
+    N_PAD,
+    RING,
+    Buffers,
+    FusedShape,
+)
 from pallas_kernels.core_step.step_program import LayerWeights, Pending, StepWeights, rope_row
 
 
@@ -95,14 +103,6 @@ def pack_weights(
     )
 
 
-def _bf16_dot(x, w):
-    """x @ w of bf16 operands, f32 sums (upcast on a CPU: its dot has no bf16 x bf16 = f32)."""
-    x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
-    if jax.default_backend() == "cpu":
-        x, w = x.astype(jnp.float32), w.astype(jnp.float32)
-    return jnp.dot(x, w, preferred_element_type=jnp.float32)
-
-
 def _kn(phase):
     return phase.k, phase.n
 
@@ -126,7 +126,16 @@ def _rope_columns(x, tables):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("iterations", "workers", "ring", "kv_stages", "interpret", "profile_dir"),
+    static_argnames=(
+        "iterations",
+        "workers",
+        "ring",
+        "kv_stages",
+        "l2_units",
+        "l2_blocks",
+        "interpret",
+        "profile_dir",
+    ),
 )
 def fused_core_decode(
     fw: FusedWeights,
@@ -141,6 +150,8 @@ def fused_core_decode(
     workers: int,
     ring: int = RING,
     kv_stages: int = KV_STAGES,
+    l2_units: int = L2_UNITS,
+    l2_blocks: int = L2_BLOCKS,
     interpret: Any = None,
     profile_dir: str = "",
 ) -> tuple[Pending, jax.Array, jax.Array]:
@@ -162,7 +173,9 @@ def fused_core_decode(
     def columns(x, rows):  # [B, n] -> [rows, 8] f32
         return jnp.pad(x.astype(f32).T, ((0, rows - x.shape[1]), (0, N_PAD - b)))
 
-    e_part = _bf16_dot(embedded, fw.embedded_half)
+    # bf16 out, as the model's adapter: XLA's GEMV for bf16 in and f32 out converts the whole
+    # weight to f32 first (twice its bytes written, then read)
+    e_part = jnp.dot(embedded.astype(jnp.bfloat16), fw.embedded_half.astype(jnp.bfloat16))
     tables = rope_tables(pos, shape.head_dim, d, fw.rope_base)
     rope_bias = _rope_columns(fw.qk_bias, tables)  # linear: rope(q s + b) = s rope(q) + rope(b)
 
@@ -172,7 +185,7 @@ def fused_core_decode(
     meta = jnp.concatenate([jnp.asarray(pos, jnp.int32)[None], slots.reshape(-1).astype(jnp.int32)])
     kernel = build_fused_core(
         shape, iterations, workers=workers, eps=fw.eps, ring=ring, kv_stages=kv_stages,
-        interpret=interpret, profile_dir=profile_dir,
+        l2_units=l2_units, l2_blocks=l2_blocks, interpret=interpret, profile_dir=profile_dir,
     )  # fmt: skip
     flat = (k_cache.shape[0], b, s_len, d)
     act, _, _, kv_new = kernel(
