@@ -54,7 +54,7 @@ class Schedule:
         parts = text.split(":")
         if not 2 <= len(parts) <= 4 or not all(p.isdigit() for p in parts):
             raise ValueError(f"{text!r} is not RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS]] (6:3:16:8)")
-        return cls(*(int(p) for p in parts))
+        return cls(*(int(p) for p in parts + ["0"] * (4 - len(parts))))
 
     def __str__(self) -> str:
         values = list(dataclasses.astuple(self))
