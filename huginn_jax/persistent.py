@@ -195,8 +195,8 @@ def run_core_persistent(
         start,
         iterations=num_steps,
         workers=prepared.workers,
+        schedule=prepared.schedule,
         interpret=prepared.interpret,
-        **prepared.schedule.kwargs(),
     )
     writers = last_writers(slots_IxL)
     if writers.size < slots_IxL.size:  # shared slots: only each one's last row is written
@@ -261,8 +261,8 @@ def _trace_kernel(config, batch, cache, num_steps, target: Target, schedule, uni
         fused_core_decode,
         iterations=num_steps,
         workers=target.workers,
+        schedule=schedule,
         interpret=target.interpret,
-        **schedule.kwargs(),
     )
     row = jax.ShapeDtypeStruct((batch, config.n_embd), dtype)
     slots = jax.ShapeDtypeStruct((num_steps, config.n_core), jnp.int32)

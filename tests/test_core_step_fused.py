@@ -78,14 +78,14 @@ def reference(w, batch, iterations, pos):
     return pending.value(w.eps), jnp.stack(k_rows), jnp.stack(v_rows)
 
 
-def kernel_run(w, batch, iterations, pos, *, workers, interpret, unit_cols=64, ring=3, **schedule):
+def kernel_run(w, batch, iterations, pos, *, workers, interpret, schedule, unit_cols=64):
     state, embedded, k, v, slots = inputs(batch, iterations)
     fw = pack_weights(
         w, heads=CFG.n_heads, batch=batch, rope_base=CFG.rope_base, unit_cols=unit_cols
     )
     pending, k_new, v_new = fused_core_decode(
         fw, Pending(state), embedded, k, v, slots, jnp.int32(pos),
-        iterations=iterations, workers=workers, ring=ring, interpret=interpret, **schedule,
+        iterations=iterations, workers=workers, schedule=schedule, interpret=interpret,
     )  # fmt: skip
     return pending.value(w.eps), k_new, v_new
 
@@ -95,8 +95,8 @@ def kernel_run(w, batch, iterations, pos, *, workers, interpret, unit_cols=64, r
 @pytest.mark.parametrize(
     "batch,iterations,pos,schedule",
     [
-        (1, 2, 0, dict(kv_stages=2)),
-        (2, 1, SLOT - 1, dict(ring=2, kv_stages=3, l2_units=1, l2_blocks=2)),
+        (1, 2, 0, Schedule(ring=3, kv_stages=2)),
+        (2, 1, SLOT - 1, Schedule(ring=2, kv_stages=3, l2_units=1, l2_blocks=2)),
     ],
 )
 def test_interpret_one_worker_matches_the_step_program(batch, iterations, pos, schedule):
@@ -104,8 +104,9 @@ def test_interpret_one_worker_matches_the_step_program(batch, iterations, pos, s
     w = StepWeights(w.adapter, w.layers[:LAYERS], head_dim=w.head_dim, eps=w.eps)
     want = reference(w, batch, iterations, pos)
     got = kernel_run(
-        w, batch, iterations, pos, workers=1, interpret=plgpu.InterpretGPUParams(), **schedule
-    )
+        w, batch, iterations, pos, workers=1, interpret=plgpu.InterpretGPUParams(),
+        schedule=schedule,
+    )  # fmt: skip
     for g, r in zip(got, want, strict=True):
         assert g.shape == r.shape
         assert rel_fro(np.asarray(g, np.float32), np.asarray(r, np.float32)) <= RTOL
@@ -152,7 +153,7 @@ def test_matches_the_step_program_gpu(dims, workers, batch, iterations, pos, slo
     fw = pack_weights(w, heads=heads, batch=batch, rope_base=10000.0, unit_cols=cols)
     got = fused_core_decode(
         fw, Pending(state), embedded, k, v, slots, jnp.int32(pos),
-        iterations=iterations, workers=workers, **sched.kwargs(),
+        iterations=iterations, workers=workers, schedule=sched,
     )  # fmt: skip
     cos, sin = rope_row(pos, d // heads, 10000.0)
     pending, e_part, k_rows, v_rows = Pending(state), None, [], []
@@ -174,9 +175,7 @@ def test_gpu_configurations_fit():
     """The GPU tests' schedules pass the checks (ring, shared memory) on CPU."""
     for (d, heads, f, layers), workers, batch, _, _, _, (cols, sched) in GPU_CASES:
         shape = FusedShape(d, heads, d // heads, f, layers, batch, cols)
-        check_fused(
-            shape, workers, sched.ring, 2, 1, kv_stages=sched.kv_stages, l2_units=sched.l2_units
-        )
+        check_fused(shape, workers, sched)
 
 
 @pytest.mark.parametrize("batch", [8])  # the batch is a loop bound: 1 lowers the same code
@@ -213,12 +212,14 @@ def test_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="batch"):
         FusedShape(256, 4, 64, 688, 1, 9)
     with pytest.raises(ValueError, match="multiples of 16"):
-        build_fused_core(FusedShape(96, 4, 24, 160, 1, 1), 1, workers=1, eps=1e-6, ring=1)
+        build_fused_core(
+            FusedShape(96, 4, 24, 160, 1, 1), 1, workers=1, eps=1e-6, schedule=Schedule(ring=1)
+        )
     with pytest.raises(ValueError, match="smem"):
-        check_fused(FusedShape(5280, 55, 96, 17920, 1, 1), 132, ring=9, x_stages=2, lag=1)
+        check_fused(FusedShape(5280, 55, 96, 17920, 1, 1), 132, Schedule(ring=9))
     with pytest.raises(ValueError, match="L2 lookahead"):  # 26 units of the adapter per worker
         huginn = FusedShape(5280, 55, 96, 17920, 1, 1)
-        check_fused(huginn, 132, ring=6, x_stages=2, lag=1, l2_units=20)
+        check_fused(huginn, 132, Schedule(ring=6, l2_units=20))
     with pytest.raises(ValueError, match="one worker"):
         build_fused_core(
             FusedShape(96, 4, 24, 160, 1, 1), 1, workers=2, eps=1e-6,

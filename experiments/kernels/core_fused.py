@@ -116,7 +116,7 @@ def compiled_decode(w, batch: int, slot_len: int, schedule, profile_dir: str = "
         args = jax.block_until_ready((fw, Pending(state), embedded, k, v, slots))
     decode = fused_core_decode.lower(
         *args, jnp.int32(0), iterations=FLAGS.iterations, workers=WORKERS,
-        profile_dir=profile_dir, **schedule.kwargs(),
+        schedule=schedule, profile_dir=profile_dir,
     ).compile()  # fmt: skip
     return decode, args
 
@@ -131,7 +131,7 @@ def fused_rows(w, batch: int, contexts: list[int], schedule, ceiling) -> list[di
     with held(FLAGS.gpu_lock):
         for context in contexts:
             pos = jnp.int32(context)
-            row = dict(impl="fused", batch=batch, context=context, **schedule.kwargs())
+            row = dict(impl="fused", batch=batch, context=context, **dataclasses.asdict(schedule))
             if not rows:  # the first row: the state against the specification
                 got = decode(*args, pos)[0].value(w.eps)
                 want, e_part = state, None
@@ -333,10 +333,7 @@ def main(argv: list[str]) -> None:
         for sch in schedules:
             try:
                 shape = FusedShape(d, heads, d // heads, f, layers, batch, UNIT_COLS)
-                check_fused(
-                    shape, WORKERS, sch.ring, x_stages=2, lag=1, kv_stages=sch.kv_stages,
-                    l2_units=sch.l2_units,
-                )  # fmt: skip
+                check_fused(shape, WORKERS, sch)
             except ValueError as e:
                 raise UserError(f"schedule {sch}, --batch={batch}: {e}") from None
     program.check_outputs(FLAGS.json_out)

@@ -35,15 +35,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.core_step.fused_attention import attention_step, prefetch_blocks
 from pallas_kernels.core_step.fused_inputs import KernelContext, kind_of, scaled, sources
 from pallas_kernels.core_step.fused_plan import (
-    KV_STAGES,
-    L2_BLOCKS,
-    L2_UNITS,
+    DEFAULT_SCHEDULE,
     N_PAD,
-    RING,
     SCALAR_ROWS,
     SHIFT,
     Buffers,
     FusedShape,
+    Schedule,
     check_fused,
     scoped,
     scratch_types,
@@ -60,21 +58,18 @@ def build_fused_core(
     *,
     workers: int,
     eps: float,
-    ring: int = RING,
+    schedule: Schedule = DEFAULT_SCHEDULE,
     x_stages: int = 2,
     lag: int = 1,
-    kv_stages: int = KV_STAGES,
-    l2_units: int = L2_UNITS,
-    l2_blocks: int = L2_BLOCKS,
     interpret: Any = None,
     profile_dir: str = "",
 ):
     """Returns f(meta, state0, e_part, gains, tables, rope_bias, k_cache, v_cache, adapter_raw,
     *weights) -> (act, scalars, partials, kv_new); `fused_step.py` builds the inputs and reads
-    the outputs. Schedule (`fused_plan.Schedule`): `ring` weight units in flight per worker into
-    shared memory, `kv_stages` cached blocks in flight in the attention; `l2_units` > 0 also
-    prefetches into L2 the unit that many further on, and `l2_blocks` > 0 each attention item's
-    first blocks (both slower on the H200 than without: docs/core_step.md).
+    the outputs. `schedule` (`fused_plan.Schedule`): `ring` weight units in flight per worker
+    into shared memory, `kv_stages` cached blocks in flight in the attention; `l2_units` > 0
+    also prefetches into L2 the unit that many further on, and `l2_blocks` > 0 each attention
+    item's first blocks (both slower on the H200 than without: docs/core_step.md).
     Interpret mode: one worker (no global semaphores; prefetches are no-ops). `profile_dir`:
     Mosaic GPU's on-device profiler records every step's and barrier's entry and exit (SM
     clock) there."""
@@ -85,7 +80,9 @@ def build_fused_core(
             f"head_dim={shape.head_dim} and d - {shape.kp} must be multiples of 16: a head's "
             "cache columns are copied into tiles of 16 columns"
         )
-    check_fused(shape, workers, ring, x_stages, lag, kv_stages, l2_units)
+    check_fused(shape, workers, schedule, x_stages, lag)
+    ring, kv_stages = schedule.ring, schedule.kv_stages
+    l2_units, l2_blocks = schedule.l2_units, schedule.l2_blocks
     phases, cols, layers = shape.phases, shape.unit_cols, shape.layers
     n_phases, splits = len(phases), splits_for(shape.heads, workers)
     steps_per_iteration = n_phases + layers

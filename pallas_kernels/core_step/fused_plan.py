@@ -28,12 +28,6 @@ SHIFT = 8  # rows of padding around the qkv output (RoPE reads row r - 1 and r +
 SCALAR_ROWS = 64
 BUFFER_KINDS = ("qkv", "att", "o", "fc", "m")
 REDUCTION_SCRATCH = 2048  # bytes Mosaic GPU adds for reductions across warps
-# the default schedule: weight units in flight per worker, cached blocks (k and v) in flight or in
-# use per worker; the shared memory bounds the two together (docs/core_step.md: how they compare)
-RING, KV_STAGES = 6, 3
-# and what goes into L2 ahead of its TMA: the weight unit this many units after the ring's newest,
-# and each attention item's first cached blocks (k and v), this many of them
-L2_UNITS, L2_BLOCKS = 0, 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,12 +35,14 @@ class Schedule:
     """How the kernel keeps its reads in flight (`fused.build_fused_core`): `ring` weight units
     per worker into shared memory, the unit `l2_units` further on into L2, `kv_stages` cached
     blocks in the attention, each attention item's first `l2_blocks` blocks into L2 ahead of
-    it. Written RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS]] (`parse`, `str`)."""
+    it. Written RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS]] (`parse`, `str`). The defaults are the
+    kernel's: the shared memory bounds ring and kv_stages together (6:3 and 8:2 fit;
+    docs/core_step.md: how they compare), and the L2 prefetches were slower than none."""
 
-    ring: int = RING
-    kv_stages: int = KV_STAGES
-    l2_units: int = L2_UNITS
-    l2_blocks: int = L2_BLOCKS
+    ring: int = 6
+    kv_stages: int = 3
+    l2_units: int = 0
+    l2_blocks: int = 0
 
     @classmethod
     def parse(cls, text: str) -> Schedule:
@@ -62,9 +58,8 @@ class Schedule:
             values.pop()
         return ":".join(map(str, values))
 
-    def kwargs(self) -> dict[str, int]:
-        """The kernel's keyword arguments (`build_fused_core`, `fused_core_decode`)."""
-        return dataclasses.asdict(self)
+
+DEFAULT_SCHEDULE = Schedule()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,9 +184,7 @@ def splits_for(heads: int, workers: int) -> int:
     return max(1, workers // heads)
 
 
-def smem_bytes(
-    shape: FusedShape, ring: int, x_stages: int, lag: int, kv_stages: int = KV_STAGES
-) -> int:
+def smem_bytes(shape: FusedShape, ring: int, x_stages: int, lag: int, kv_stages: int) -> int:
     """Shared memory of one block, from `scratch_types`: the kernel-wide buffers, then the
     largest of the step scopes (they reuse the same bytes one after the other), each buffer
     aligned to 1 KiB as Pallas allocates them, 8 bytes per mbarrier."""
@@ -216,18 +209,13 @@ def smem_bytes(
 
 
 def check_fused(
-    shape: FusedShape,
-    workers: int,
-    ring: int,
-    x_stages: int,
-    lag: int,
-    kv_stages: int = KV_STAGES,
-    l2_units: int = L2_UNITS,
+    shape: FusedShape, workers: int, schedule: Schedule, x_stages: int = 2, lag: int = 1
 ) -> None:
     """ValueError unless the schedule can run (as `stream.check_schedule`): a ring longer than
     the wgmma lag, the ring and the L2 lookahead shorter than every worker's units of each
     product (the lookahead reaches into the next product only), at least 2 stages of cached
     blocks, buffers that fit."""
+    ring, kv_stages, l2_units = schedule.ring, schedule.kv_stages, schedule.l2_units
     if not 1 <= ring <= MAX_RING or not 0 <= lag < ring or not 1 <= x_stages <= ring:
         raise ValueError(f"need 0 <= lag={lag} < ring={ring} <= {MAX_RING}, x_stages <= ring")
     if not 2 <= kv_stages <= MAX_RING:

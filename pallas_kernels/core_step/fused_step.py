@@ -21,13 +21,11 @@ import numpy as np
 
 from pallas_kernels.core_step.fused import build_fused_core
 from pallas_kernels.core_step.fused_plan import (
-    KV_STAGES,
-    L2_BLOCKS,
-    L2_UNITS,
+    DEFAULT_SCHEDULE,
     N_PAD,
-    RING,
     Buffers,
     FusedShape,
+    Schedule,
 )
 from pallas_kernels.core_step.step_program import LayerWeights, Pending, StepWeights, rope_row
 
@@ -126,16 +124,7 @@ def _rope_columns(x, tables):
 
 @functools.partial(
     jax.jit,
-    static_argnames=(
-        "iterations",
-        "workers",
-        "ring",
-        "kv_stages",
-        "l2_units",
-        "l2_blocks",
-        "interpret",
-        "profile_dir",
-    ),
+    static_argnames=("iterations", "workers", "schedule", "interpret", "profile_dir"),
 )
 def fused_core_decode(
     fw: FusedWeights,
@@ -148,10 +137,7 @@ def fused_core_decode(
     *,
     iterations: int,
     workers: int,
-    ring: int = RING,
-    kv_stages: int = KV_STAGES,
-    l2_units: int = L2_UNITS,
-    l2_blocks: int = L2_BLOCKS,
+    schedule: Schedule = DEFAULT_SCHEDULE,
     interpret: Any = None,
     profile_dir: str = "",
 ) -> tuple[Pending, jax.Array, jax.Array]:
@@ -184,8 +170,8 @@ def fused_core_decode(
 
     meta = jnp.concatenate([jnp.asarray(pos, jnp.int32)[None], slots.reshape(-1).astype(jnp.int32)])
     kernel = build_fused_core(
-        shape, iterations, workers=workers, eps=fw.eps, ring=ring, kv_stages=kv_stages,
-        l2_units=l2_units, l2_blocks=l2_blocks, interpret=interpret, profile_dir=profile_dir,
+        shape, iterations, workers=workers, eps=fw.eps, schedule=schedule, interpret=interpret,
+        profile_dir=profile_dir,
     )  # fmt: skip
     flat = (k_cache.shape[0], b, s_len, d)
     act, _, _, kv_new = kernel(
