@@ -27,6 +27,9 @@
 #   core_persistent_profile  the same call traced kernel by kernel (--trace_dir, with its HLO)
 #             and its HBM bytes per iteration by Nsight Compute (--hbm), beside torch_compile's
 #             ($PROFILE_IMPLS)
+#   core_persistent_hbm  the persistent call beside torch_compile, batch 1, one process, and
+#             its HBM bytes per iteration by Nsight Compute (the persistent call only)
+#   core_persistent_b8  the same comparison at batch 8, without Nsight Compute
 #   core_fused  that kernel per context, batch and schedule ($FUSED_SCHEDULES, RING:KV_STAGES,
 #             in $FUSED_JOBS processes at once) against its floor and its bare weight stream,
 #             and where its time goes (Mosaic GPU's on-device profiler)
@@ -42,7 +45,7 @@
 # only when the machine's flax lacks nnx.List).
 set -u
 [ $# -ge 1 ] || { echo "usage: $0 STAGE [STAGE...] (see the list above)" >&2; exit 2; }
-STAGES="ceilings tests compile_modes core chain chain_trace adapter decode_attention prefill_attention generate core_stream core_persistent core_persistent_profile core_fused core_fused_l2 prefill_gemm multi_gpu"
+STAGES="ceilings tests compile_modes core chain chain_trace adapter decode_attention prefill_attention generate core_stream core_persistent core_persistent_profile core_persistent_hbm core_persistent_b8 core_fused core_fused_l2 prefill_gemm multi_gpu"
 for stage in "$@"; do
   [[ " $STAGES " == *" $stage "* ]] || { echo "unknown stage $stage; known: $STAGES" >&2; exit 2; }
 done
@@ -211,6 +214,24 @@ stage_core_persistent_profile() {
     > "$d/core_persistent_profile.txt" 2>&1
   echo "== core_persistent_profile rc $?"
   grep -v "it/s\]" "$d/core_persistent_profile.txt" | grep -v "^AUTOTUNE\|triton_mm\|strides:\|dtypes:" | tail -40
+}
+
+stage_core_persistent_hbm() {
+  local d=$1
+  timeout "${HBM_TIMEOUT:-590}" python3 -m experiments.core --mode=decode \
+    --impls=persistent,torch_compile --iterations=8 --context=1024 --batch=1 --hbm \
+    --hbm_impls=persistent --ncu_timeout="${NCU_TIMEOUT:-380}" $CEILINGS \
+    --json_out="$d/core_persistent_hbm.json" > "$d/core_persistent_hbm.txt" 2>&1
+  echo "== core_persistent_hbm rc $?"
+  grep -v "it/s\]" "$d/core_persistent_hbm.txt" | grep -v "^AUTOTUNE\|triton_mm\|strides:\|dtypes:" | tail -25
+}
+
+stage_core_persistent_b8() {
+  local d=$1
+  timeout 300 python3 -m experiments.core --mode=decode --impls=persistent,torch_compile \
+    --iterations=8 --context=1024 --batch=8 $CEILINGS --json_out="$d/core_persistent_b8.json" \
+    > "$d/core_persistent_b8.txt" 2>&1
+  echo "== core_persistent_b8 rc $?"; grep -E "^(mode|decode|conformance)" "$d/core_persistent_b8.txt"
 }
 
 fused_run() {
