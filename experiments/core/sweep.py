@@ -153,9 +153,9 @@ def run(cases: list[Case], impls: list[str], result: dict | None = None) -> dict
     outputs: dict[tuple, np.ndarray] = {}
     conformance: dict[str, dict] = {}  # torch impl -> its Core's check against huginn_tiny_a
     grid = [(c, i) for c in cases for i in impls]
+    schedule = profiling.persistent_schedule()
     for case, impl in program.progress(grid, "core"):
-        schedule = profiling.persistent_schedule() if impl == PERSISTENT else None
-        if schedule and (reason := why_not_persistent(cfg, case, FLAGS.dtype, schedule)):
+        if impl == PERSISTENT and (reason := why_not_persistent(cfg, case, FLAGS.dtype, schedule)):
             print(f"note: {impl} skipped for {case.spec()}: {reason}")
             continue
         try:

@@ -229,12 +229,12 @@ def format_table(rows: list[dict], profiles: list[dict]) -> str:
         f"{'% floor':>9}  err"
     )
     lines = [head, "-" * len(head)]
+    fields = [f.name for f in dataclasses.fields(Schedule)]
     for r in rows:
         ms, floor = r.get("ms_per_iteration"), r.get("floor_ms")
         cells = f"{ms:9.3f}" if ms else f"{'-':>9}"
         cells += f"{floor:10.3f}{r['pct_floor']:8.1f}%" if floor and ms else f"{'-':>10}{'-':>9}"
         err = f"{r['rel_err']:.1e}" if "rel_err" in r else "-"
-        fields = [f.name for f in dataclasses.fields(Schedule)]
         sched = str(Schedule(*(r[f] for f in fields))) if "kv_stages" in r else r["ring"]
         lines.append(f"{r['batch']:>5}  {r['impl']:<8}{sched:>10}{r['context']:>8}{cells}  {err}")
     for prof in profiles:
@@ -273,8 +273,7 @@ def run_jobs(batches: list[int], schedules: list[str]) -> tuple[list[dict], list
 
 def _run_jobs(batches: list[int], schedules: list[str], work: Path):
     cases = [(b, sch) for b in batches for sch in schedules]
-    lock = work / "gpu.lock"
-    lock.touch()
+    lock = work / "gpu.lock"  # created by the first process that takes it
 
     def argv(n, batch, sch):  # the stream once per batch, each schedule's profile once
         first_of_batch, profiled = sch == schedules[0], batch == batches[0]
