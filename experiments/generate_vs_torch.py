@@ -5,24 +5,27 @@ in the same run, each framework at its strongest.
         --max_new_tokens=32 --num_steps=32 --json_out=out/generate_vs_torch.json
 
 JAX: `huginn_jax.generate.make_plan` + `run_plan`, what `python -m huginn_jax.generate` runs, with
-a fixed `num_steps`, a zero initial state (init_scale 0), greedy tokens and the `full` cache; the
-latency of a token is one compiled step until its token is ready. `--core_decode=persistent`:
-its decode steps' Core in the persistent kernel (the row `jax_persistent`; `xla` with a line
-saying why where it cannot run). PyTorch (`--torch_impls`,
+a fixed `num_steps`, a zero initial state (init_scale 0), greedy tokens and the `full` cache; each
+token's compiled step is dispatched before the token before it is read, and the latency of a
+token is the time from the token before it being ready to it being ready.
+`--core_decode=persistent`: its decode steps' Core in the persistent kernel (the row
+`jax_persistent`; `xla` with a line saying why where it cannot run). PyTorch (`--torch_impls`,
 `experiments.torch_ref.huginn.run_loop`), the same weights (DLPack on CUDA):
 - torch_compile: gpt-fast style, the position a tensor; prelude, one Core iteration and coda
   compiled once each (`--torch_compile_mode`), the whole token in one CUDA graph replayed at
   every position (Inductor's own graphs with reduce-overhead);
 - torch_graph: FastCore's eager Core, a CUDA graph of the whole token captured per position;
 - torch_reference: the same loop with the reference-faithful Core.
-A torch token is one replay, timed until `torch.cuda.synchronize` returns. Every prefill runs
-once (JAX) or `--graph_warmup` times (torch) untimed before it is timed; compilation, captures
-and warm-ups are reported apart (compile s). Every loop feeds back its own greedy tokens; the
-table gives per loop the median ms/token (p10-p90), tokens/s, prefill, compile time, whether
-its tokens equal JAX's (else where they part; the JSON has the logit difference and JAX's
-top-1/top-2 gap there, as random weights make near-ties likely in bf16) and "vs best" (the
-other framework's fastest median ÷ this row's). With `--torch_conformance` each torch loop
-first reproduces the conformance checkpoint's greedy tokens in float32
+A torch_compile token is one replay, made before the token before it is read and timed as JAX's
+(a CUDA event marks it ready); torch_graph and torch_reference capture each position's graph
+before its replay, so theirs is one replay timed until `torch.cuda.synchronize` returns. Every
+prefill runs once (JAX) or `--graph_warmup` times (torch) untimed before it is timed;
+compilation, captures and warm-ups are reported apart (compile s). Every loop feeds back its own
+greedy tokens; the table gives per loop the median ms/token (p10-p90), tokens/s, prefill,
+compile time, whether its tokens equal JAX's (else where they part; the JSON has the logit
+difference and JAX's top-1/top-2 gap there, as random weights make near-ties likely in bf16)
+and "vs best" (the other framework's fastest median ÷ this row's). With `--torch_conformance`
+each torch loop first reproduces the conformance checkpoint's greedy tokens in float32
 (`torch_ref.conformance.check_generation_impl`); a failure exits 1 after the JSON is written.
 Without torch the JAX half runs alone (one note line); without CUDA torch runs on the CPU
 without CUDA graphs.

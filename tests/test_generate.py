@@ -249,6 +249,35 @@ def test_bad_input_fails_in_generate_too(micro):
         generate(micro, [[]], 4)
 
 
+def test_each_step_is_dispatched_before_the_token_before_it_is_read(micro, monkeypatch):
+    """The token loop dispatches decode step n + 1 before it waits for token n, so the host's
+    dispatch runs while the device decodes; it waits once per decode token."""
+    from huginn_jax.generate import loop
+
+    events = []
+    compile_step, wait = loop.compiled_step, loop._wait
+
+    def counted_step(*args):
+        step, seconds = compile_step(*args)
+
+        def call(*step_args):
+            events.append("dispatch")
+            return step(*step_args)
+
+        return call, seconds
+
+    def counted_wait(*args):
+        events.append("wait")
+        return wait(*args)
+
+    monkeypatch.setattr(loop, "compiled_step", counted_step)
+    monkeypatch.setattr(loop, "_wait", counted_wait)
+    out = generate(micro, micro_prompt(2, 4), 4, 3)
+    # the prefill, then decode tokens 1 and 2 before token 1 is waited for, ...
+    assert events == ["dispatch"] * 3 + ["wait", "dispatch", "wait", "wait"]
+    assert len(out.stats["decode_latency_s"]) == 3 and min(out.stats["decode_latency_s"]) > 0
+
+
 def test_stats_and_cost_model(micro):
     out = generate(micro, micro_prompt(2, 4), 6, 3, temperature=1.0, top_k=20, top_p=0.9, seed=7)
     stats = out.stats

@@ -306,6 +306,16 @@ def decode_step(model: CompiledHuginn, warmup: int) -> tuple[Callable[[], Any], 
     return replay, True
 
 
+def _wait(event: Any, ready: float, latencies: list[float]) -> float:
+    """Waits for `event` (None: nothing to wait for, on the CPU); appends the time since
+    `ready` to `latencies` and returns the time now."""
+    if event is not None:
+        event.synchronize()
+    now = time.perf_counter()
+    latencies.append(now - ready)
+    return now
+
+
 def _cudagraph_skips() -> int:
     from torch._dynamo.utils import counters
 
@@ -320,12 +330,14 @@ def generate_compiled(
     *,
     warmup: int = 2,
 ) -> TorchGeneration:
-    """Greedy generation of `max_new_tokens` tokens after prompt ids [B, T], timed per token,
-    as `huginn.generate_greedy` times its loop: the compiled prefill runs `warmup` times
-    untimed (compilation; Inductor's graphs) and once timed; the decode step is compiled and
-    captured once (`decode_step`, untimed, in `setup_s`), then each token is one call (one graph
-    replay on CUDA) timed until `torch.cuda.synchronize` returns; tokens and logits go to the
-    host untimed. The cache holds T + max_new_tokens positions (rounded up to CACHE_ALIGN)."""
+    """Greedy generation of `max_new_tokens` tokens after prompt ids [B, T], timed per token:
+    the compiled prefill runs `warmup` times untimed (compilation; Inductor's graphs) and once
+    timed; the decode step is compiled and captured once (`decode_step`, untimed, in
+    `setup_s`), then each token is one call (one graph replay on CUDA), made before the token
+    before it is read, as huginn_jax's loop dispatches its steps; a token's latency is the time
+    from the token before it being ready (a CUDA event) to it being ready. Tokens and logits
+    are copied on the device and go to the host after the loop. The cache holds T +
+    max_new_tokens positions (rounded up to CACHE_ALIGN)."""
     import torch
 
     cuda = model.device.type == "cuda"
@@ -368,16 +380,24 @@ def generate_compiled(
                     "torch_compile: Inductor skipped its CUDA graphs (the log's 'skipping "
                     "cudagraphs' line says why); the timing would be of launches, not graphs"
                 )
-            for _ in range(1, max_new_tokens):
-                t0 = time.perf_counter()
+            # Each token's call is made before the token before it is read (as huginn_jax's
+            # loop dispatches its steps); the latency of a token is the time from the token
+            # before it being ready to it being ready. Copies on the device keep each token.
+            ready, before = time.perf_counter(), None
+            for n in range(1, max_new_tokens):
                 token, logits = step()
-                sync()
-                latencies.append(time.perf_counter() - t0)
-                tokens.append(token.cpu())
-                all_logits.append(logits.cpu())
+                tokens.append(token.clone())
+                all_logits.append(logits.clone())
+                event = torch.cuda.Event() if cuda else None  # None: the CPU's call is done
+                if cuda:
+                    event.record()
+                if n > 1:
+                    ready = _wait(before, ready, latencies)
+                before = event
+            _wait(before, ready, latencies)
     return TorchGeneration(
-        tokens=torch.stack(tokens, dim=1).numpy(),
-        logits=torch.stack(all_logits, dim=1).numpy(),
+        tokens=torch.stack([t.cpu() for t in tokens], dim=1).numpy(),
+        logits=torch.stack([x.cpu() for x in all_logits], dim=1).numpy(),
         prefill_s=prefill_s,
         latencies_s=latencies,
         capture_s=[],

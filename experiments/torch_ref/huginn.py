@@ -213,7 +213,7 @@ class TorchGeneration:
     tokens: np.ndarray  # [B, N] int64
     logits: np.ndarray  # [B, N, V] float32: what each token was drawn from
     prefill_s: float  # the timed prefill, after `warmup` untimed ones
-    latencies_s: list[float]  # N - 1 decode tokens: graph replay (or eager step) + synchronize
+    latencies_s: list[float]  # N - 1 decode tokens: each token's time (see the loop that made it)
     capture_s: list[float]  # per decode token: warm-up + capture (not in latencies_s); [] else
     graph: bool  # decode tokens replayed from CUDA graphs
     setup_s: float = 0.0  # untimed: prefill warm-ups, compilation, warm-ups and captures

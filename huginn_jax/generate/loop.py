@@ -1,5 +1,6 @@
 """The token loop: compiled prefill and decode steps for a checked request (`plan.make_plan`), and
-the Python loop that dispatches one step per token and times it."""
+the Python loop that dispatches one step per token, each before the token of the step before is
+read, and times the tokens."""
 
 from __future__ import annotations
 
@@ -69,8 +70,9 @@ def generate(
       one line on stderr says why.
 
     Every argument is checked before any work (`make_plan`); bad ones raise ValueError. `stats`
-    holds compile seconds (apart), the prefill time, per-token decode latencies and their median,
-    tokens/s, steps per token, achieved GB/s over the bytes a decode step must move
+    holds compile seconds (apart), the prefill time, per-token decode latencies (the time between
+    consecutive tokens being ready, each step dispatched before the token before it is read) and
+    their median, tokens/s, steps per token, achieved GB/s over the bytes a decode step must move
     (`decode_step_bytes`), cache and weight bytes, and the peak device memory where reported.
     """
     plan = make_plan(model.config, input_ids, max_new_tokens, num_steps, **settings)
@@ -132,15 +134,21 @@ def run_plan(
     latencies = []
     bar = _progress_bar(plan.max_new_tokens, progress)
     bar.update(1)
+    # Each step is dispatched before the token of the step before is read, so the host's
+    # dispatch runs while the device decodes; a token's latency is the time from the token
+    # before it being ready to it being ready (inter-token latency).
+    ready = time.perf_counter()
+    pending = None
     for window in windows:
-        t0 = time.perf_counter()
         prev_state = out.state if plan.continuous else None
         cache, decode = out.cache.with_read_len(window), decode_steps[window]
         out = decode(params, out.token, prev_state, cache, out.next_start, key, exit_at, persistent)
-        out.token.block_until_ready()  # per-token latency; the next step needs it anyway
-        latencies.append(time.perf_counter() - t0)
         records.append(_record(out, return_logits))
-        bar.update(1)
+        if pending is not None:
+            ready = _wait(pending, ready, latencies, bar)
+        pending = out
+    if pending is not None:
+        _wait(pending, ready, latencies, bar)
     bar.close()
 
     tokens, steps, values, logits = (
@@ -189,6 +197,16 @@ def persistent_core(model: Huginn, plan: Plan, cache) -> tuple[Any, str | None]:
     if prepared.interpret is not None:
         print("core_decode=persistent: no GPU, the kernel runs interpreted (slow)", file=sys.stderr)
     return prepared, None
+
+
+def _wait(out: StepOutput, ready: float, latencies: list[float], bar) -> float:
+    """Waits for `out`'s token; appends the time since `ready` (the token before it was ready)
+    to `latencies` and returns the time now."""
+    out.token.block_until_ready()
+    now = time.perf_counter()
+    latencies.append(now - ready)
+    bar.update(1)
+    return now
 
 
 def _temp_bytes(executable) -> int | None:
