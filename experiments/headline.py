@@ -43,6 +43,7 @@ PROGRAMS = {
     "adapter": Program(("m", "variant"), "us", "us"),
     "decode_attention": Program(("batch", "context"), "us", "us"),
     "prefill_attention": Program(("batch", "tokens"), "us", "us"),
+    "generate_vs_torch": Program((), "ms_per_token", "ms"),  # one case per run: its flags
 }
 
 

@@ -35,6 +35,24 @@ def test_median_range_and_vs_best_from_the_processes():
     assert torch["vs_best"] == pytest.approx(1.1 / 1.0)
 
 
+def test_generation_runs_combine_per_loop():
+    """generate_vs_torch's records have no case keys (a run is one case): one figure per loop."""
+
+    def run(jax_ms, torch_ms):
+        records = [
+            {"impl": "jax_persistent", "ms_per_token": jax_ms},
+            {"impl": "torch_compile", "ms_per_token": torch_ms},
+        ]
+        argv = ["/x/experiments/generate_vs_torch.py"]
+        return {"environment": {"argv": argv}, "records": records}
+
+    runs = [run(30.0, 36.0), run(32.0, 35.0), run(31.0, 37.0)]
+    assert headline.program_of(runs[0], "f") == "generate_vs_torch"
+    records = {r["impl"]: r for r in headline.combine(runs, headline.PROGRAMS["generate_vs_torch"])}
+    assert records["jax_persistent"]["ms_per_token"] == 31.0
+    assert records["jax_persistent"]["vs_best"] == pytest.approx(36.0 / 31.0)
+
+
 def test_program_name_from_argv_of_a_module_and_a_package():
     assert headline.program_of({"environment": {"argv": ["/a/experiments/core.py"]}}, "f") == "core"
     package = {"environment": {"argv": ["/a/experiments/chain/__main__.py"]}}

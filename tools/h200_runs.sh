@@ -19,7 +19,8 @@
 #             XLA form, against PyTorch's graph
 #   adapter, decode_attention, prefill_attention  one process each
 #   generate  JAX generation against PyTorch's compiled decode loop, 32 steps per token
-#             (CORE_DECODE=persistent: the decode steps' Core in the persistent kernel)
+#             (CORE_DECODE=persistent: the decode steps' Core in the persistent kernel), in
+#             $GEN_PROCESSES processes (default 1; from 3 on, ..._headline.{json,txt})
 #   core_stream  the Core's weight stream as one persistent kernel (pallas_kernels/core_step)
 #             against XLA's chain of the same products, batch 1 and 8
 #   core_persistent  the whole Core iteration as one kernel (experiments.core --impls=persistent)
@@ -176,12 +177,24 @@ stage_prefill_attention() {
 }
 
 stage_generate() {
-  # CORE_DECODE=persistent: JAX's decode steps through the persistent Core kernel
-  local d=$1 name=generate_vs_torch
+  # CORE_DECODE=persistent: JAX's decode steps through the persistent Core kernel;
+  # GEN_PROCESSES separate processes (default 1; from 3 on, a headline over them), the PyTorch
+  # loops GEN_TORCH_IMPLS (default all), the conformance check in the first process only
+  local d=$1 name=generate_vs_torch i check=--torch_conformance
   [ "${CORE_DECODE:-xla}" = xla ] || name="generate_vs_torch_$CORE_DECODE"
-  timeout 500 python3 -m experiments.generate_vs_torch --prompt_len=1024 --max_new_tokens=32 \
-    --num_steps=32 --core_decode="${CORE_DECODE:-xla}" --json_out="$d/$name.json" \
-    > "$d/$name.txt" 2>&1
+  for i in $(seq 1 "${GEN_PROCESSES:-1}"); do
+    timeout "${GEN_TIMEOUT:-500}" python3 -m experiments.generate_vs_torch --prompt_len=1024 \
+      --max_new_tokens=32 --num_steps=32 --core_decode="${CORE_DECODE:-xla}" $check \
+      --torch_impls="${GEN_TORCH_IMPLS:-torch_compile,torch_graph,torch_reference}" \
+      --json_out="$d/${name}_$i.json" > "$d/${name}_$i.txt" 2>&1
+    stamp "generate process $i rc $?"
+    check=--notorch_conformance
+  done
+  cp "$d/${name}_1.json" "$d/$name.json"; grep -v "it/s\]" "$d/${name}_1.txt" > "$d/$name.txt"
+  if [ "${GEN_PROCESSES:-1}" -ge 3 ]; then
+    python3 -m experiments.headline "$d/${name}"_[0-9]*.json --json_out="$d/${name}_headline.json" \
+      --txt_out="$d/${name}_headline.txt"
+  fi
   tail -20 "$d/$name.txt"
 }
 
