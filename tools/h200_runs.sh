@@ -31,6 +31,8 @@
 #   core_persistent_hbm  the persistent call beside torch_compile, batch 1, one process, and
 #             its HBM bytes per iteration by Nsight Compute (the persistent call only)
 #   core_persistent_b8  the same comparison at batch 8, without Nsight Compute
+#   core_persistent_headline  the persistent call beside torch_compile in $PROCESSES processes
+#             at batch $HEADLINE_BATCH (default 1) -> core_persistent_bB_headline.{json,txt}
 #   core_fused  that kernel per context, batch and schedule ($FUSED_SCHEDULES, RING:KV_STAGES,
 #             in $FUSED_JOBS processes at once) against its floor and its bare weight stream,
 #             and where its time goes (Mosaic GPU's on-device profiler)
@@ -41,12 +43,13 @@
 #             the Core's activation sizes -> allreduce.json, then the Core (xla, xla_cudnn) on 1,
 #             2 and 4 GPUs (as many as present) -> core_tpN.json, and each time against 1 GPU
 #
-# Each stage writes under $OUT/STAGE (default out/h200/STAGE) and packs it into $OUT/STAGE.tgz;
-# $OUT/STAGE.txt keeps what the stage printed last. Carry `.wheels` (a flax wheel: installed
+# Each stage writes under $OUT/STAGE (default out/h200/STAGE) and packs it into $OUT/STAGE.tgz
+# when it ends (a stage killed from outside packs nothing: keep each stage's timeouts inside the
+# call's); $OUT/STAGE.txt keeps what the stage printed last. Carry `.wheels` (a flax wheel: installed
 # only when the machine's flax lacks nnx.List).
 set -u
 [ $# -ge 1 ] || { echo "usage: $0 STAGE [STAGE...] (see the list above)" >&2; exit 2; }
-STAGES="ceilings tests compile_modes core chain chain_trace adapter decode_attention prefill_attention generate core_stream core_persistent core_persistent_profile core_persistent_hbm core_persistent_b8 core_fused core_fused_l2 prefill_gemm multi_gpu"
+STAGES="ceilings tests compile_modes core chain chain_trace adapter decode_attention prefill_attention generate core_stream core_persistent core_persistent_profile core_persistent_hbm core_persistent_b8 core_persistent_headline core_fused core_fused_l2 prefill_gemm multi_gpu"
 for stage in "$@"; do
   [[ " $STAGES " == *" $stage "* ]] || { echo "unknown stage $stage; known: $STAGES" >&2; exit 2; }
 done
@@ -54,6 +57,9 @@ OUT=${OUT:-out/h200}
 PROCESSES=${PROCESSES:-3}
 mkdir -p "$OUT"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. PYTHONUNBUFFERED=1
+# JAX's compilation cache on the machine: a later process of a stage compiles from it (the
+# persistent kernel's decode step takes about 50 s to compile), so its "compile s" are lower
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax_compilation_cache}
 python3 -c "from flax import nnx; nnx.List" 2>/dev/null || pip install -q --no-deps .wheels/flax-*.whl
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,power.draw --format=csv,noheader
 T0=$(date +%s)
@@ -237,6 +243,20 @@ stage_core_persistent_hbm() {
     --json_out="$d/core_persistent_hbm.json" > "$d/core_persistent_hbm.txt" 2>&1
   echo "== core_persistent_hbm rc $?"
   grep -v "it/s\]" "$d/core_persistent_hbm.txt" | grep -v "^AUTOTUNE\|triton_mm\|strides:\|dtypes:" | tail -25
+}
+
+stage_core_persistent_headline() {
+  # $PROCESSES processes (default 3) of the persistent call beside torch_compile at batch
+  # $HEADLINE_BATCH (default 1), then the headline over them; each process HEADLINE_TIMEOUT s
+  local d=$1 i b=${HEADLINE_BATCH:-1}
+  for i in $(seq 1 "$PROCESSES"); do
+    timeout "${HEADLINE_TIMEOUT:-240}" python3 -m experiments.core --mode=decode \
+      --impls=persistent,torch_compile --iterations=8 --context=1024 --batch="$b" $CEILINGS \
+      --json_out="$d/core_persistent_b${b}_$i.json" > "$d/core_persistent_b${b}_$i.txt" 2>&1
+    stamp "process $i rc $?"; grep -E "^decode" "$d/core_persistent_b${b}_$i.txt"
+  done
+  python3 -m experiments.headline "$d"/core_persistent_b"${b}"_[0-9]*.json \
+    --json_out="$d/core_persistent_b${b}_headline.json" --txt_out="$d/core_persistent_b${b}_headline.txt"
 }
 
 stage_core_persistent_b8() {
