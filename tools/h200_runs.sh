@@ -45,8 +45,8 @@
 #
 # Each stage writes under $OUT/STAGE (default out/h200/STAGE) and packs it into $OUT/STAGE.tgz
 # when it ends (a stage killed from outside packs nothing: keep each stage's timeouts inside the
-# call's); $OUT/STAGE.txt keeps what the stage printed last. Carry `.wheels` (a flax wheel: installed
-# only when the machine's flax lacks nnx.List).
+# call's); $OUT/STAGE.txt keeps what the stage printed last. Carry `.wheels` (a flax wheel:
+# installed only when the machine's flax lacks nnx.List).
 set -u
 [ $# -ge 1 ] || { echo "usage: $0 STAGE [STAGE...] (see the list above)" >&2; exit 2; }
 STAGES="ceilings tests compile_modes core chain chain_trace adapter decode_attention prefill_attention generate core_stream core_persistent core_persistent_profile core_persistent_hbm core_persistent_b8 core_persistent_headline core_fused core_fused_l2 prefill_gemm multi_gpu"
@@ -256,7 +256,8 @@ stage_core_persistent_headline() {
     stamp "process $i rc $?"; grep -E "^decode" "$d/core_persistent_b${b}_$i.txt"
   done
   python3 -m experiments.headline "$d"/core_persistent_b"${b}"_[0-9]*.json \
-    --json_out="$d/core_persistent_b${b}_headline.json" --txt_out="$d/core_persistent_b${b}_headline.txt"
+    --json_out="$d/core_persistent_b${b}_headline.json" \
+    --txt_out="$d/core_persistent_b${b}_headline.txt"
 }
 
 stage_core_persistent_b8() {
