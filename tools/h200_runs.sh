@@ -57,9 +57,6 @@ OUT=${OUT:-out/h200}
 PROCESSES=${PROCESSES:-3}
 mkdir -p "$OUT"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. PYTHONUNBUFFERED=1
-# JAX's compilation cache on the machine: a later process of a stage compiles from it (the
-# persistent kernel's decode step takes about 50 s to compile), so its "compile s" are lower
-export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax_compilation_cache}
 python3 -c "from flax import nnx; nnx.List" 2>/dev/null || pip install -q --no-deps .wheels/flax-*.whl
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,power.draw --format=csv,noheader
 T0=$(date +%s)
