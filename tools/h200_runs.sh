@@ -55,6 +55,7 @@ for stage in "$@"; do
 done
 OUT=${OUT:-out/h200}
 PROCESSES=${PROCESSES:-3}
+FIRST=${FIRST:-1}  # the first process's number, in the stages that run several
 mkdir -p "$OUT"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. PYTHONUNBUFFERED=1
 python3 -c "from flax import nnx; nnx.List" 2>/dev/null || pip install -q --no-deps .wheels/flax-*.whl
@@ -181,11 +182,14 @@ stage_prefill_attention() {
 
 stage_generate() {
   # CORE_DECODE=persistent: JAX's decode steps through the persistent Core kernel;
-  # GEN_PROCESSES separate processes (default 1; from 3 on, a headline over them), the PyTorch
-  # loops GEN_TORCH_IMPLS (default all), the conformance check in the first process only
+  # processes $FIRST (default 1) to GEN_PROCESSES (default 1; with 3 or more from 1, a headline
+  # over them), the PyTorch loops GEN_TORCH_IMPLS (default all), the conformance check in
+  # process 1 only. A process takes 150-300 s: FIRST splits 3 processes over two calls
+  # (experiments.headline then combines their JSONs anywhere)
   local d=$1 name=generate_vs_torch i check=--torch_conformance
   [ "${CORE_DECODE:-xla}" = xla ] || name="generate_vs_torch_$CORE_DECODE"
-  for i in $(seq 1 "${GEN_PROCESSES:-1}"); do
+  [ "$FIRST" = 1 ] || check=--notorch_conformance
+  for i in $(seq "$FIRST" "${GEN_PROCESSES:-1}"); do
     timeout "${GEN_TIMEOUT:-500}" python3 -m experiments.generate_vs_torch --prompt_len=1024 \
       --max_new_tokens=32 --num_steps=32 --core_decode="${CORE_DECODE:-xla}" $check \
       --torch_impls="${GEN_TORCH_IMPLS:-torch_compile,torch_graph,torch_reference}" \
@@ -193,8 +197,9 @@ stage_generate() {
     stamp "generate process $i rc $?"
     check=--notorch_conformance
   done
-  cp "$d/${name}_1.json" "$d/$name.json"; grep -v "it/s\]" "$d/${name}_1.txt" > "$d/$name.txt"
-  if [ "${GEN_PROCESSES:-1}" -ge 3 ]; then
+  cp "$d/${name}_$FIRST.json" "$d/$name.json"
+  grep -v "it/s\]" "$d/${name}_$FIRST.txt" > "$d/$name.txt"
+  if [ "$FIRST" = 1 ] && [ "${GEN_PROCESSES:-1}" -ge 3 ]; then
     python3 -m experiments.headline "$d/${name}"_[0-9]*.json --json_out="$d/${name}_headline.json" \
       --txt_out="$d/${name}_headline.txt"
   fi
@@ -243,15 +248,17 @@ stage_core_persistent_hbm() {
 }
 
 stage_core_persistent_headline() {
-  # $PROCESSES processes (default 3) of the persistent call beside torch_compile at batch
-  # $HEADLINE_BATCH (default 1), then the headline over them; each process HEADLINE_TIMEOUT s
+  # processes $FIRST (default 1) to $PROCESSES (default 3) of the persistent call beside
+  # torch_compile at batch $HEADLINE_BATCH (default 1), each within HEADLINE_TIMEOUT s, then
+  # the headline over them when they started from 1
   local d=$1 i b=${HEADLINE_BATCH:-1}
-  for i in $(seq 1 "$PROCESSES"); do
+  for i in $(seq "$FIRST" "$PROCESSES"); do
     timeout "${HEADLINE_TIMEOUT:-240}" python3 -m experiments.core --mode=decode \
       --impls=persistent,torch_compile --iterations=8 --context=1024 --batch="$b" $CEILINGS \
       --json_out="$d/core_persistent_b${b}_$i.json" > "$d/core_persistent_b${b}_$i.txt" 2>&1
     stamp "process $i rc $?"; grep -E "^decode" "$d/core_persistent_b${b}_$i.txt"
   done
+  [ "$FIRST" = 1 ] || return 0
   python3 -m experiments.headline "$d"/core_persistent_b"${b}"_[0-9]*.json \
     --json_out="$d/core_persistent_b${b}_headline.json" \
     --txt_out="$d/core_persistent_b${b}_headline.txt"
