@@ -138,7 +138,7 @@ def test_cli_on_cpu_writes_json(tmp_path):
     proc = run_cli(
         "--config=micro",
         "--context=16",
-        "--iterations=1,2",
+        "--iterations=2",  # one r per mode: every impl compiles per case
         "--impls=xla,xla_split,xla_pallas,xla_row_gemv,xla_rows8,xla_mgpu",
         "--repeats=2",
         "--warmup=1",
@@ -158,7 +158,7 @@ def test_cli_on_cpu_writes_json(tmp_path):
     # The other decode paths compute what xla computes (bf16, so not bit for bit).
     for impl in ("xla_split", "xla_pallas", "xla_row_gemv", "xla_rows8"):
         checks = [c for c in data["checks"] if c["impl"] == impl]
-        assert len(checks) == 4 and all(c["passed"] and c["reference"] == "xla" for c in checks)
+        assert len(checks) == 2 and all(c["passed"] and c["reference"] == "xla" for c in checks)
         assert all(c["rel_err"] <= c["tolerance"] for c in checks)
 
 
