@@ -12,7 +12,9 @@
 #             max-autotune-no-cudagraphs), decode and prefill: which mode is fastest
 #   core      the Core side by side (XLA impls and every PyTorch impl), decode and prefill,
 #             r = 8, in $PROCESSES separate processes (default 3) -> core_N.json, then
-#             core_headline.{json,txt}: median and range over the processes
+#             core_headline.{json,txt}: median and range over the processes (CORE_MODES,
+#             CORE_BATCH and CORE_IMPLS_OVERRIDE narrow it: the persistent call's headline is
+#             CORE_MODES=decode CORE_IMPLS_OVERRIDE=persistent,torch_compile)
 #   chain     the chain at 8 ... 288 MiB, every implementation, in $PROCESSES processes, the
 #             first with the plot -> chain.{json,txt,png}, chain_headline.{json,txt}
 #   chain_trace  where XLA's time per chain goes at 8 MiB: kernels and gaps per chain of each
@@ -31,8 +33,6 @@
 #   core_persistent_hbm  the persistent call beside torch_compile, batch 1, one process, and
 #             its HBM bytes per iteration by Nsight Compute (the persistent call only)
 #   core_persistent_b8  the same comparison at batch 8, without Nsight Compute
-#   core_persistent_headline  the persistent call beside torch_compile in $PROCESSES processes
-#             at batch $HEADLINE_BATCH (default 1) -> core_persistent_bB_headline.{json,txt}
 #   core_fused  that kernel per context, batch and schedule ($FUSED_SCHEDULES, RING:KV_STAGES,
 #             in $FUSED_JOBS processes at once) against its floor and its bare weight stream,
 #             and where its time goes (Mosaic GPU's on-device profiler)
@@ -49,13 +49,13 @@
 # installed only when the machine's flax lacks nnx.List).
 set -u
 [ $# -ge 1 ] || { echo "usage: $0 STAGE [STAGE...] (see the list above)" >&2; exit 2; }
-STAGES="ceilings tests compile_modes core chain chain_trace adapter decode_attention prefill_attention generate core_stream core_persistent core_persistent_profile core_persistent_hbm core_persistent_b8 core_persistent_headline core_fused core_fused_l2 prefill_gemm multi_gpu"
+STAGES="ceilings tests compile_modes core chain chain_trace adapter decode_attention prefill_attention generate core_stream core_persistent core_persistent_profile core_persistent_hbm core_persistent_b8 core_fused core_fused_l2 prefill_gemm multi_gpu"
 for stage in "$@"; do
   [[ " $STAGES " == *" $stage "* ]] || { echo "unknown stage $stage; known: $STAGES" >&2; exit 2; }
 done
 OUT=${OUT:-out/h200}
 PROCESSES=${PROCESSES:-3}
-FIRST=${FIRST:-1}  # the first process's number, in the stages that run several
+FIRST=${FIRST:-1}  # the first process's number in core and generate (three can span two calls)
 mkdir -p "$OUT"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. PYTHONUNBUFFERED=1
 python3 -c "from flax import nnx; nnx.List" 2>/dev/null || pip install -q --no-deps .wheels/flax-*.whl
@@ -115,14 +115,18 @@ stage_compile_modes() {
 CORE_IMPLS=xla,xla_cudnn,xla_pallas,xla_rows8,torch_compile,torch_graph,torch_eager,torch_reference,torch_teaching
 
 stage_core() {
+  # processes $FIRST to $PROCESSES of CORE_MODES (default decode,prefill) at batch CORE_BATCH
+  # (default 1), the headline over them when they started from 1
   local d=$1 i
-  for i in $(seq 1 "$PROCESSES"); do
-    timeout "${CORE_TIMEOUT:-400}" python3 -m experiments.core --mode=decode,prefill --iterations=8 \
-      --impls="${CORE_IMPLS_OVERRIDE:-$CORE_IMPLS}" $CEILINGS --json_out="$d/core_$i.json" \
-      > "$d/core_$i.txt" 2>&1
-    stamp "core process $i rc $?"
+  for i in $(seq "$FIRST" "$PROCESSES"); do
+    timeout "${CORE_TIMEOUT:-400}" python3 -m experiments.core --iterations=8 \
+      --mode="${CORE_MODES:-decode,prefill}" --batch="${CORE_BATCH:-1}" \
+      --impls="${CORE_IMPLS_OVERRIDE:-$CORE_IMPLS}" \
+      $CEILINGS --json_out="$d/core_$i.json" > "$d/core_$i.txt" 2>&1
+    stamp "core process $i rc $?"; grep -E "^(decode|prefill) " "$d/core_$i.txt"
   done
-  cp "$d/core_1.json" "$d/core.json"; grep -v "it/s\]" "$d/core_1.txt" > "$d/core.txt"
+  cp "$d/core_$FIRST.json" "$d/core.json"; grep -v "it/s\]" "$d/core_$FIRST.txt" > "$d/core.txt"
+  [ "$FIRST" = 1 ] || return 0
   python3 -m experiments.headline "$d"/core_[0-9]*.json --json_out="$d/core_headline.json" \
     --txt_out="$d/core_headline.txt"
 }
@@ -245,23 +249,6 @@ stage_core_persistent_hbm() {
     --json_out="$d/core_persistent_hbm.json" > "$d/core_persistent_hbm.txt" 2>&1
   echo "== core_persistent_hbm rc $?"
   grep -v "it/s\]" "$d/core_persistent_hbm.txt" | grep -v "^AUTOTUNE\|triton_mm\|strides:\|dtypes:" | tail -25
-}
-
-stage_core_persistent_headline() {
-  # processes $FIRST (default 1) to $PROCESSES (default 3) of the persistent call beside
-  # torch_compile at batch $HEADLINE_BATCH (default 1), each within HEADLINE_TIMEOUT s, then
-  # the headline over them when they started from 1
-  local d=$1 i b=${HEADLINE_BATCH:-1}
-  for i in $(seq "$FIRST" "$PROCESSES"); do
-    timeout "${HEADLINE_TIMEOUT:-240}" python3 -m experiments.core --mode=decode \
-      --impls=persistent,torch_compile --iterations=8 --context=1024 --batch="$b" $CEILINGS \
-      --json_out="$d/core_persistent_b${b}_$i.json" > "$d/core_persistent_b${b}_$i.txt" 2>&1
-    stamp "process $i rc $?"; grep -E "^decode" "$d/core_persistent_b${b}_$i.txt"
-  done
-  [ "$FIRST" = 1 ] || return 0
-  python3 -m experiments.headline "$d"/core_persistent_b"${b}"_[0-9]*.json \
-    --json_out="$d/core_persistent_b${b}_headline.json" \
-    --txt_out="$d/core_persistent_b${b}_headline.txt"
 }
 
 stage_core_persistent_b8() {
