@@ -10,10 +10,12 @@ the new k and v rows written into the cache, the state returned in its own dtype
 `why_not_persistent` says why a case has to take the XLA path instead (None when the kernel can
 run it), asking the kernel's own checks rather than repeating them.
 
-The kernel runs on an sm_90 GPU with one worker per SM, and on a CPU in Pallas' GPU interpret
-mode with one worker (exact enough to test against `run_core`, far too slow to use). It is
-imported inside the functions that call it, so that importing this module (for `step_weights`)
-does not load it.
+The kernel runs on an sm_90 GPU with one worker per SM unless given a worker count, at most as
+many as its schedule allows at the Core's shapes (`workers_for`: each worker must own more weight
+units of every product than the schedule keeps in flight, so a small Core runs on fewer workers
+than the SMs), and on a CPU in Pallas' GPU interpret mode with one worker (exact enough to test
+against `run_core`, far too slow to use). It is imported inside the functions that call it, so
+that importing this module (for `step_weights`) does not load it.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from flax import nnx
 from huginn_jax.config import HuginnConfig
 from huginn_jax.kv_cache import KVCache
 from huginn_jax.model import Core, Huginn
-from pallas_kernels.core_step.fused_plan import Schedule
+from pallas_kernels.core_step.fused_plan import FusedShape, Schedule, most_workers
 from pallas_kernels.core_step.step_program import LayerWeights, Pending, StepWeights
 
 DEFAULT_UNIT_COLS = 128  # output columns of a [64, unit_cols] weight unit
@@ -70,7 +72,8 @@ class Target:
 
 def target_for(workers: int | None = None, device=None) -> tuple[Target | None, str | None]:
     """(Target, None) for `device` (default: JAX's first), or (None, why it cannot run there).
-    workers None: the GPU's SM count; one worker in interpret mode on a CPU."""
+    workers None: the GPU's SM count (`core_target` caps it for a Core's shapes); one worker in
+    interpret mode on a CPU."""
     device = jax.devices()[0] if device is None else device
     if device.platform == "cpu":
         from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -88,6 +91,54 @@ def target_for(workers: int | None = None, device=None) -> tuple[Target | None, 
     if not workers:
         return None, f"{device.device_kind} does not report its SM count: give workers"
     return Target(int(workers)), None
+
+
+def core_target(
+    config: HuginnConfig,
+    batch: int,
+    *,
+    workers: int | None = None,
+    schedule: Schedule | None = None,
+    unit_cols: int = DEFAULT_UNIT_COLS,
+    device=None,
+) -> tuple[Target | None, str | None]:
+    """`target_for(workers, device)` for a Core of `config` run on `batch` sequences: workers
+    None on a GPU takes its SM count capped by `workers_for` ((None, why) where that finds
+    shapes the kernel refuses); given workers are kept as they are (the kernel's checks refuse
+    too many)."""
+    target, reason = target_for(workers, device)
+    if reason or workers is not None or target.interpret is not None:
+        return target, reason
+    try:
+        fitting = workers_for(config, batch, target.workers, schedule, unit_cols)
+    except ValueError as e:
+        return None, _first_line(e)
+    return dataclasses.replace(target, workers=fitting), None
+
+
+def workers_for(
+    config: HuginnConfig,
+    batch: int,
+    sm_count: int,
+    schedule: Schedule | None = None,
+    unit_cols: int = DEFAULT_UNIT_COLS,
+) -> int:
+    """Workers for a Core of `config` on a GPU of `sm_count` SMs: one per SM, but no more than
+    `schedule` (None: the default) allows at the Core's shapes (`fused_plan.most_workers`), and
+    at least one, so that where not even one fits the kernel's own check says why.
+    ValueError for shapes the kernel refuses."""
+    most = most_workers(fused_shape(config, batch, unit_cols), schedule or Schedule())
+    return max(1, min(sm_count, most))
+
+
+def fused_shape(config: HuginnConfig, batch: int, unit_cols: int = DEFAULT_UNIT_COLS) -> FusedShape:
+    """The kernel's shapes for a Core of `config` run on `batch` sequences: those `pack_weights`
+    takes from the weights (`fused_step.core_shape`), here from their shapes (nothing
+    allocated). ValueError for shapes the kernel refuses."""
+    from pallas_kernels.core_step.fused_step import core_shape
+
+    weights = _abstract_weights(config, jnp.bfloat16)
+    return core_shape(weights, heads=config.n_heads, batch=batch, unit_cols=unit_cols)
 
 
 @jax.tree_util.register_dataclass
@@ -117,12 +168,16 @@ class PersistentCore:
         device=None,
     ) -> PersistentCore:
         """Packs `model`'s Core for `batch` sequences (one compiled pass over the weights).
-        `schedule`: the kernel's (None: its default, `fused_plan.Schedule()`).
-        ValueError where the kernel cannot run (`target_for`, or shapes it refuses)."""
-        target, reason = target_for(workers, device)
+        `workers` None: one per SM, capped for the Core's shapes (`core_target`); one in
+        interpret mode on a CPU. `schedule`: the kernel's (None: its default,
+        `fused_plan.Schedule()`). ValueError where the kernel cannot run (`core_target`, or
+        shapes it refuses)."""
+        cfg = model.config
+        target, reason = core_target(
+            cfg, batch, workers=workers, schedule=schedule, unit_cols=unit_cols, device=device
+        )
         if reason:
             raise ValueError(reason)
-        cfg = model.config
         packed = _pack(
             step_weights(model),
             heads=cfg.n_heads,
@@ -159,10 +214,15 @@ def _abstract_packed(config: HuginnConfig, batch: int, dtype, unit_cols: int):
     checks raise ValueError for shapes the kernel refuses."""
     from pallas_kernels.core_step.fused_step import pack_weights
 
-    weights = jax.eval_shape(lambda: step_weights(Core(config, rngs=nnx.Rngs(0), dtype=dtype)))
+    weights = _abstract_weights(config, dtype)
     pack = functools.partial(pack_weights, heads=config.n_heads, batch=batch,
                              rope_base=config.rope_base, unit_cols=unit_cols)  # fmt: skip
     return jax.eval_shape(pack, weights)
+
+
+def _abstract_weights(config: HuginnConfig, dtype) -> StepWeights:
+    """`step_weights` of a Core of `config` in `dtype`, as shapes (nothing allocated)."""
+    return jax.eval_shape(lambda: step_weights(Core(config, rngs=nnx.Rngs(0), dtype=dtype)))
 
 
 def run_core_persistent(
@@ -230,8 +290,9 @@ def why_not_persistent(
     single new position, a model on a mesh, not one sequence per cache row, a cache that is not
     bfloat16, a device that is not an sm_90 GPU (a CPU runs the interpreter), or what the
     kernel's own checks refuse (batch above 8, cache positions not a multiple of 64, head_dim not
-    a multiple of 16 on a GPU, too few weight units per worker for the ring, ...). `cache` may be
-    abstract (`jax.eval_shape`); nothing is allocated or run."""
+    a multiple of 16 on a GPU, too few weight units per worker for the ring, ...). `workers`
+    None: as `PersistentCore.prepare` takes them (`core_target`). `cache` may be abstract
+    (`jax.eval_shape`); nothing is allocated or run."""
     if tokens != 1:
         return f"{tokens} new positions: the persistent Core runs a decode step of one position"
     if config.mesh is not None:
@@ -240,14 +301,21 @@ def why_not_persistent(
         return f"the cache holds {cache.k.shape[1]} sequences, not the batch of {batch}"
     if jnp.dtype(cache.k.dtype) != jnp.bfloat16:
         return f"the cache is {jnp.dtype(cache.k.dtype).name}; the kernel reads a bfloat16 cache"
-    target, reason = target_for(workers, device)
+    target, reason = core_target(
+        config, batch, workers=workers, schedule=schedule, unit_cols=unit_cols, device=device
+    )
     if reason:
         return reason
     try:
         _trace_kernel(config, batch, cache, num_steps, target, schedule or Schedule(), unit_cols)
     except ValueError as e:
-        return str(e).strip().splitlines()[0]
+        return _first_line(e)
     return None
+
+
+def _first_line(error: ValueError) -> str:
+    """A refusal's first line: the sentence that says why."""
+    return str(error).strip().splitlines()[0]
 
 
 def _trace_kernel(config, batch, cache, num_steps, target: Target, schedule, unit_cols) -> None:

@@ -14,9 +14,10 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from huginn_jax.config import HuginnConfig
+from huginn_jax.persistent import fused_shape
 from pallas_kernels.core_step import Pending, StepWeights, core_iteration, rope_row
 from pallas_kernels.core_step.fused import build_fused_core
-from pallas_kernels.core_step.fused_plan import FusedShape, Schedule, check_fused
+from pallas_kernels.core_step.fused_plan import FusedShape, Schedule, check_fused, most_workers
 from pallas_kernels.core_step.fused_step import (
     fused_core_decode,
     pack_weights,
@@ -176,6 +177,36 @@ def test_gpu_configurations_fit():
     for (d, heads, f, layers), workers, batch, _, _, _, (cols, sched) in GPU_CASES:
         shape = FusedShape(d, heads, d // heads, f, layers, batch, cols)
         check_fused(shape, workers, sched)
+
+
+def test_most_workers_is_what_check_fused_allows():
+    """The `small` preset (D 256, 4 heads of 64, MLP width 688 padded to 704, 4 layers) in
+    [64, 128] units: adapter 4 x 2, per layer qkv 4 x 6, proj 4 x 2, fc 4 x 11, mlp proj 11 x 2.
+    Every worker must own more of each than the default ring of 6: 8 // 7 workers. Past the
+    most, check_fused says how many fit; a ring of 8 leaves not even one."""
+    shape = fused_shape(HuginnConfig.from_name("small"), 1, 128)
+    units = [p.units(128) for p in shape.phases]
+    assert units == [4 * 2] + [4 * 6, 4 * 2, 4 * 11, 11 * 2] * 4
+    most = min(units) // (Schedule().ring + Schedule().l2_units + 1)
+    assert most_workers(shape, Schedule()) == most == 1
+    check_fused(shape, most, Schedule())
+    with pytest.raises(ValueError, match=rf"with {most + 1} workers: .*\({most} workers at most"):
+        check_fused(shape, most + 1, Schedule())
+    assert most_workers(shape, Schedule(ring=8)) == 0
+    with pytest.raises(ValueError, match="not even one worker fits"):
+        check_fused(shape, 1, Schedule(ring=8))
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_most_workers_keeps_every_sm_of_an_h200_for_huginn_0125(batch):
+    """huginn-0125's fewest units are the adapter's and each proj's (83 row chunks by 42 column
+    tiles): far more workers than an H200's 132 SMs fit the default schedule."""
+    shape = fused_shape(HuginnConfig.from_name("huginn_0125"), batch, 128)
+    most = most_workers(shape, Schedule())
+    assert most == 83 * 42 // 7 and most >= 132
+    check_fused(shape, most, Schedule())
+    with pytest.raises(ValueError, match="L2 lookahead"):
+        check_fused(shape, most + 1, Schedule())
 
 
 @pytest.mark.parametrize("batch", [8])  # the batch is a loop bound: 1 lowers the same code

@@ -1,6 +1,6 @@
 """Generation with core_decode="persistent": the decode steps' Core in the persistent kernel
-(Pallas' GPU interpret mode on CPU) gives the XLA path's logits; the plan's cache length and the
-fallback to XLA where the kernel cannot run."""
+(Pallas' GPU interpret mode on CPU, on a GPU as many workers as small's shapes allow) gives the
+XLA path's logits; the plan's cache length and the fallback to XLA where the kernel cannot run."""
 
 from __future__ import annotations
 
@@ -29,7 +29,6 @@ def small_bf16():
     return huginn_jax.random_init(SMALL, jax.random.key(0), dtype=jnp.bfloat16)
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="small's shapes fit one worker only")
 def test_persistent_decode_steps_give_the_xla_logits():
     """3 tokens of 1 Core iteration after a 5-token prompt: the prefill is XLA's in both; the
     two decode steps (the second reads the rows the first wrote) agree with XLA's."""
@@ -44,6 +43,24 @@ def test_persistent_decode_steps_give_the_xla_logits():
     differ = np.nonzero(got.tokens[0] != want.tokens[0])[0]
     upto = 3 if differ.size == 0 else differ[0] + 1  # the same ids up to the first difference
     for n in range(1, upto):
+        assert rel_fro(got.logits[:, n], want.logits[:, n]) <= RTOL, n
+
+
+@pytest.mark.gpu
+def test_persistent_greedy_decode_gives_the_xla_tokens_and_logits_gpu():
+    """32 greedy tokens of 4 Core iterations after an 8-token prompt, on a GPU (the kernel on
+    the workers small's shapes allow): the tokens are XLA's, and every decode step's logits
+    agree with XLA's over the same cache length."""
+    # a prompt whose greedy choices all lead by a wide logit margin, so that bf16 rounding in
+    # the kernel cannot flip a token and the tokens can be compared exactly
+    ids = np.random.default_rng(3).integers(0, SMALL.vocab_size, (1, 8))
+    settings = dict(init_scale=0.0, return_logits=True)
+    got = generate(small_bf16(), ids, 32, 4, core_decode="persistent", **settings)
+    assert got.stats["core_decode"] == "persistent", got.stats["core_decode_fallback"]
+    want = generate(small_bf16(), ids, 32, 4, cache_len=got.cache.max_len, **settings)
+    assert want.stats["core_decode"] == "xla"
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    for n in range(1, 32):  # logits[:, 0] is the prefill's
         assert rel_fro(got.logits[:, n], want.logits[:, n]) <= RTOL, n
 
 

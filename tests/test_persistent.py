@@ -20,9 +20,11 @@ from huginn_jax.kv_cache import KVCache
 from huginn_jax.model import Core, run_core
 from huginn_jax.persistent import (
     PersistentCore,
+    core_target,
     last_writers,
     run_core_persistent,
     why_not_persistent,
+    workers_for,
 )
 from pallas_kernels.core_step.fused_plan import Schedule
 from tests.tolerance import rel_fro
@@ -159,3 +161,32 @@ def test_why_not_passes_huginn_0125_on_an_h200():
     assert why_not_persistent(cfg, 1, cache, num_steps=32, device=H200) is None
     assert why_not_persistent(cfg, 8, abstract_cache(cfg, batch=8, max_len=1024, steps=32),
                               num_steps=32, device=H200) is None  # fmt: skip
+
+
+def test_workers_on_a_gpu_are_its_sms_capped_for_the_shapes():
+    """`small`'s fewest units (8 of [64, 128], 16 of [64, 64]) hold the default ring of 6 for one
+    worker, a ring of 3 for 4; huginn-0125 keeps every SM given (`fused_plan.most_workers`).
+    Where not even one worker fits, one is taken so that the kernel's check says why."""
+    small, huginn = (HuginnConfig.from_name(name) for name in ("small", "huginn_0125"))
+    assert workers_for(small, 1, 132) == 1
+    assert workers_for(small, 1, 132, Schedule(ring=3), unit_cols=64) == 4
+    assert workers_for(small, 1, 2, Schedule(ring=3), unit_cols=64) == 2
+    assert workers_for(huginn, 1, 132) == workers_for(huginn, 8, 132) == 132
+    assert workers_for(small, 1, 132, Schedule(ring=8)) == 1
+
+
+def test_why_not_and_prepare_take_the_capped_workers_on_a_gpu():
+    """On an H200 (132 SMs), `small` runs on the one worker its shapes allow; workers given are
+    kept, and the kernel's check refuses 132 of them; a ring that not even one worker fits is
+    refused with the check's reason. A CPU runs one worker."""
+    small = HuginnConfig.from_name("small")
+    cache = abstract_cache(small)
+    assert core_target(small, 1, device=H200)[0].workers == 1
+    assert core_target(small, 1, workers=132, device=H200)[0].workers == 132
+    assert core_target(small, 1, device=jax.devices("cpu")[0])[0].workers == 1
+    assert why_not_persistent(small, 1, cache, num_steps=2, device=H200) is None
+    refused = why_not_persistent(small, 1, cache, num_steps=2, workers=132, device=H200)
+    assert "with 132 workers" in refused and "(1 workers at most fit)" in refused
+    tight = why_not_persistent(small, 1, cache, num_steps=2, schedule=Schedule(8, 2), device=H200)
+    assert "with 1 workers" in tight and "not even one worker fits" in tight
+    assert "batch=9" in core_target(small, 9, device=H200)[1]

@@ -208,13 +208,22 @@ def smem_bytes(shape: FusedShape, ring: int, x_stages: int, lag: int, kv_stages:
     return buffer_bytes(groups[0]) + scopes + REDUCTION_SCRATCH + 8 * barriers
 
 
+def most_workers(shape: FusedShape, schedule: Schedule) -> int:
+    """The most workers `check_fused` lets `schedule` run `shape` on (0 where not even one):
+    each worker must own more units of every product than ring + l2_units. Of a product's u
+    units the fewest a worker owns among w is u // w, which stays above ring + l2_units for every
+    w up to u // (ring + l2_units + 1)."""
+    reach = schedule.ring + schedule.l2_units
+    return min(p.units(shape.unit_cols) // (reach + 1) for p in shape.phases)
+
+
 def check_fused(
     shape: FusedShape, workers: int, schedule: Schedule, x_stages: int = 2, lag: int = 1
 ) -> None:
     """ValueError unless the schedule can run (as `stream.check_schedule`): a ring longer than
     the wgmma lag, the ring and the L2 lookahead shorter than every worker's units of each
-    product (the lookahead reaches into the next product only), at least 2 stages of cached
-    blocks, buffers that fit."""
+    product (the lookahead reaches into the next product only), so at least 1 and at most
+    `most_workers` workers, at least 2 stages of cached blocks, buffers that fit."""
     ring, kv_stages, l2_units = schedule.ring, schedule.kv_stages, schedule.l2_units
     if not 1 <= ring <= MAX_RING or not 0 <= lag < ring or not 1 <= x_stages <= ring:
         raise ValueError(f"need 0 <= lag={lag} < ring={ring} <= {MAX_RING}, x_stages <= ring")
@@ -222,11 +231,15 @@ def check_fused(
         raise ValueError(f"kv_stages={kv_stages} must be in [2, {MAX_RING}]")
     if l2_units < 0:
         raise ValueError(f"l2_units={l2_units} must be >= 0")
-    fewest = min(p.units(shape.unit_cols) // workers for p in shape.phases)
-    if fewest <= ring + l2_units:
+    if workers < 1:
+        raise ValueError(f"workers={workers} must be at least 1")
+    most = most_workers(shape, schedule)
+    if workers > most:
+        fewest = min(p.units(shape.unit_cols) // workers for p in shape.phases)
+        fits = f"{most} workers at most fit" if most else "not even one worker fits"
         raise ValueError(
             f"a worker owns {fewest} units of some product with {workers} workers: the ring "
-            f"({ring}) and the L2 lookahead ({l2_units}) must be shorter"
+            f"({ring}) and the L2 lookahead ({l2_units}) must be shorter ({fits})"
         )
     need = smem_bytes(shape, ring, x_stages, lag, kv_stages)
     if need > SMEM_LIMIT:

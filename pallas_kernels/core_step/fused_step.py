@@ -50,6 +50,14 @@ def _pad2(x, rows: int, cols: int, dtype=jnp.bfloat16):
     return jnp.pad(x, ((0, rows - x.shape[0]), (0, cols - x.shape[1]))).astype(dtype)
 
 
+def core_shape(w: StepWeights, *, heads: int, batch: int, unit_cols: int = 128) -> FusedShape:
+    """The kernel's shapes for the Core of `w` (arrays, or their shapes from `jax.eval_shape`)
+    run on `batch` sequences: D from the adapter, the MLP width from the mlp proj. ValueError
+    for shapes the kernel refuses (`FusedShape`)."""
+    d, intermediate = w.adapter.shape[1], w.layers[0].mlp_proj.shape[0]
+    return FusedShape(d, heads, w.head_dim, intermediate, len(w.layers), batch, unit_cols)
+
+
 def pack_weights(
     w: StepWeights, *, heads: int, batch: int, rope_base: float, unit_cols: int = 128
 ) -> FusedWeights:
@@ -59,10 +67,8 @@ def pack_weights(
     layer before and norm_1, fc by norm_2 and norm_3. Per layer, the gain tile holds what the
     kernel still multiplies by: norm_4 of the layer before (ones for layer 0) and norm_2, for the
     sums of squares and the residuals."""
-    d = w.adapter.shape[1]
-    layers = len(w.layers)
-    f = w.layers[0].mlp_proj.shape[0]
-    shape = FusedShape(d, heads, w.head_dim, f, layers, batch, unit_cols)
+    shape = core_shape(w, heads=heads, batch=batch, unit_cols=unit_cols)
+    d = shape.d
     phases = iter(shape.phases)
     ones = jnp.ones((d,), jnp.float32)
     adapter = w.adapter[:d].astype(jnp.float32)
