@@ -28,7 +28,9 @@ and "vs best" (the other framework's fastest median ÷ this row's). With `--torc
 each torch loop first reproduces the conformance checkpoint's greedy tokens in float32
 (`torch_ref.conformance.check_generation_impl`); a failure exits 1 after the JSON is written.
 Without torch the JAX half runs alone (one note line); without CUDA torch runs on the CPU
-without CUDA graphs.
+without CUDA graphs. `--trace_dir`: after its timed tokens, torch_compile's decode step replays
+TRACE_TOKENS tokens under torch.profiler (a Chrome trace there) and its kernels per token are
+printed and kept in the JSON: where PyTorch's token goes beside its Core iterations.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+from pathlib import Path
 
 # PyTorch runs in the same process: JAX must not grab 75 % of the GPU up front.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -48,7 +51,13 @@ from flax import nnx  # noqa: E402
 
 from experiments import cli, program  # noqa: E402
 from experiments.cli import UserError  # noqa: E402
-from experiments.generate_vs_torch_report import compare, make_records, print_table  # noqa: E402
+from experiments.generate_vs_torch_report import (  # noqa: E402
+    compare,
+    make_records,
+    print_table,
+    print_traces,
+)
+from experiments.measure import trace as trace_lib  # noqa: E402
 from experiments.torch_ref import chain as torch_chain  # noqa: E402 (imports no torch)
 from experiments.torch_ref.core import COMPILE_MODES  # noqa: E402 (imports no torch)
 from experiments.torch_ref.huginn import LOOPS as TORCH_LOOPS  # noqa: E402 (imports no torch)
@@ -66,6 +75,7 @@ from huginn_jax.xla_flags import GEMM_CHOICES, use_gemm  # noqa: E402
 
 FLAGS = flags.FLAGS
 _DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
+TRACE_TOKENS = 4  # decode tokens torch_compile replays under the profiler (--trace_dir)
 
 
 def loop_text(impl: str, cuda: bool, mode: str) -> str:
@@ -140,12 +150,16 @@ def define_flags() -> None:
     flags.DEFINE_bool(
         "progress", True, "Progress on stderr: each phase, JAX's tokens, torch's loops."
     )
+    flags.DEFINE_string(
+        "trace_dir",
+        None,
+        f"Trace {TRACE_TOKENS} decode tokens of torch_compile here after its timed ones "
+        "(torch.profiler) and print its kernels per token.",
+    )
     flags.DEFINE_string("json_out", "out/generate_vs_torch.json", "Results JSON ('' to skip).")
 
 
 def _config() -> HuginnConfig:
-    from pathlib import Path
-
     if FLAGS.checkpoint:
         path = Path(FLAGS.checkpoint) / "config.json"
         if not path.exists():
@@ -253,6 +267,10 @@ def run_torch(model: Huginn, plan: Plan, impls: list[str], notes: list[str], det
             )
         if cuda:
             torch.cuda.reset_peak_memory_stats()
+        traced: dict = {}
+        trace = None
+        if FLAGS.trace_dir and impl == "torch_compile":
+            trace = token_tracer(Path(FLAGS.trace_dir) / f"{impl}.trace.json", plan, traced)
         gen = run_loop(
             impl,
             params,
@@ -264,6 +282,7 @@ def run_torch(model: Huginn, plan: Plan, impls: list[str], notes: list[str], det
             compile_mode=FLAGS.torch_compile_mode,
             warmup=FLAGS.graph_warmup,
             fast_core=fast_core,
+            trace=trace,
         )
         runs[impl] = gen
         details[impl] = {
@@ -279,8 +298,36 @@ def run_torch(model: Huginn, plan: Plan, impls: list[str], notes: list[str], det
             "tokens": gen.tokens.tolist(),
             "device": torch.cuda.get_device_name() if cuda else "cpu",
             "peak_bytes_allocated": torch.cuda.max_memory_allocated() if cuda else None,
+            **traced,
         }
     return runs, checks
+
+
+def token_tracer(path: Path, plan: Plan, into: dict):
+    """The `trace` hook of a torch loop (`run_loop`): replays min(TRACE_TOKENS, the plan's
+    decode tokens) tokens of its decode step under torch.profiler, writes the Chrome trace to
+    `path` and puts the kernels per token into `into` (`trace_tokens`, `trace`,
+    `trace_us_per_token`, `trace_file`)."""
+    tokens = min(TRACE_TOKENS, plan.max_new_tokens - 1)
+
+    def trace(step) -> None:
+        import torch
+
+        def replay() -> None:
+            for _ in range(tokens):
+                step()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+
+        rows, spent = trace_lib.trace_run(replay, path, torch=True, units=tokens)
+        into.update(
+            trace_tokens=tokens,
+            trace=[dataclasses.asdict(row) for row in rows],
+            trace_us_per_token=spent,
+            trace_file=str(path),
+        )
+
+    return trace
 
 
 def main(argv: list[str]) -> None:
@@ -320,6 +367,7 @@ def main(argv: list[str]) -> None:
         }
         print(f"results: {program.write_results(FLAGS.json_out, result)}")
     print_table(records, comparisons, checks, details)
+    print_traces(details)
     failed = [impl for impl, check in checks.items() if not check["passed"]]
     if failed:
         cli.fail(

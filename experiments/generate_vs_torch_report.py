@@ -1,12 +1,14 @@
 """The records and the table of `experiments.generate_vs_torch`: per loop the median ms/token
 (p10-p90), tokens/s, prefill, compile time, whether its tokens equal JAX's (else where they
-part, with the logit difference and JAX's top-1/top-2 gap there) and "vs best"."""
+part, with the logit difference and JAX's top-1/top-2 gap there) and "vs best"; the traced
+loops' kernels per token."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from experiments.measure import compare as compare_lib
+from experiments.measure import trace as trace_lib
 from huginn_jax.generate import Generation
 
 
@@ -116,3 +118,14 @@ def print_table(records: list[dict], comparisons: dict, checks: dict, details: d
             f"{'equal' if check['tokens_equal'] else 'differ'}, prefill max abs err "
             f"{check['prefill_max_abs_err']:.2e}: {verdict}"
         )
+
+
+def print_traces(details: dict) -> None:
+    """Each traced loop's kernels per decode token (`trace` in its details), longest first."""
+    for impl, loop in details.items():
+        if "trace" not in loop:
+            continue
+        rows = [trace_lib.Row(**row) for row in loop["trace"]]
+        print(f"{impl}: {loop['trace_tokens']} decode tokens traced ({loop['trace_file']})")
+        print(trace_lib.side_by_side({impl: rows}, top=15, per="token"))
+        print(trace_lib.per_unit_line(loop["trace_us_per_token"], "token"))

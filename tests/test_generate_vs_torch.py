@@ -97,10 +97,11 @@ def run_program(out, *flags, prelude: str = ""):
 def test_program_with_every_torch_loop(tmp_path):
     """Every torch loop by default: one record per loop with vs_best against the other
     framework's fastest, its tokens equal to JAX's (float32), its conformance check passed,
-    compile time apart; the table prints one row per loop."""
+    compile time apart; the table prints one row per loop. --trace_dir: torch_compile's decode
+    tokens traced after its timed ones (a Chrome trace; no CUDA kernels on a CPU)."""
     pytest.importorskip("torch", reason='needs PyTorch: pip install -e ".[torch]"')
     out = tmp_path / "r.json"
-    proc = run_program(out)
+    proc = run_program(out, f"--trace_dir={tmp_path / 'traces'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     records = {rec["impl"]: rec for rec in data["records"]}
@@ -122,6 +123,11 @@ def test_program_with_every_torch_loop(tmp_path):
         assert details["graph"] == (jax.default_backend() == "gpu")
     assert data["torch"]["torch_compile"]["graphs_compiled"] == 6
     assert data["torch"]["torch_compile"]["compile_mode"] == "default"
+    traced = data["torch"]["torch_compile"]
+    assert traced["trace_tokens"] == 4 and Path(traced["trace_file"]).is_file()
+    assert set(traced["trace_us_per_token"]) == {"span", "busy", "gaps"}
+    assert "trace" not in data["torch"]["torch_graph"]
+    assert f"torch_compile: 4 decode tokens traced ({traced['trace_file']})" in proc.stdout
     lines = proc.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("impl "))
     assert "vs best" in lines[header] and "tokens = JAX" in lines[header]

@@ -318,13 +318,22 @@ def test_compiled_decode_matches_the_eager_decode_and_compiles_once(model, jax_m
 
 def test_compiled_generation_loop_on_cpu(jax_model, reference):
     """run_loop("torch_compile"): the reference's greedy tokens, the logits of the eager loop,
-    one timed latency per decode token, compilation apart in setup_s, no CUDA graph here."""
+    one timed latency per decode token, compilation apart in setup_s, no CUDA graph here. Its
+    trace hook gets the decode step back at the first decode position: two more calls decode
+    tokens 1 and 2 again. The loops that capture per position refuse a hook."""
     convert = to_torch_fn("cpu", torch.float32)
     prompt = reference["input_ids"][:, :6]
+    replayed = []
+
+    def trace(step):
+        replayed.extend(step()[0].clone() for _ in range(2))
+
     with torch._dynamo.config.patch(error_on_recompile=True):
         gen = run_loop(
-            "torch_compile", params_of(jax_model), jax_model.config, convert, prompt, 6, 4
-        )
+            "torch_compile", params_of(jax_model), jax_model.config, convert, prompt, 6, 4,
+            trace=trace,
+        )  # fmt: skip
+    np.testing.assert_array_equal(torch.stack(replayed, dim=1).numpy(), gen.tokens[:, 1:3])
     eager = run_loop(
         "torch_reference", params_of(jax_model), jax_model.config, convert, prompt, 6, 4
     )
@@ -334,6 +343,8 @@ def test_compiled_generation_loop_on_cpu(jax_model, reference):
     assert len(gen.latencies_s) == 5 and gen.setup_s > 0 and gen.prefill_s > 0
     with pytest.raises(ValueError, match="unknown torch loop"):
         run_loop("torch_fastest", {}, jax_model.config, convert, prompt, 6, 4)
+    with pytest.raises(ValueError, match="only torch_compile is traced"):
+        run_loop("torch_graph", {}, jax_model.config, convert, prompt, 6, 4, trace=trace)
 
 
 def test_compiled_huginn_checks_its_calls(jax_model):

@@ -329,6 +329,7 @@ def generate_compiled(
     num_steps: int,
     *,
     warmup: int = 2,
+    trace: Callable[[Callable[[], Any]], Any] | None = None,
 ) -> TorchGeneration:
     """Greedy generation of `max_new_tokens` tokens after prompt ids [B, T], timed per token:
     the compiled prefill runs `warmup` times untimed (compilation; Inductor's graphs) and once
@@ -337,7 +338,11 @@ def generate_compiled(
     before it is read, as huginn_jax's loop dispatches its steps; a token's latency is the time
     from the token before it being ready (a CUDA event) to it being ready. Tokens and logits
     are copied on the device and go to the host after the loop. The cache holds T +
-    max_new_tokens positions (rounded up to CACHE_ALIGN)."""
+    max_new_tokens positions (rounded up to CACHE_ALIGN).
+
+    `trace`: called after the timed tokens with the decode step, set back to the first decode
+    position, to run it again (under a profiler, say): it may call the step up to
+    max_new_tokens - 1 times, which decode the same tokens again within the cache."""
     import torch
 
     cuda = model.device.type == "cuda"
@@ -395,6 +400,10 @@ def generate_compiled(
                     ready = _wait(before, ready, latencies)
                 before = event
             _wait(before, ready, latencies)
+            if trace is not None:
+                model.ids.copy_(tokens[0][:, None])
+                model.pos.fill_(prompt_len)
+                trace(step)
     return TorchGeneration(
         tokens=torch.stack([t.cpu() for t in tokens], dim=1).numpy(),
         logits=torch.stack([x.cpu() for x in all_logits], dim=1).numpy(),

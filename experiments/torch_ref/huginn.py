@@ -318,6 +318,7 @@ def run_loop(
     compile_mode: str = "default",
     warmup: int = 2,
     fast_core: FastCore | None = None,
+    trace: Callable[[Callable[[], Any]], Any] | None = None,
 ) -> TorchGeneration:
     """One PyTorch generation loop of LOOPS over these weights, on fresh caches, whose caches
     and compiled code are freed before it returns:
@@ -325,7 +326,9 @@ def run_loop(
     - torch_graph: `TorchHuginn` with FastCore's Core, a CUDA graph captured per position
       (`generate_greedy`; eager on the CPU);
     - torch_reference: the same loop with ReferenceCore's Core (reference-faithful).
-    fast_core: a FastCore of the same weights, shared by torch_compile and torch_graph."""
+    fast_core: a FastCore of the same weights, shared by torch_compile and torch_graph.
+    trace: torch_compile's `generate_compiled` hook (its decode step, run again after the
+    timed tokens); the loops that capture a graph per position take none."""
     import torch
 
     from experiments.torch_ref.generation import CompiledHuginn, generate_compiled
@@ -333,10 +336,12 @@ def run_loop(
     if impl not in LOOPS:
         raise ValueError(f"unknown torch loop {impl!r}; known: {', '.join(LOOPS)}")
     args = (prompt_ids_BxT, max_new_tokens, num_steps)
+    if trace is not None and impl != "torch_compile":
+        raise ValueError(f"{impl} captures a graph per position: only torch_compile is traced")
     if impl == "torch_compile":
         model = CompiledHuginn(params, config, to_torch, mode=compile_mode, core=fast_core)
         try:
-            return generate_compiled(model, *args, warmup=warmup)
+            return generate_compiled(model, *args, warmup=warmup, trace=trace)
         finally:
             model.k, model.v, model.units = [], [], {}  # the caches, and the cycle through self
             torch._dynamo.reset()  # compiled code and Inductor's CUDA-graph pools
