@@ -254,7 +254,7 @@ def test_conformance_check_passes_for_every_impl_on_cpu(impl):
     result = check_core_impl(impl, "cpu")
     assert result["impl"] == impl and result["tolerance"] == 1e-4
     assert result["passed"], result
-    assert 0 < result["max_abs_err"] < 1e-4
+    assert 0 <= result["max_abs_err"] < 1e-4  # the reference's own code may agree exactly
 
 
 def test_conformance_check_fails_a_wrong_core(monkeypatch):
