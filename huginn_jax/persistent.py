@@ -36,7 +36,7 @@ from pallas_kernels.core_step.fused_plan import FusedShape, Schedule, most_worke
 from pallas_kernels.core_step.step_program import LayerWeights, Pending, StepWeights
 
 DEFAULT_UNIT_COLS = 128  # output columns of a [64, unit_cols] weight unit
-CACHE_MULTIPLE = 64  # the kernel reads cached positions in blocks of this many
+CACHE_MULTIPLE = Schedule().kv_block  # the default schedule reads cached positions in such blocks
 HOPPER = "9.0"  # the compute capability the kernel is built for (wgmma, TMA)
 
 
@@ -289,10 +289,10 @@ def why_not_persistent(
     """Why `run_core_persistent` cannot run this case (a sentence), or None when it can: not a
     single new position, a model on a mesh, not one sequence per cache row, a cache that is not
     bfloat16, a device that is not an sm_90 GPU (a CPU runs the interpreter), or what the
-    kernel's own checks refuse (batch above 8, cache positions not a multiple of 64, head_dim not
-    a multiple of 16 on a GPU, too few weight units per worker for the ring, ...). `workers`
-    None: as `PersistentCore.prepare` takes them (`core_target`). `cache` may be abstract
-    (`jax.eval_shape`); nothing is allocated or run."""
+    kernel's own checks refuse (batch above 8, cache positions not a multiple of the schedule's
+    kv_block, head_dim not a multiple of 16 on a GPU, too few weight units per worker for the
+    ring, ...). `workers` None: as `PersistentCore.prepare` takes them (`core_target`). `cache`
+    may be abstract (`jax.eval_shape`); nothing is allocated or run."""
     if tokens != 1:
         return f"{tokens} new positions: the persistent Core runs a decode step of one position"
     if config.mesh is not None:

@@ -54,18 +54,18 @@ def bf16_weights(w: StepWeights) -> StepWeights:
 
 
 @functools.cache
-def inputs(batch: int, iterations: int):
+def inputs(batch: int, iterations: int, slot: int = SLOT):
     keys = jax.random.split(jax.random.key(3), 4)
     state, embedded = (jax.random.normal(k, (batch, CFG.n_embd)) for k in keys[:2])
-    cache_shape = (iterations * LAYERS, batch, SLOT, CFG.n_heads, CFG.head_dim)
+    cache_shape = (iterations * LAYERS, batch, slot, CFG.n_heads, CFG.head_dim)
     k, v = (jax.random.normal(key, cache_shape).astype(jnp.bfloat16) for key in keys[2:])
     slots = jnp.arange(iterations * LAYERS, dtype=jnp.int32).reshape(iterations, LAYERS)
     return state, embedded, k, v, slots
 
 
-def reference(w, batch, iterations, pos):
+def reference(w, batch, iterations, pos, slot=SLOT):
     """(state value [B, D], k rows, v rows [iterations, L, B, H, K]) of step_program."""
-    state, embedded, k, v, slots = inputs(batch, iterations)
+    state, embedded, k, v, slots = inputs(batch, iterations, slot)
     cos, sin = rope_row(pos, CFG.head_dim, CFG.rope_base)
     pending, e_part, k_rows, v_rows = Pending(state), None, [], []
     for i in range(iterations):
@@ -79,11 +79,9 @@ def reference(w, batch, iterations, pos):
     return pending.value(w.eps), jnp.stack(k_rows), jnp.stack(v_rows)
 
 
-def kernel_run(w, batch, iterations, pos, *, workers, interpret, schedule, unit_cols=64):
-    state, embedded, k, v, slots = inputs(batch, iterations)
-    fw = pack_weights(
-        w, heads=CFG.n_heads, batch=batch, rope_base=CFG.rope_base, unit_cols=unit_cols
-    )
+def kernel_run(w, batch, iterations, pos, *, workers, interpret, schedule, slot=SLOT):
+    state, embedded, k, v, slots = inputs(batch, iterations, slot)
+    fw = pack_weights(w, heads=CFG.n_heads, batch=batch, rope_base=CFG.rope_base, unit_cols=64)
     pending, k_new, v_new = fused_core_decode(
         fw, Pending(state), embedded, k, v, slots, jnp.int32(pos),
         iterations=iterations, workers=workers, schedule=schedule, interpret=interpret,
@@ -92,21 +90,23 @@ def kernel_run(w, batch, iterations, pos, *, workers, interpret, schedule, unit_
 
 
 # kv_stages 3 over 2 sequences x 2 blocks: the copies run ahead across a sequence's end; the L2
-# prefetches (no-ops when interpreted) are traced where they reach into the next product
+# prefetches (no-ops when interpreted) are traced where they reach into the next product;
+# blocks of 128 positions over 2 sequences x 2 blocks, the last one partly masked
 @pytest.mark.parametrize(
-    "batch,iterations,pos,schedule",
+    "batch,iterations,pos,schedule,slot",
     [
-        (1, 2, 0, Schedule(ring=3, kv_stages=2)),
-        (2, 1, SLOT - 1, Schedule(ring=2, kv_stages=3, l2_units=1, l2_blocks=2)),
+        (1, 2, 0, Schedule(ring=3, kv_stages=2), SLOT),
+        (2, 1, SLOT - 1, Schedule(ring=2, kv_stages=3, l2_units=1, l2_blocks=2), SLOT),
+        (2, 1, 200, Schedule(ring=2, kv_stages=2, kv_block=128), 2 * SLOT),
     ],
 )
-def test_interpret_one_worker_matches_the_step_program(batch, iterations, pos, schedule):
+def test_interpret_one_worker_matches_the_step_program(batch, iterations, pos, schedule, slot):
     w = bf16_weights(step_weights(core()))
     w = StepWeights(w.adapter, w.layers[:LAYERS], head_dim=w.head_dim, eps=w.eps)
-    want = reference(w, batch, iterations, pos)
+    want = reference(w, batch, iterations, pos, slot)
     got = kernel_run(
         w, batch, iterations, pos, workers=1, interpret=plgpu.InterpretGPUParams(),
-        schedule=schedule,
+        schedule=schedule, slot=slot,
     )  # fmt: skip
     for g, r in zip(got, want, strict=True):
         assert g.shape == r.shape
@@ -129,13 +129,15 @@ HUGINN = (5280, 55, 17920, 4)
 # shape, workers, batch, iterations, position, positions per slot, (unit_cols, schedule): at
 # huginn-0125 [64, 128] units, the kernel's default schedule and one with the longest ring and
 # L2 lookahead that fit; on the small shape [64, 64] units, so that every worker owns more units
-# than the ring, with 3 cached blocks in flight
+# than the ring, with 3 cached blocks in flight; each shape also with blocks of 128 positions
 SMALL_SCHEDULE = (64, Schedule(3, 3, 0, 0))
 GPU_CASES = [
     (SMALL, 16, 1, 2, 130, 192, SMALL_SCHEDULE),
     (SMALL, 16, 8, 1, 63, 128, SMALL_SCHEDULE),
+    (SMALL, 16, 8, 1, 200, 256, (64, Schedule(3, 2, kv_block=128))),
     (HUGINN, 132, 1, 2, 1000, 1024, (128, Schedule())),
     (HUGINN, 132, 8, 1, 200, 256, (128, Schedule(8, 2, 16, 8))),
+    (HUGINN, 132, 1, 2, 1000, 1024, (128, Schedule(4, 2, kv_block=128))),
 ]
 
 
@@ -232,9 +234,14 @@ def test_schedule_is_written_as_parsed():
     assert Schedule.parse("6:3") == Schedule(6, 3, 0, 0)
     assert str(Schedule.parse("6:3:16:8")) == "6:3:16:8"
     assert str(Schedule(6, 3, 16, 0)) == "6:3:16" and str(Schedule(6, 3, 0, 8)) == "6:3:0:8"
-    for bad in ("6", "6:3:1:2:3", "6:x"):
+    assert Schedule.parse("4:2:0:0:128") == Schedule(4, 2, kv_block=128)
+    assert str(Schedule(4, 2, kv_block=128)) == "4:2:0:0:128"
+    assert str(Schedule.parse("6:3:0:0:64")) == "6:3"
+    for bad in ("6", "6:3:1:2:3:4", "6:x"):
         with pytest.raises(ValueError, match="is not RING:KV_STAGES"):
             Schedule.parse(bad)
+    with pytest.raises(ValueError, match="kv_block=96 must be one of"):
+        Schedule.parse("6:3:0:0:96")
 
 
 def test_refuses_what_it_cannot_run():
@@ -251,6 +258,13 @@ def test_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="L2 lookahead"):  # 26 units of the adapter per worker
         huginn = FusedShape(5280, 55, 96, 17920, 1, 1)
         check_fused(huginn, 132, Schedule(ring=6, l2_units=20))
+    with pytest.raises(ValueError, match="multiple of the schedule's blocks \\(128\\)"):
+        w = step_weights(core())
+        w = StepWeights(w.adapter, w.layers[:LAYERS], head_dim=w.head_dim, eps=w.eps)
+        kernel_run(
+            w, 1, 1, 0, workers=1, interpret=plgpu.InterpretGPUParams(),
+            schedule=Schedule(2, 2, kv_block=128), slot=192,
+        )  # fmt: skip
     with pytest.raises(ValueError, match="one worker"):
         build_fused_core(
             FusedShape(96, 4, 24, 160, 1, 1), 1, workers=2, eps=1e-6,

@@ -5,7 +5,7 @@ against its own weight stream, and where its time goes.
         [--schedules=8:2,6:3] [--jobs=2]
 
 Random weights (`fused_step.random_step_weights`), `--iterations` Core iterations per call at one
-position `context` (the cache slots hold context + 64 positions), each row the device time of
+position `context` (the cache slots hold `slot_positions(context)`), each row the device time of
 a call (CUPTI, median of --reps, with its range) over the iterations: the kernel and the few
 XLA operations around it (the embedded half of the adapter once per call, the tables, the new
 rows). Columns: ms per iteration; the floor: the products' weights (as padded, 64 rows per
@@ -15,10 +15,11 @@ The "stream" row runs the same products alone (`weight_stream`, [64, 128] tiles,
 the fusion of the rest costs is the difference. The first row of each batch is checked against
 `step_program.core_iteration` (float32). --profile: Mosaic GPU's on-device profiler records
 each step and barrier (SM cycles per iteration, median over the workers, and their p10-p90),
-batch 1, the last context, per schedule. A schedule RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS]]:
-weight units in flight per worker and cached blocks in flight in the attention (the shared
-memory bounds the two together), the weight unit that many units further on prefetched into
-L2, and each attention item's first blocks prefetched into L2 (`fused.build_fused_core`).
+batch 1, the last context, per schedule. A schedule RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS
+[:KV_BLOCK]]]: weight units in flight per worker and cached blocks in flight in the attention
+(the shared memory bounds the two together), the weight unit that many units further on
+prefetched into L2, each attention item's first blocks prefetched into L2, and the cached
+positions per attention block, 64 or 128 (`fused_plan.Schedule`).
 --jobs=N: each (batch, schedule) in a process of its own, N at a time, so that their
 compilations overlap; the processes take turns on the GPU (a file lock around their work
 there; the compilations run outside it), and the table is theirs together. Needs an sm_90 GPU.
@@ -65,9 +66,10 @@ def define_flags() -> None:
     flags.DEFINE_integer("iterations", 8, "Core iterations per call.")
     flags.DEFINE_list(
         "schedules", [str(Schedule())],
-        "RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS]], a list: weight units in flight per worker, "
-        "cached blocks in flight, weight units prefetched into L2 beyond the ring, cached "
-        "blocks per attention item prefetched into L2 (default: the kernel's default).",
+        "RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK]]], a list: weight units in flight per "
+        "worker, cached blocks in flight, weight units prefetched into L2 beyond the ring, "
+        "cached blocks per attention item prefetched into L2, cached positions per block (64 "
+        "or 128) (default: the kernel's default).",
     )  # fmt: skip
     flags.DEFINE_integer("reps", 10, "Timed calls per row (median).")
     flags.DEFINE_bool(
@@ -103,6 +105,14 @@ def decode_inputs(batch: int, slot_len: int):
     return state, embedded, k, v, slots
 
 
+def slot_positions(context: int) -> int:
+    """Cache positions per slot: room for the new position `context`, in whole blocks of every
+    schedule."""
+    from pallas_kernels.core_step.fused_plan import KV_BLOCKS
+
+    return -(-(context + 1) // max(KV_BLOCKS)) * max(KV_BLOCKS)
+
+
 def compiled_decode(w, batch: int, slot_len: int, schedule, profile_dir: str = ""):
     """(the kernel's call compiled for these shapes, its arguments but the position): the
     inputs are made under the GPU lock, the compilation outside it."""
@@ -125,7 +135,7 @@ def fused_rows(w, batch: int, contexts: list[int], schedule, ceiling) -> list[di
     from pallas_kernels.core_step import core_iteration, rope_row
 
     d, heads, _, _ = SHAPE
-    decode, args = compiled_decode(w, batch, max(contexts) + 64, schedule)
+    decode, args = compiled_decode(w, batch, slot_positions(max(contexts)), schedule)
     _, state, embedded, k, v, slots = args
     rows = []
     with held(FLAGS.gpu_lock):
@@ -184,7 +194,7 @@ def profile(w, context: int, schedule) -> dict:
     """Cycles per iteration of each step kind and of the barriers, over the workers."""
     its = FLAGS.iterations
     directory = tempfile.mkdtemp(prefix="core_fused_profile_")
-    decode, args = compiled_decode(w, 1, context + 64, schedule, profile_dir=directory)
+    decode, args = compiled_decode(w, 1, slot_positions(context), schedule, profile_dir=directory)
     with held(FLAGS.gpu_lock):
         jax.block_until_ready(decode(*args, jnp.int32(context)))
     trace = json.loads(max(Path(directory).glob("*.json"), key=os.path.getmtime).read_text())

@@ -67,7 +67,8 @@ def build_fused_core(
     """Returns f(meta, state0, e_part, gains, tables, rope_bias, k_cache, v_cache, adapter_raw,
     *weights) -> (act, scalars, partials, kv_new); `fused_step.py` builds the inputs and reads
     the outputs. `schedule` (`fused_plan.Schedule`): `ring` weight units in flight per worker
-    into shared memory, `kv_stages` cached blocks in flight in the attention; `l2_units` > 0
+    into shared memory, `kv_stages` cached blocks of `kv_block` positions in flight in the
+    attention; `l2_units` > 0
     also prefetches into L2 the unit that many further on, and `l2_blocks` > 0 each attention
     item's first blocks (both slower on the H200 than without: docs/core_step.md).
     Interpret mode: one worker (no global semaphores; prefetches are no-ops). `profile_dir`:
@@ -99,6 +100,7 @@ def build_fused_core(
             parts=parts, kv_new=kv_new, tables=tables, rope_bias=rope_bias, k_cache=k_cache,
             v_cache=v_cache, s=dict(zip(SCRATCH_NAMES, refs[n_phases + 4 :], strict=True)),
             rope_types=rope_types, block_types=block_types, kv_stages=kv_stages,
+            kv_block=schedule.kv_block,
             flags=pl.get_global(plgpu.SemaphoreType.REGULAR((shape.heads,)))
             if splits > 1 else None,
         )  # fmt: skip
@@ -406,9 +408,7 @@ def build_fused_core(
                     cross(it, step)
                     step += 1
 
-    scratch, product_types, rope_types, block_types = scratch_types(
-        shape, ring, x_stages, lag, kv_stages
-    )
+    scratch, product_types, rope_types, block_types = scratch_types(shape, schedule, x_stages, lag)
     SCRATCH_NAMES, kp = tuple(scratch), shape.kp
     out_type = (
         jax.ShapeDtypeStruct((Buffers.count(layers), shape.buffer_rows, N_PAD), f32),

@@ -5,9 +5,10 @@ k, v rows from the complete qkv output (a window of kp rows, `FusedShape.head_wi
 - scale by the layer input's two norms (rx r1, from the scalar tile), RoPE by rows shifted by
   one (x cos + x[r + 1] (-sin) + x[r - 1] sin, the tables per column), the qk bias's RoPE added
   after the scale (RoPE is linear), q times 1 / sqrt(head_dim);
-- scores and weighted values by wgmma over blocks of 64 cached positions (< pos), an online
-  softmax per sequence of the batch, in one pass over the item's (sequence, block) pairs with
-  `kv_stages` copies in flight (q and the weights rounded to bf16 for the wgmma);
+- scores and weighted values by wgmma over blocks of 64 or 128 cached positions (< pos;
+  `Schedule.kv_block`), an online softmax per sequence of the batch, in one pass over the
+  item's (sequence, block) pairs with `kv_stages` copies in flight (q and the weights rounded
+  to bf16 for the wgmma);
 - the head's first split adds the new position (k, v rounded to bf16, as the cache holds them)
   and, once the others' flags count their partials, combines them and adds the head's rows into
   the attention output; it also writes the new k and v rows for the caller's cache write.
@@ -26,7 +27,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.core_step.fused_plan import (
-    BLOCK,
     N_PAD,
     SCALAR_ROWS,
     SHIFT,
@@ -161,7 +161,8 @@ class _Pairs:
     of them; pair f is block lo + f mod own of sequence f // own, in cache slot `slot`."""
 
     def __init__(self, k, it, j, split):
-        nb = (k.pos + BLOCK - 1) // BLOCK
+        self.block = k.kv_block
+        nb = (k.pos + self.block - 1) // self.block
         self.lo, self.hi = nb * split // k.splits, nb * (split + 1) // k.splits
         self.own = jnp.maximum(self.hi - self.lo, 1)
         self.total = k.shape.batch * (self.hi - self.lo)
@@ -173,9 +174,9 @@ class _Pairs:
         return b, self.lo + f - b * self.own
 
     def source(self, cache, f, c0, kp):
-        """Pair f's window of `cache`: kp columns from c0 of its 64 cached positions."""
+        """Pair f's window of `cache`: kp columns from c0 of its block's cached positions."""
         b, blk = self.pair(f)
-        return cache.at[self.slot, b, pl.ds(blk * BLOCK, BLOCK), pl.ds(c0, kp)]
+        return cache.at[self.slot, b, pl.ds(blk * self.block, self.block), pl.ds(c0, kp)]
 
 
 def _window(k, item):
@@ -207,11 +208,11 @@ def _own_blocks(k, it, j, q, c0, split, s):
     (column b the sequence b's; the [8] ones broadcast over the rows). The scores are those of
     every q column against sequence b's keys, of which column b is kept (q rounded to bf16 for
     the wgmma)."""
-    kp, stages, f32 = k.shape.kp, k.kv_stages, jnp.float32
+    kp, stages, block, f32 = k.shape.kp, k.kv_stages, k.kv_block, jnp.float32
     pairs = _Pairs(k, it, j, split)
     lo, hi, total = pairs.lo, pairs.hi, pairs.total
     colidx = plgpu.broadcasted_iota(jnp.int32, (kp, N_PAD), 1, layout=WGMMA)
-    rows64 = plgpu.broadcasted_iota(jnp.int32, (BLOCK, N_PAD), 0, layout=WGMMA)
+    rows = plgpu.broadcasted_iota(jnp.int32, (block, N_PAD), 0, layout=WGMMA)
     s["btq"].T[...] = q.astype(jnp.bfloat16)
     plgpu.commit_smem()
 
@@ -238,11 +239,11 @@ def _own_blocks(k, it, j, q, c0, split, s):
             plgpu.wgmma(acc_ref, s["kblk"].at[st], s["btq"].T)
             return acc_ref[...]
 
-        sc = pl.run_scoped(scores_of, plgpu.ACC((BLOCK, N_PAD), f32))
-        sc = jnp.where(rows64 + blk * BLOCK < k.pos, sc, MASKED)
+        sc = pl.run_scoped(scores_of, plgpu.ACC((block, N_PAD), f32))
+        sc = jnp.where(rows + blk * block < k.pos, sc, MASKED)
         m_new = jnp.maximum(m, jnp.max(sc, axis=0))
         alpha = jnp.exp(m - m_new)
-        pr = jnp.exp(sc - bcast_rows(m_new, BLOCK))
+        pr = jnp.exp(sc - bcast_rows(m_new, block))
         ll = ll * alpha + jnp.sum(pr, axis=0)
         s["pb"].T[...] = pr.astype(jnp.bfloat16)
         plgpu.commit_smem()

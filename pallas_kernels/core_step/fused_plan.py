@@ -23,7 +23,8 @@ from pallas_kernels.core_step.stream import MAX_RING, SMEM_ALIGN, SMEM_LIMIT, SW
 
 N_PAD = 8  # batch columns of every activation tile: the wgmma N
 MAX_BATCH = N_PAD
-BLOCK = 64  # cached positions per attention block
+BLOCK = 64  # cached positions per attention block, by default
+KV_BLOCKS = (64, 128)  # the blocks the attention can step by (Schedule.kv_block)
 SHIFT = 8  # rows of padding around the qkv output (RoPE reads row r - 1 and r + 1)
 SCALAR_ROWS = 64
 BUFFER_KINDS = ("qkv", "att", "o", "fc", "m")
@@ -34,27 +35,38 @@ REDUCTION_SCRATCH = 2048  # bytes Mosaic GPU adds for reductions across warps
 class Schedule:
     """How the kernel keeps its reads in flight (`fused.build_fused_core`): `ring` weight units
     per worker into shared memory, the unit `l2_units` further on into L2, `kv_stages` cached
-    blocks in the attention, each attention item's first `l2_blocks` blocks into L2 ahead of
-    it. Written RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS]] (`parse`, `str`). The defaults are the
-    kernel's: the shared memory bounds ring and kv_stages together (6:3 and 8:2 fit;
-    docs/core_step.md: how they compare), and the L2 prefetches were slower than none."""
+    blocks of `kv_block` positions in the attention (one block per softmax step), each
+    attention item's first `l2_blocks` blocks into L2 ahead of it. Written
+    RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK]]] (`parse`, `str`). The defaults are the
+    kernel's: the shared memory bounds ring and kv_stages x kv_block together (6:3 and 8:2 fit
+    at blocks of 64; docs/core_step.md: how they compare), and the L2 prefetches were slower
+    than none."""
 
     ring: int = 6
     kv_stages: int = 3
     l2_units: int = 0
     l2_blocks: int = 0
+    kv_block: int = BLOCK
+
+    def __post_init__(self):
+        if self.kv_block not in KV_BLOCKS:
+            raise ValueError(f"kv_block={self.kv_block} must be one of {KV_BLOCKS}")
 
     @classmethod
     def parse(cls, text: str) -> Schedule:
-        """6:3 or 6:3:16:8 (the L2 fields 0 where left out); ValueError otherwise."""
+        """6:3, 6:3:16:8 or 4:2:0:0:128 (the fields left out take their defaults); ValueError
+        otherwise."""
         parts = text.split(":")
-        if not 2 <= len(parts) <= 4 or not all(p.isdigit() for p in parts):
-            raise ValueError(f"{text!r} is not RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS]] (6:3:16:8)")
-        return cls(*(int(p) for p in parts + ["0"] * (4 - len(parts))))
+        if not 2 <= len(parts) <= 5 or not all(p.isdigit() for p in parts):
+            raise ValueError(
+                f"{text!r} is not RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK]]] (6:3:16:8)"
+            )
+        return cls(*(int(p) for p in parts))
 
     def __str__(self) -> str:
         values = list(dataclasses.astuple(self))
-        while len(values) > 2 and not values[-1]:
+        defaults = [f.default for f in dataclasses.fields(self)]
+        while len(values) > 2 and values[-1] == defaults[len(values) - 1]:
             values.pop()
         return ":".join(map(str, values))
 
@@ -184,11 +196,11 @@ def splits_for(heads: int, workers: int) -> int:
     return max(1, workers // heads)
 
 
-def smem_bytes(shape: FusedShape, ring: int, x_stages: int, lag: int, kv_stages: int) -> int:
+def smem_bytes(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int) -> int:
     """Shared memory of one block, from `scratch_types`: the kernel-wide buffers, then the
     largest of the step scopes (they reuse the same bytes one after the other), each buffer
     aligned to 1 KiB as Pallas allocates them, 8 bytes per mbarrier."""
-    groups = scratch_types(shape, ring, x_stages, lag, kv_stages)
+    groups = scratch_types(shape, schedule, x_stages, lag)
 
     def buffer_bytes(types: dict) -> int:
         sizes = [
@@ -241,12 +253,12 @@ def check_fused(
             f"a worker owns {fewest} units of some product with {workers} workers: the ring "
             f"({ring}) and the L2 lookahead ({l2_units}) must be shorter ({fits})"
         )
-    need = smem_bytes(shape, ring, x_stages, lag, kv_stages)
+    need = smem_bytes(shape, schedule, x_stages, lag)
     if need > SMEM_LIMIT:
-        raise ValueError(f"ring={ring}, kv_stages={kv_stages}: {need} bytes of smem > {SMEM_LIMIT}")
+        raise ValueError(f"schedule {schedule}: {need} bytes of smem > {SMEM_LIMIT}")
 
 
-def scratch_types(shape: FusedShape, ring: int, x_stages: int, lag: int, kv_stages: int):
+def scratch_types(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int):
     """The kernel's shared memory and barriers, by name, as four dicts: the kernel-wide ones
     (the weight ring, zeros, scalar tiles, partials in), then those of three scopes that take
     the same bytes in turn: a product's, the attention's RoPE (its windows and tables) and the
@@ -255,6 +267,7 @@ def scratch_types(shape: FusedShape, ring: int, x_stages: int, lag: int, kv_stag
     # which the 16-column tiles of a 32-byte swizzle divide; a wgmma's operands share a swizzle
     swizzle_32 = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
     bf16, f32, cols = jnp.bfloat16, jnp.float32, shape.unit_cols
+    ring, kv_stages, kv_block = schedule.ring, schedule.kv_stages, schedule.kv_block
     kp, chunk = shape.kp, (UNIT, N_PAD)
     win = kp + 2 * SHIFT
     kernel_wide = dict(
@@ -287,11 +300,11 @@ def scratch_types(shape: FusedShape, ring: int, x_stages: int, lag: int, kv_stag
         abar=plgpu.Barrier(num_arrivals=5),
     )
     blocks = dict(
-        kblk=plgpu.SMEM((kv_stages, BLOCK, kp), bf16, transforms=swizzle_32),
-        vblk=plgpu.SMEM((kv_stages, BLOCK, kp), bf16, transforms=swizzle_32),
+        kblk=plgpu.SMEM((kv_stages, kv_block, kp), bf16, transforms=swizzle_32),
+        vblk=plgpu.SMEM((kv_stages, kv_block, kp), bf16, transforms=swizzle_32),
         kvbar=plgpu.Barrier(num_arrivals=2, num_barriers=kv_stages),
         btq=plgpu.SMEM((N_PAD, kp), bf16, transforms=swizzle_32),
-        pb=plgpu.SMEM((N_PAD, BLOCK), bf16, transforms=swizzle_32),
+        pb=plgpu.SMEM((N_PAD, kv_block), bf16, transforms=swizzle_32),
         pout=plgpu.SMEM((2 * kp, N_PAD), f32),
     )
     return kernel_wide, product, rope, blocks

@@ -148,9 +148,9 @@ def fused_core_decode(
     profile_dir: str = "",
 ) -> tuple[Pending, jax.Array, jax.Array]:
     """`iterations` Core iterations at position `pos`. state: Pending with gain None (the value
-    [B, D]); embedded [B, D]; k_cache, v_cache [slots, B, S, H, K] (S a multiple of 64); slots
-    [iterations, L] int32: each (iteration, layer)'s cache slot. Returns (Pending state, k_new,
-    v_new [iterations, L, B, H, K] in the cache's dtype)."""
+    [B, D]); embedded [B, D]; k_cache, v_cache [slots, B, S, H, K] (S a multiple of the
+    schedule's kv_block); slots [iterations, L] int32: each (iteration, layer)'s cache slot.
+    Returns (Pending state, k_new, v_new [iterations, L, B, H, K] in the cache's dtype)."""
     if state.gain is not None:
         raise ValueError("the kernel starts from a state value (Pending with gain None)")
     shape = fw.shape
@@ -158,8 +158,11 @@ def fused_core_decode(
     if b != shape.batch:
         raise ValueError(f"batch {b} != the packed batch {shape.batch}")
     s_len = k_cache.shape[2]
-    if s_len % 64:
-        raise ValueError(f"cache slots hold {s_len} positions: must be a multiple of 64")
+    if s_len % schedule.kv_block:
+        raise ValueError(
+            f"cache slots hold {s_len} positions: must be a multiple of the schedule's blocks "
+            f"({schedule.kv_block})"
+        )
     f32 = jnp.float32
 
     def columns(x, rows):  # [B, n] -> [rows, 8] f32
