@@ -87,7 +87,8 @@ def loop_text(impl: str, cuda: bool, mode: str) -> str:
             else "one CUDA graph of the token"
         )
         where = f"{graphs}, replayed at every position" if cuda else "no CUDA graph (CPU)"
-        return f"compiled units (mode {mode}), {where}"
+        tuning = ", coordinate descent tuning" if FLAGS.torch_coordinate_descent else ""
+        return f"compiled units (mode {mode}{tuning}), {where}"
     core = "fast eager Core" if impl == "torch_graph" else "reference-faithful Core"
     return f"{core}, " + ("a CUDA graph captured per position" if cuda else "eager (CPU)")
 
@@ -136,8 +137,10 @@ def define_flags() -> None:
     )
     flags.DEFINE_bool(
         "torch_coordinate_descent",
-        True,
-        "Inductor's coordinate_descent_tuning for torch_compile (as gpt-fast sets it).",
+        False,
+        "Inductor's coordinate_descent_tuning for torch_compile, as gpt-fast sets it: Inductor "
+        "then writes every matrix-vector product as a Triton reduction with the norms fused in, "
+        "slower than cuBLAS's GEMVs at huginn-0125's shapes on the H200 (docs/peers.md).",
     )
     flags.DEFINE_bool(
         "torch_conformance",
@@ -289,6 +292,9 @@ def run_torch(model: Huginn, plan: Plan, impls: list[str], notes: list[str], det
             "loop": loop_text(impl, cuda, FLAGS.torch_compile_mode),
             "graph": gen.graph,
             "compile_mode": FLAGS.torch_compile_mode if impl == "torch_compile" else None,
+            "coordinate_descent_tuning": (
+                FLAGS.torch_coordinate_descent if impl == "torch_compile" else None
+            ),
             "graphs_compiled": gen.graphs_compiled,
             "prefill_s": gen.prefill_s,
             "setup_s": gen.setup_s,
