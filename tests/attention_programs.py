@@ -10,6 +10,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from program_runs import run_forked
 from tolerance import rel_fro
 
 from experiments import attention_bench as bench
@@ -31,6 +32,12 @@ def run_program(module: str, *args: str) -> subprocess.CompletedProcess:
         [sys.executable, "-m", f"experiments.{module}", *args],
         cwd=REPO, capture_output=True, text=True,
     )  # fmt: skip
+
+
+def run_forked_program(module: str, *args: str) -> subprocess.CompletedProcess:
+    """`run_program` forked from a process that has imported JAX (tests/program_runs.py): for
+    runs that end before any work, at a flag or file the program refuses."""
+    return run_forked(f"experiments.{module}", *args, cwd=REPO)
 
 
 def assert_refused(proc: subprocess.CompletedProcess, message: str) -> None:

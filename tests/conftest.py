@@ -1,6 +1,8 @@
 """Shared test set-up: GPU-only tests (marked `gpu`) are skipped where JAX has no GPU; the data
 folder, the micro model and helpers that several test files use."""
 
+import os
+import shutil
 from pathlib import Path
 
 import jax
@@ -10,6 +12,16 @@ import pytest
 
 import huginn_jax
 from huginn_jax.config import HuginnConfig
+
+# Without a GPU (no nvidia-smi, as the Makefile decides), XLA's CPU backend compiles without
+# LLVM's costly optimizations, in this process and in the programs the tests start (they inherit
+# the environment): the tests' programs are small and run a few times each, so compiling them is
+# most of the suite's time. The flags change how fast the compiled code runs, not what it
+# computes (as in tests/test_parallel.py's children). JAX reads XLA_FLAGS when its backend
+# starts, after this.
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+if shutil.which("nvidia-smi") is None:
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
 
 DATA = Path(__file__).parent / "data"
 TINY_A = DATA / "huginn_tiny_a"

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 from attention_programs import write_ceilings
+from program_runs import run_forked
 
 from experiments import adapter
 from experiments import attention_bench as bench
@@ -52,6 +53,12 @@ def run_cli(*args):
         capture_output=True,
         text=True,
     )
+
+
+def run_cli_forked(*args):
+    """`run_cli` forked from a process that has imported JAX (tests/program_runs.py): for runs
+    that end before any work."""
+    return run_forked("experiments.adapter", *args, cwd=REPO)
 
 
 def test_cli_on_cpu(tmp_path):
@@ -108,7 +115,9 @@ def test_vs_best_column_against_the_other_frameworks_fastest():
 
 def test_ceilings_of_another_device_exit_2_with_one_line(tmp_path):
     ceilings = write_ceilings(tmp_path / "c.json", "NVIDIA A100-SXM4-80GB", 2e12, 300e12)
-    proc = run_cli("--config=tiny", f"--ceilings={ceilings}", f"--json_out={tmp_path / 'a.json'}")
+    proc = run_cli_forked(
+        "--config=tiny", f"--ceilings={ceilings}", f"--json_out={tmp_path / 'a.json'}"
+    )
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if "tpu" not in line.lower()]
     assert len(lines) == 1 and lines[0].startswith("adapter: --ceilings:")
@@ -121,7 +130,7 @@ def test_ceilings_of_another_device_exit_2_with_one_line(tmp_path):
      "--torch_compile_mode=fast", "--ceilings=/no/such/file.json", "--m=10000000000"],
 )  # fmt: skip
 def test_bad_flags_exit_2_with_one_line(tmp_path, flag):
-    proc = run_cli(flag, f"--json_out={tmp_path / 'a.json'}")
+    proc = run_cli_forked(flag, f"--json_out={tmp_path / 'a.json'}")
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if "tpu" not in line.lower()]
     assert len(lines) == 1 and lines[0].startswith("adapter:")

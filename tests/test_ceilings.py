@@ -11,6 +11,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
+from program_runs import run_forked
 
 from experiments import ceilings as program
 from experiments.measure import ceilings, probes
@@ -210,7 +211,7 @@ def test_cpu_default_path_is_out(tmp_path):
 )
 def test_bad_flags_exit_2_with_one_line(tmp_path, flag, message):
     out = tmp_path / "c.json"
-    proc = run_cli(flag, f"--json_out={out}")
+    proc = run_forked("experiments.ceilings", flag, f"--json_out={out}", cwd=REPO)
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if "tpu" not in line.lower()]
     assert len(lines) == 1 and lines[0].startswith("ceilings:") and message in lines[0], lines

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from chain_config import small_config
+from program_runs import run_forked
 
 from experiments.chain import children, options, report, runners, sweep
 from huginn_jax.xla_flags import COMMAND_BUFFERS_OFF, TRITON_GEMM_OFF
@@ -37,6 +38,13 @@ def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     )
 
 
+def run_cli_forked(*args: str) -> subprocess.CompletedProcess:
+    """`run_cli` forked from a process that has imported JAX (tests/program_runs.py): for runs
+    that end before any work."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+    return run_forked("experiments.chain", *args, cwd=REPO, env=env)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -58,7 +66,7 @@ def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 )
 def test_bad_input_exits_2_with_one_line(tmp_path, args, message):
     json_out, plot_out = tmp_path / "r.json", tmp_path / "r.png"
-    proc = run_cli(*args, f"--json_out={json_out}", f"--plot_out={plot_out}")
+    proc = run_cli_forked(*args, f"--json_out={json_out}", f"--plot_out={plot_out}")
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
@@ -225,7 +233,7 @@ def test_variants_end_to_end_with_one_chain_checks_ceilings_and_gemm(tmp_path):
 
 def test_ceilings_of_another_device_are_refused(tmp_path):
     ceilings = _ceilings_file(tmp_path / "c.json", "Another GPU", 4e12)
-    proc = run_cli("--size=64KiB", f"--ceilings={ceilings}", "--json_out=", "--plot_out=")
+    proc = run_cli_forked("--size=64KiB", f"--ceilings={ceilings}", "--json_out=", "--plot_out=")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         f"chain: --ceilings: {ceilings}: measured on 'Another GPU', this run is on "

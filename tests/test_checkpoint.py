@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from conftest import TINY_A
 from flax import nnx
+from program_runs import run_forked
 from safetensors.numpy import load_file, save_file
 
 import huginn_jax
@@ -245,10 +246,9 @@ def test_programs_end_a_damaged_model_in_one_line(tiny_copy):
     write(path, tensors)
     _damage_weights(path, "truncated")
     repo = Path(__file__).parents[1]
-    generate = subprocess.run(
-        [sys.executable, "-m", "huginn_jax.generate", f"--checkpoint={path}", "--prompt_ids=1,2"],
-        capture_output=True, text=True, cwd=repo, timeout=120,
-    )  # fmt: skip
+    generate = run_forked(
+        "huginn_jax.generate", f"--checkpoint={path}", "--prompt_ids=1,2", cwd=repo
+    )
     assert generate.returncode == 2
     assert generate.stderr.splitlines() == [
         f"generate: {path / 'model.safetensors'}: truncated or damaged (its header's "

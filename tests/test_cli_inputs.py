@@ -2,9 +2,10 @@
 one line on stderr naming the problem, no traceback, and no output file touched; and `--help`:
 exit status 0 and the program's main flags with their defaults.
 
-Each row runs `python -m PROGRAM ...` in a subprocess with JAX on the CPU. The programs check
-their flags, output paths, model files and memory needs before they compile or allocate
-anything, so a row costs about an interpreter's start-up; the rows run two at a time.
+Each row runs `python -m PROGRAM ...` with JAX on the CPU, in a process forked from one that has
+imported JAX (tests/program_runs.py). The programs check their flags, output paths, model files
+and memory needs before they compile or allocate anything, so a row costs about the program's
+own imports.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from conftest import SELECTED_ITEMS, TINY_A
+from program_runs import run_forked
 
 REPO = Path(__file__).resolve().parent.parent
 KEPT = '{"kept": true}\n'  # what an existing --json_out holds before a failing run
@@ -84,10 +85,10 @@ BAD = [
     Bad(CHAIN, "--size=1000GiB --impls=xla", "--size: needs"),
     Bad(CHAIN, "--impls=bogus", "unknown impl 'bogus'"),
     # core
-    Bad(CORE, "--context=100000000", "the Core's cache takes at most"),
+    Bad(CORE, "--context=100000000", "the Core's cache takes at most 1048576"),
     Bad(CORE, "--iterations=", "--iterations is empty"),
     Bad(CORE, "--persistent_schedule=6", "--persistent_schedule: '6' is not RING:KV_STAGES"),
-    Bad(CORE, "--config=/no/such/dir", "--config=/no/such/dir: no such directory"),
+    Bad(CORE, "--config=/no/such/dir", "/no/such/dir: no such directory (presets: huginn_0125"),
     Bad(CORE, "--config={trunc} --weights=trained", "model.safetensors: truncated or damaged"),
     Bad(CORE, "--config={four} --weights=trained", "key 'n_heads' is \"four\"; expected an int"),
     Bad(CORE, "--json_out=/proc/x.json", "/proc/x.json: cannot write there"),
@@ -201,20 +202,14 @@ def _run(case: Bad | Help, folder: Path, paths: dict[str, str]) -> Run:
             json_out = folder / "out.json"
             json_out.write_text(KEPT)
             args.append(f"--json_out={json_out}")
-    proc = subprocess.run(
-        [sys.executable, "-m", case.program, *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-        timeout=120,
-    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = run_forked(case.program, *args, cwd=REPO, env=env, timeout=120)
     return Run(proc, json_out)
 
 
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory):
-    """The selected cases' runs, started two at a time when the module's first test asks."""
+    """The selected cases' runs, started one after another when the module's first test asks."""
     root = tmp_path_factory.mktemp("cli_inputs")
     paths = _damaged_checkpoints(root)
     wanted = [
@@ -222,7 +217,7 @@ def runs(request, tmp_path_factory):
         for item in request.config.stash[SELECTED_ITEMS]
         if item.module is request.module and hasattr(item, "callspec")
     ]
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
         yield {
             case: pool.submit(_run, case, root / f"case{i}", paths)
             for i, case in enumerate(dict.fromkeys(wanted))

@@ -1,5 +1,6 @@
 """experiments.core on CPU: the cache-update path and the Core against the model's forward."""
 
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from program_runs import run_forked
 
 import huginn_jax
 from experiments.core import cases, report, runners
@@ -21,10 +23,17 @@ REPO = Path(__file__).resolve().parent.parent
 CFG = cases.core_config("micro")
 
 
-def decode_setup(iterations, seed=0):
-    graphdef, params = runners.build_core(CFG, jnp.float32, seed)
+@functools.cache
+def core_weights():
+    """The float32 micro Core's random weights of seed 0 (graphdef, params), drawn once for the
+    module: their jitted init compiles for seconds, and no test changes them."""
+    return runners.build_core(CFG, jnp.float32, 0)
+
+
+def decode_setup(iterations):
+    graphdef, params = core_weights()
     case = cases.Case("decode", batch=2, context=7, iterations=iterations)
-    state, embedded, cache = runners.case_inputs(CFG, case, jnp.float32, seed)
+    state, embedded, cache = runners.case_inputs(CFG, case, jnp.float32, 0)
     return graphdef, params, case, state, embedded, cache
 
 
@@ -71,7 +80,7 @@ def test_decode_writes_the_right_slots_and_keeps_the_history():
 def test_prefill_from_zero_equals_reading_the_cache():
     """from_zero (start the constant 0: attend to the new positions alone, plainly causal)
     computes what the traced-start prefill computes over the whole, still empty, cache."""
-    graphdef, params = runners.build_core(CFG, jnp.float32, 0)
+    graphdef, params = core_weights()
     case = cases.Case("prefill", batch=2, context=9, iterations=2)
     state, embedded, cache = runners.case_inputs(CFG, case, jnp.float32, 0)
     reading, weights = runners.jit_core(graphdef, params, iterations=2)
@@ -120,7 +129,8 @@ def test_trained_weights_are_the_exported_models_core(tmp_path):
     core, weights = runners.jit_core(graphdef, params, iterations=2)
     got, _ = core(weights, state0, embedded, None, jnp.int32(0))
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
-    _, random_params = runners.build_core(cases.core_config(str(tmp_path)), jnp.float32, 0)
+    assert cases.core_config(str(tmp_path)) == CFG
+    _, random_params = core_weights()
     assert not np.allclose(
         random_params["adapter"]["kernel"][...], params["adapter"]["kernel"][...]
     )
@@ -133,15 +143,22 @@ def run_cli(*args):
 
 
 def test_cli_on_cpu_writes_json(tmp_path):
+    """The XLA paths of the model config in one run, each checked against xla. Decode only on a
+    CPU: there the paths differ in decode attention and decode GEMVs alone, so in prefill each
+    would compile and run xla's own Core again (prefill cases: test_core_persistent.py, and
+    test_cli_torch_impls_on_cpu with PyTorch); on a GPU prefill too, where xla_mgpu's prefill
+    attention is its own."""
     out = tmp_path / "core.json"
     on_gpu = jax.default_backend() == "gpu"  # the subprocess sees the same devices
+    modes = ["decode", "prefill"] if on_gpu else ["decode"]
     proc = run_cli(
         "--config=micro",
+        f"--mode={','.join(modes)}",
         "--context=16",
-        "--iterations=2",  # one r per mode: every impl compiles per case
+        "--iterations=2",  # one r: every impl compiles per case
         "--impls=xla,xla_split,xla_pallas,xla_row_gemv,xla_rows8,xla_mgpu",
-        "--repeats=2",
-        "--warmup=1",
+        "--repeats=1",
+        "--warmup=0",
         f"--json_out={out}",
         *([] if on_gpu else ["--hbm"]),  # on a GPU, --hbm runs ncu: minutes
     )
@@ -152,13 +169,16 @@ def test_cli_on_cpu_writes_json(tmp_path):
     import json
 
     data = json.loads(out.read_text())
-    assert {r["mode"] for r in data["records"]} == {"decode", "prefill"}
+    impls = ["xla", "xla_split", "xla_pallas", "xla_row_gemv", "xla_rows8"]
+    ran = impls + (["xla_mgpu"] if on_gpu else [])
+    assert [(r["mode"], r["impl"]) for r in data["records"]] == [(m, i) for m in modes for i in ran]
     assert all(r["ms_per_iteration"] > 0 for r in data["records"])
     assert data["records"][0]["xla_report"]["big_buffer_copies"] == []
     # The other decode paths compute what xla computes (bf16, so not bit for bit).
-    for impl in ("xla_split", "xla_pallas", "xla_row_gemv", "xla_rows8"):
+    for impl in impls[1:]:
         checks = [c for c in data["checks"] if c["impl"] == impl]
-        assert len(checks) == 2 and all(c["passed"] and c["reference"] == "xla" for c in checks)
+        assert [c["mode"] for c in checks] == modes
+        assert all(c["passed"] and c["reference"] == "xla" for c in checks)
         assert all(c["rel_err"] <= c["tolerance"] for c in checks)
 
 
@@ -189,15 +209,14 @@ def test_agreement_checks_fail_beyond_tolerance():
         ("--iterations=x", "expected integers"),
         ("--impls=jax", "unknown 'jax'"),
         ("--config=huge", "unknown preset"),
-        ("--config=/no/such/dir", "no such directory (presets: huginn_0125"),
-        ("--context=100000000", "the Core's cache takes at most 1048576"),
+        # --config=/no/such/dir and --context=100000000: tests/test_cli_inputs.py
         ("--context=1000000", "for prefill at batch 1"),  # device or host memory
         ("--weights=trained", "needs --config=DIR"),
         ("--torch_compile_mode=fast", "value should be one of"),
     ],
 )
 def test_cli_bad_flags_exit_2(tmp_path, flag, message):
-    proc = run_cli(flag, f"--json_out={tmp_path / 'x.json'}")
+    proc = run_forked("experiments.core", flag, f"--json_out={tmp_path / 'x.json'}", cwd=REPO)
     assert proc.returncode == 2
     assert message in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
@@ -209,7 +228,7 @@ def test_cli_unwritable_outputs_exit_2_before_any_measurement(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     for flag in ("--json_out", "--trace_dir", "--hlo_dir"):
-        proc = run_cli("--config=micro", f"{flag}={blocker}/sub")
+        proc = run_forked("experiments.core", "--config=micro", f"{flag}={blocker}/sub", cwd=REPO)
         assert proc.returncode == 2, (flag, proc.stderr[-2000:])
         assert "cannot write there" in proc.stderr and "core:" not in proc.stdout
         assert len(proc.stderr.strip().splitlines()) == 1
@@ -256,7 +275,7 @@ def test_torch_runners_compute_what_xla_computes(mode):
     pytest.importorskip("torch", reason='needs PyTorch: pip install -e ".[torch]"')
     from experiments.torch_ref.core_runner import TORCH_IMPLS
 
-    graphdef, params = runners.build_core(CFG, jnp.float32, 0)
+    graphdef, params = core_weights()
     case = cases.Case(mode, batch=2, context=7, iterations=2)
     want = xla_output(graphdef, params, case)
     for impl, got in torch_outputs(case, params, TORCH_IMPLS).items():
@@ -291,15 +310,16 @@ def test_torch_runners_on_cuda(mode, compile_mode):
 
 def test_cli_torch_impls_on_cpu(tmp_path):
     """--impls=torch: the runnable torch impls timed, each one's Core checked once against the
-    conformance checkpoint (on a GPU all five, torch_compile with compile_seconds)."""
+    conformance checkpoint (on a GPU all five, torch_compile with compile_seconds); a decode
+    and a prefill case, each impl's output checked against xla's."""
     pytest.importorskip("torch", reason='needs PyTorch: pip install -e ".[torch]"')
     import json
 
     out = tmp_path / "core.json"
     on_gpu = jax.default_backend() == "gpu"
     proc = run_cli(
-        "--config=micro", "--mode=decode,prefill", "--context=8", "--iterations=1,2",
-        "--impls=xla,torch", "--dtype=fp32", "--repeats=2", "--warmup=1", f"--json_out={out}",
+        "--config=micro", "--mode=decode,prefill", "--context=8", "--iterations=2",
+        "--impls=xla,torch", "--dtype=fp32", "--repeats=1", "--warmup=0", f"--json_out={out}",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads(out.read_text())
@@ -316,9 +336,13 @@ def test_cli_torch_impls_on_cpu(tmp_path):
         assert compiled == list(dict.fromkeys(modes))
     else:
         assert "torch_compile, torch_graph, torch_reference need(s) CUDA; skipped" in proc.stdout
-    assert [c["impl"] for c in data["conformance"]] == checked  # once each, four cases
+    assert [c["impl"] for c in data["conformance"]] == checked  # once each, two cases
     assert all(c["passed"] for c in data["conformance"])
     assert proc.stdout.count("conformance torch_eager (fast Core)") == 1
+    assert {r["mode"] for r in data["records"]} == {"decode", "prefill"}
+    assert all(r["ms_per_iteration"] > 0 for r in data["records"])
     timed = [r for r in data["records"] if r["impl"].startswith("torch")]
-    assert len(timed) == 4 * len(runnable)
+    assert len(timed) == 2 * len(runnable)
     assert all(("compile_seconds" in r) == (r["impl"] == "torch_compile") for r in timed)
+    checks = {(c["impl"], c["mode"]) for c in data["checks"] if c["passed"]}
+    assert checks == {(impl, mode) for impl in runnable for mode in ("decode", "prefill")}

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from program_runs import run_forked
 
 from huginn_jax import costs
 from huginn_jax.config import HuginnConfig
@@ -186,7 +187,7 @@ def test_program_prints_seed_numbers(tmp_path):
     ["--device=banana", "--context=0", "--batch=-1", "--context=x", "--context=100000000000"],
 )
 def test_program_bad_flag_one_line_exit_2(flag):
-    proc = _run(flag)
+    proc = run_forked("experiments.roofline", flag, cwd=ROOT)
     assert proc.returncode == 2
     assert proc.stdout == ""
     lines = proc.stderr.strip().splitlines()

@@ -18,6 +18,7 @@ from attention_programs import (
     check_compiled_whole,
     check_torch_row,
     import_torch,
+    run_forked_program,
     run_program,
     write_ceilings,
 )
@@ -52,6 +53,7 @@ def test_head_major_equals_the_models_attention():
 
 
 run_cli = functools.partial(run_program, "decode_attention")
+run_cli_forked = functools.partial(run_forked_program, "decode_attention")
 
 
 def test_cli_on_cpu_writes_json(tmp_path):
@@ -188,7 +190,7 @@ def test_torch_runner_is_put_together_as_its_name_says(monkeypatch, impl, mode):
 
 def test_ceilings_of_another_device_exit_2_with_one_line(tmp_path):
     ceilings = write_ceilings(tmp_path / "c.json", "NVIDIA A100-SXM4-80GB", 2e12, 300e12)
-    proc = run_cli(f"--ceilings={ceilings}", f"--json_out={tmp_path / 'x.json'}")
+    proc = run_cli_forked(f"--ceilings={ceilings}", f"--json_out={tmp_path / 'x.json'}")
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert [line for line in proc.stderr.splitlines() if "'tpu'" not in line] == [
         f"decode_attention: --ceilings: {ceilings}: measured on 'NVIDIA A100-SXM4-80GB', "
@@ -211,13 +213,13 @@ def test_ceilings_of_another_device_exit_2_with_one_line(tmp_path):
     ],
 )
 def test_cli_bad_flags_exit_2(tmp_path, flag, message):
-    assert_refused(run_cli(flag, f"--json_out={tmp_path / 'x.json'}"), message)
+    assert_refused(run_cli_forked(flag, f"--json_out={tmp_path / 'x.json'}"), message)
 
 
 def test_cli_unwritable_json_exits_2_before_measuring(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    proc = run_cli("--batch=1", "--context=40", f"--json_out={blocker}/x.json")
+    proc = run_cli_forked("--batch=1", "--context=40", f"--json_out={blocker}/x.json")
     assert_refused(proc, "cannot write there")
     assert "rel err" not in proc.stdout
 

@@ -35,20 +35,38 @@ def test_padded_row_gemv_multiplies_eight_rows():
 
 
 def test_model_decodes_through_padded_rows():
-    """decode_gemv="xla_rows8" decodes like "xla" at batch 1 and takes the plain path at
-    batch 2 (float32: the same products, summed in another order)."""
+    """decode_gemv="xla_rows8" decodes like "xla" at batch 1 (float32: the same products,
+    summed in another order). (Batch 2 takes the plain path: the next test.)"""
     micro = dataclasses.replace(HuginnConfig.from_name("micro"), block_size=64)
-    for batch in (1, 2):
-        (want, want_cache), (got, got_cache) = [
-            prefill_then_decode(
-                dataclasses.replace(micro, decode_gemv=impl),
-                prompt_len=12,
-                steps=2,
-                max_len=16,
-                seed=41,
-                batch=batch,
-            )
-            for impl in ("xla", "xla_rows8")
-        ]
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-        np.testing.assert_allclose(got_cache.k, want_cache.k, rtol=1e-5, atol=1e-5)
+    (want, want_cache), (got, got_cache) = [
+        prefill_then_decode(
+            dataclasses.replace(micro, decode_gemv=impl),
+            prompt_len=12,
+            steps=2,
+            max_len=16,
+            seed=41,
+            batch=1,
+        )
+        for impl in ("xla", "xla_rows8")
+    ]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got_cache.k, want_cache.k, rtol=1e-5, atol=1e-5)
+
+
+def test_model_step_pads_rows_at_batch_one_only():
+    """The Core step's jaxpr multiplies 8-row products at batch 1; at batch 2 it is the plain
+    path's jaxpr, op for op."""
+    from flax import nnx
+
+    from huginn_jax.model import Core, run_core
+
+    micro = HuginnConfig.from_name("micro")
+
+    def jaxpr(decode_gemv, batch):
+        core = Core(dataclasses.replace(micro, decode_gemv=decode_gemv), rngs=nnx.Rngs(0))
+        state = jnp.ones((batch, 1, micro.n_embd))
+        return str(jax.make_jaxpr(lambda s: run_core(core, s, s, 0, None, 2))(state))
+
+    padded = f"f32[{PADDED_ROWS},{micro.n_embd}]"  # a row padded to PADDED_ROWS rows
+    assert padded in jaxpr("xla_rows8", 1) and padded not in jaxpr("xla", 1)
+    assert jaxpr("xla_rows8", 2) == jaxpr("xla", 2)

@@ -110,41 +110,42 @@ def test_bad_input_fails_clearly():
 
 
 def test_model_decodes_through_the_kernel():
-    """decode_gemv="pallas" decodes like "xla" at batch 1 (row GEMVs, interpret mode on CPU),
-    and at batch 2 takes the plain path."""
+    """decode_gemv="pallas" decodes like "xla" at batch 1 (row GEMVs, interpret mode on CPU).
+    (Batch 2 takes the plain path: test_model_step_uses_the_kernel_at_batch_one_only.)"""
     micro = dataclasses.replace(HuginnConfig.from_name("micro"), block_size=64)
-    for batch in (1, 2):
-        (want, want_cache), (got, got_cache) = [
-            prefill_then_decode(
-                dataclasses.replace(micro, decode_gemv=impl),
-                prompt_len=20,
-                steps=2,
-                max_len=24,
-                seed=40,
-                batch=batch,
-            )
-            for impl in ("xla", "pallas")
-        ]
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-        np.testing.assert_allclose(got_cache.k, want_cache.k, rtol=1e-5, atol=1e-5)
+    (want, want_cache), (got, got_cache) = [
+        prefill_then_decode(
+            dataclasses.replace(micro, decode_gemv=impl),
+            prompt_len=20,
+            steps=2,
+            max_len=24,
+            seed=40,
+            batch=1,
+        )
+        for impl in ("xla", "pallas")
+    ]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got_cache.k, want_cache.k, rtol=1e-5, atol=1e-5)
 
 
 def test_model_step_uses_the_kernel_at_batch_one_only():
-    """The Core step's jaxpr holds the row kernels at batch 1 and none at batch 2."""
+    """The Core step's jaxpr holds the row kernels at batch 1; at batch 2 it holds none and is
+    the plain path's jaxpr, op for op."""
     from flax import nnx
 
     from huginn_jax.model import Core, run_core
 
-    cfg = dataclasses.replace(HuginnConfig.from_name("micro"), decode_gemv="pallas")
-    core = Core(cfg, rngs=nnx.Rngs(0))
+    micro = HuginnConfig.from_name("micro")
 
-    def kernels(batch):
-        state = jnp.ones((batch, 1, cfg.n_embd))
-        jaxpr = jax.make_jaxpr(lambda s: run_core(core, s, s, 0, None, 2))(state)
-        return str(jaxpr).count("name=fused_gemv_kernel")  # one jitted call per GEMV
+    def jaxpr(decode_gemv, batch):
+        core = Core(dataclasses.replace(micro, decode_gemv=decode_gemv), rngs=nnx.Rngs(0))
+        state = jnp.ones((batch, 1, micro.n_embd))
+        return str(jax.make_jaxpr(lambda s: run_core(core, s, s, 0, None, 2))(state))
 
-    assert kernels(1) == 1 + 4 * cfg.n_core  # adapter + 4 per block, in the scan body
-    assert kernels(2) == 0
+    kernels = "name=fused_gemv_kernel"  # one jitted call per GEMV
+    assert jaxpr("pallas", 1).count(kernels) == 1 + 4 * micro.n_core  # adapter + 4 per block
+    batch2 = jaxpr("pallas", 2)
+    assert kernels not in batch2 and batch2 == jaxpr("xla", 2)
 
 
 def kernel_rounding(y, *, silu: bool) -> np.ndarray:

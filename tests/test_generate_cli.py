@@ -1,6 +1,7 @@
 """The huginn_jax.generate command line: bad input, help, flag checks, the kernel choices,
 checkpoints and the JSON it writes."""
 
+import itertools
 import json
 import subprocess
 import sys
@@ -9,6 +10,7 @@ from pathlib import Path
 import jax
 import pytest
 from conftest import MICRO
+from program_runs import run_forked
 
 import huginn_jax
 
@@ -25,6 +27,12 @@ def _cli(*args, cwd=None):
         cwd=cwd or Path(__file__).parents[1],
         timeout=300,
     )
+
+
+def _cli_forked(*args):
+    """`_cli` forked from a process that has imported JAX (tests/program_runs.py): for runs
+    that end before any work."""
+    return run_forked("huginn_jax.generate", "--noprogress", *args, cwd=Path(__file__).parents[1])
 
 
 def _cli_all(arg_lists: list[list[str]]) -> list[subprocess.CompletedProcess]:
@@ -47,7 +55,9 @@ def _cli_all(arg_lists: list[list[str]]) -> list[subprocess.CompletedProcess]:
 
 
 def test_cli_bad_input_exits_2_with_one_line():
-    result = _cli("--config=micro", "--random_weights", "--prompt_ids=", "--max_new_tokens=2")
+    result = _cli_forked(
+        "--config=micro", "--random_weights", "--prompt_ids=", "--max_new_tokens=2"
+    )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "generate: the prompt is empty (input_ids shape (1, 0)); give at least a token"
@@ -55,7 +65,7 @@ def test_cli_bad_input_exits_2_with_one_line():
 
 
 def test_cli_help_lists_its_flags_with_defaults():
-    out = " ".join(_cli("--help").stdout.split())  # absl wraps the help text
+    out = " ".join(_cli_forked("--help").stdout.split())  # absl wraps the help text
     assert "--prompt_len: A random prompt of this many token ids" in out
     assert "--max_new_tokens: Tokens to generate per sequence (>= 1). (default: '32')" in out
     assert "kl 0.0005" in out and "argmax-stability 5" in out
@@ -127,15 +137,21 @@ def test_cli_kernel_flags_offer_the_configs_names():
 
 def test_cli_kernel_choices(tmp_path):
     """Every --decode_attention and --decode_gemv generates the default's float32 tokens (the
-    Pallas kernels in interpret mode without a GPU); cuDNN (bf16 only) runs in bf16 on a GPU and
-    ends in one line saying so without one; an unknown name ends in one line listing the known
-    ones."""
+    Pallas kernels in interpret mode without a GPU), a choice of each flag per run; cuDNN (bf16
+    only) runs in bf16 on a GPU and ends in one line saying so without one; an unknown name ends
+    in one line listing the known ones."""
     from huginn_jax.config import DECODE_ATTENTION_IMPLS, DECODE_GEMV_IMPLS
 
     on_gpu = jax.default_backend() == "gpu"
-    runs = [(impl, "xla") for impl in DECODE_ATTENTION_IMPLS] + [
-        ("xla", gemv) for gemv in DECODE_GEMV_IMPLS if gemv != "xla"
+    attentions = [a for a in DECODE_ATTENTION_IMPLS if a not in ("xla", "cudnn")]
+    gemvs = [g for g in DECODE_GEMV_IMPLS if g != "xla"]
+    runs = [
+        ("xla", "xla"),
+        *itertools.zip_longest(attentions, gemvs, fillvalue="xla"),
+        ("cudnn", "xla"),
     ]
+    assert {a for a, _ in runs} == set(DECODE_ATTENTION_IMPLS)
+    assert {g for _, g in runs} == set(DECODE_GEMV_IMPLS)
     tokens = {}
     dtypes = ["bf16" if attention == "cudnn" else "f32" for attention, _ in runs]
     results = _cli_all([
@@ -164,7 +180,7 @@ def test_cli_kernel_choices(tmp_path):
         tokens[attention, gemv] = data["tokens"]
     assert len(tokens["xla", "xla"][0]) == 4
     assert all(t == tokens["xla", "xla"] for t in tokens.values()), tokens
-    refused = _cli("--config=micro", "--random_weights", "--decode_attention=flash")
+    refused = _cli_forked("--config=micro", "--random_weights", "--decode_attention=flash")
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines() == [
         "generate: flag --decode_attention=flash: value should be one of "
@@ -181,7 +197,7 @@ def test_cli_checkpoint_takes_the_kernel_choices(micro, tmp_path):
     args = [f"--checkpoint={checkpoint}", "--dtype=f32", "--prompt_ids=1,2,3", "--num_steps=2"]
     args.append("--max_new_tokens=3")
     if jax.default_backend() != "gpu":
-        result = _cli(*args, "--decode_attention=cudnn")
+        result = _cli_forked(*args, "--decode_attention=cudnn")
         assert result.returncode == 2
         assert "generate: decode_attention_impl='cudnn' needs an NVIDIA GPU" in result.stderr
         return

@@ -29,21 +29,24 @@ def run(tmp_path, decode_attention, *flags):
     return json.loads(out.read_text())
 
 
-def test_pallas_decode_attention_generates_the_same_tokens(tmp_path):
-    """The Pallas kernel (interpret mode on CPU) in every decode step: the greedy tokens of the
-    XLA attention, float32."""
-    xla, pallas = run(tmp_path, "xla"), run(tmp_path, "pallas")
-    assert pallas["environment"]["flags"]["decode_attention"] == "pallas"
+@pytest.fixture(scope="module")
+def xla_run(tmp_path_factory):
+    """The plain path's run: XLA's attention and GEMVs; --core_decode=persistent falls back to
+    XLA's Core on micro (test_jax_alone_writes_its_record_with_a_warm_prefill)."""
+    return run(tmp_path_factory.mktemp("xla"), "xla", "--core_decode=persistent")
+
+
+def test_pallas_kernels_generate_the_same_tokens(tmp_path, xla_run):
+    """--decode_attention=pallas and --decode_gemv=pallas at batch 1, in one run: the attention
+    kernel in every decode step and the row GEMV kernels in every Core step of it (interpret
+    mode on CPU) give the greedy tokens of the plain path, float32. (Each kernel alone against
+    the plain path, logits and cache: test_decode_attention_kernel.py, test_fused_gemv.py.)"""
+    pallas = run(tmp_path, "pallas", "--decode_gemv=pallas")
+    flags = pallas["environment"]["flags"]
+    assert (flags["decode_attention"], flags["decode_gemv"]) == ("pallas", "pallas")
+    assert xla_run["jax"]["core_decode"] == "xla"
     assert len(pallas["jax"]["tokens"][0]) == 4
-    assert pallas["jax"]["tokens"] == xla["jax"]["tokens"]
-
-
-def test_row_gemvs_generate_the_same_tokens(tmp_path):
-    """--decode_gemv=pallas at batch 1: every Core step of every decode step through the row
-    GEMV kernels (interpret mode on CPU); the greedy tokens of the plain path, float32."""
-    xla, rows = run(tmp_path, "xla"), run(tmp_path, "xla", "--decode_gemv=pallas")
-    assert rows["environment"]["flags"]["decode_gemv"] == "pallas"
-    assert rows["jax"]["tokens"] == xla["jax"]["tokens"]
+    assert pallas["jax"]["tokens"] == xla_run["jax"]["tokens"]
 
 
 def test_a_persistent_jax_loop_is_the_row_jax_persistent():
@@ -54,12 +57,12 @@ def test_a_persistent_jax_loop_is_the_row_jax_persistent():
     assert make_records(gen, {}, {}, {}, batch=1)[0]["impl"] == "jax_persistent"
 
 
-def test_jax_alone_writes_its_record_with_a_warm_prefill(tmp_path):
+def test_jax_alone_writes_its_record_with_a_warm_prefill(xla_run):
     """One row, jax: no rival framework, so no vs_best; the prefill was timed after an untimed
     first call, whose compile seconds the record keeps. --core_decode=persistent reaches the
     loop, which decodes with XLA's Core (micro's float32 cache is not the kernel's) and says
     why: the row stays jax."""
-    data = run(tmp_path, "xla", "--core_decode=persistent")
+    data = xla_run
     assert data["environment"]["flags"]["core_decode"] == "persistent"
     assert data["jax"]["core_decode"] == "xla" and "float32" in data["jax"]["core_decode_fallback"]
     assert data["torch"] == {} and data["conformance"] == {}

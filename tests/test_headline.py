@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from program_runs import run_forked
 
 from experiments import headline
 
@@ -84,14 +85,20 @@ def test_cli_writes_json_and_table(tmp_path):
     assert "1.000-1.300" in proc.stdout and (tmp_path / "h.txt").read_text() in proc.stdout + "\n"
 
 
+def run_cli_forked(*args):
+    """`run_cli` forked from a process that has imported JAX (tests/program_runs.py): for runs
+    that end at their input."""
+    return run_forked("experiments.headline", *args, cwd=REPO)
+
+
 def test_cli_errors_are_one_line(tmp_path):
     path = tmp_path / "r.json"
     path.write_text(json.dumps(core_run({"xla": 1.0})))
-    few = run_cli(str(path), str(path))
+    few = run_cli_forked(str(path), str(path))
     assert few.returncode == 2 and "at least 3" in few.stderr and "Traceback" not in few.stderr
     bad = tmp_path / "bad.json"
     bad.write_text("{")
-    broken = run_cli(str(path), str(path), str(bad))
+    broken = run_cli_forked(str(path), str(path), str(bad))
     assert broken.returncode == 2 and len(broken.stderr.strip().splitlines()) == 1
-    unwritable = run_cli(str(path), str(path), str(path), f"--json_out={path}/x.json")
+    unwritable = run_cli_forked(str(path), str(path), str(path), f"--json_out={path}/x.json")
     assert unwritable.returncode == 2 and "cannot write" in unwritable.stderr

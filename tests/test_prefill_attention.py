@@ -16,6 +16,7 @@ from attention_programs import (
     assert_refused,
     check_compiled_whole,
     check_torch_row,
+    run_forked_program,
     run_program,
     write_ceilings,
 )
@@ -45,6 +46,7 @@ def test_causal_flops_counts_the_lower_triangle():
 
 
 run_cli = functools.partial(run_program, "prefill_attention")
+run_cli_forked = functools.partial(run_forked_program, "prefill_attention")
 
 
 def test_cli_on_cpu_writes_json(tmp_path):
@@ -187,12 +189,14 @@ def test_cli_trace_dir_breaks_each_jax_call_down(tmp_path):
     ],
 )
 def test_cli_bad_flags_exit_2(tmp_path, flag, message):
-    assert_refused(run_cli(flag, f"--json_out={tmp_path / 'x.json'}"), message)
+    assert_refused(run_cli_forked(flag, f"--json_out={tmp_path / 'x.json'}"), message)
 
 
 def test_ceilings_of_another_device_exit_2_with_one_line(tmp_path):
     ceilings = write_ceilings(tmp_path / "c.json", "NVIDIA B200", 7e12, 2e15)
-    proc = run_cli("--tokens=64", f"--ceilings={ceilings}", f"--json_out={tmp_path / 'x.json'}")
+    proc = run_cli_forked(
+        "--tokens=64", f"--ceilings={ceilings}", f"--json_out={tmp_path / 'x.json'}"
+    )
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if "'tpu'" not in line]
     assert len(lines) == 1 and lines[0].startswith("prefill_attention: --ceilings: ")

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_programs import assert_refused, run_program, write_ceilings
+from attention_programs import assert_refused, run_forked_program, run_program, write_ceilings
 from tolerance import assert_close, rel_fro, rtol
 
 from experiments import attention_bench as bench
@@ -57,7 +57,7 @@ def test_both_jax_forms_match_a_float32_product_of_the_same_inputs():
 )  # fmt: skip
 def test_bad_flags_exit_2_with_one_line_before_any_work(tmp_path, flag, message):
     out = tmp_path / "p.json"
-    proc = run_program(MODULE, flag, f"--json_out={out}")
+    proc = run_forked_program(MODULE, flag, f"--json_out={out}")
     assert_refused(proc, message)
     assert proc.stderr.startswith("prefill_gemm: ") and not out.exists()
 

@@ -1,5 +1,6 @@
 """experiments.program: the skeleton every experiment program runs in."""
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -126,14 +127,27 @@ def test_cpu_defaults_shrink_the_flags_not_given_and_the_json_records_them(tmp_p
     assert json.loads(out.read_text())["rows"] == [0, 1, 2]
 
 
+@contextlib.contextmanager
+def ctrl_c_reaches_children():
+    """The processes started inside get Ctrl-C (SIGINT) as a program started from a terminal
+    does, also where this one ignores it (a shell's background job, e.g. a CI runner's, starts
+    with SIGINT ignored, and a child process inherits that)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_an_interrupted_run_writes_what_it_measured_marked_incomplete(tmp_path, signum, code):
     script, out = tmp_path / "toy.py", tmp_path / "r.json"
     script.write_text(LONG_TOY)
-    proc = subprocess.Popen(
-        [sys.executable, str(script), "--count=100000", f"--json_out={out}"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=ENV,
-    )  # fmt: skip
+    with ctrl_c_reaches_children():
+        proc = subprocess.Popen(
+            [sys.executable, str(script), "--count=100000", f"--json_out={out}"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=ENV,
+        )  # fmt: skip
     try:
         while proc.stdout.readline().strip() != "three rows":
             assert proc.poll() is None, proc.stderr.read()
