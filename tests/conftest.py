@@ -69,6 +69,18 @@ def prefill_then_decode(
     return np.concatenate(logits, axis=1), out.cache
 
 
+def core_step_jaxpr(cfg, batch: int) -> str:
+    """The jaxpr, as text, of a decode Core step (2 iterations, no cache) of a Core of `cfg`
+    (weights from seed 0) on `batch` sequences: what the model traces for that batch."""
+    from flax import nnx
+
+    from huginn_jax.model import Core, run_core
+
+    core = Core(cfg, rngs=nnx.Rngs(0))
+    state = jnp.ones((batch, 1, cfg.n_embd))
+    return str(jax.make_jaxpr(lambda s: run_core(core, s, s, 0, None, 2))(state))
+
+
 # The test items this run selected (after -k and -m), for fixtures that start work for them ahead.
 SELECTED_ITEMS = pytest.StashKey[list]()
 

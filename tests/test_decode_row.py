@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import prefill_then_decode
+from conftest import core_step_jaxpr, prefill_then_decode
 
 from huginn_jax.config import HuginnConfig
 from huginn_jax.decode_row import PADDED_ROWS, row_gemv_padded, row_gemv_xla
@@ -56,16 +56,10 @@ def test_model_decodes_through_padded_rows():
 def test_model_step_pads_rows_at_batch_one_only():
     """The Core step's jaxpr multiplies 8-row products at batch 1; at batch 2 it is the plain
     path's jaxpr, op for op."""
-    from flax import nnx
-
-    from huginn_jax.model import Core, run_core
-
     micro = HuginnConfig.from_name("micro")
 
     def jaxpr(decode_gemv, batch):
-        core = Core(dataclasses.replace(micro, decode_gemv=decode_gemv), rngs=nnx.Rngs(0))
-        state = jnp.ones((batch, 1, micro.n_embd))
-        return str(jax.make_jaxpr(lambda s: run_core(core, s, s, 0, None, 2))(state))
+        return core_step_jaxpr(dataclasses.replace(micro, decode_gemv=decode_gemv), batch)
 
     padded = f"f32[{PADDED_ROWS},{micro.n_embd}]"  # a row padded to PADDED_ROWS rows
     assert padded in jaxpr("xla_rows8", 1) and padded not in jaxpr("xla", 1)

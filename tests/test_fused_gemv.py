@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import prefill_then_decode
+from conftest import core_step_jaxpr, prefill_then_decode
 from tolerance import assert_close, bf16
 
 from huginn_jax.config import HuginnConfig
@@ -131,16 +131,10 @@ def test_model_decodes_through_the_kernel():
 def test_model_step_uses_the_kernel_at_batch_one_only():
     """The Core step's jaxpr holds the row kernels at batch 1; at batch 2 it holds none and is
     the plain path's jaxpr, op for op."""
-    from flax import nnx
-
-    from huginn_jax.model import Core, run_core
-
     micro = HuginnConfig.from_name("micro")
 
     def jaxpr(decode_gemv, batch):
-        core = Core(dataclasses.replace(micro, decode_gemv=decode_gemv), rngs=nnx.Rngs(0))
-        state = jnp.ones((batch, 1, micro.n_embd))
-        return str(jax.make_jaxpr(lambda s: run_core(core, s, s, 0, None, 2))(state))
+        return core_step_jaxpr(dataclasses.replace(micro, decode_gemv=decode_gemv), batch)
 
     kernels = "name=fused_gemv_kernel"  # one jitted call per GEMV
     assert jaxpr("pallas", 1).count(kernels) == 1 + 4 * micro.n_core  # adapter + 4 per block
