@@ -219,12 +219,16 @@ def test_lowers_for_cuda_with_every_sm(batch):
     f = build_fused_core(shape, 2, workers=132, eps=1e-6)  # the default schedule
     sd = jax.ShapeDtypeStruct
     cache = sd((2, batch, 1024, 5280), jnp.bfloat16)
+    cols = shape.unit_cols
+
+    def tiled(p):  # `fused_step.tile_columns`
+        return sd((p.n // cols, p.k, cols), jnp.bfloat16)
+
     args = [
         sd((3,), jnp.int32), sd((shape.k_d, 8), jnp.float32), sd((shape.k_d, 8), jnp.float32),
         sd((1, shape.k_d, 8), jnp.float32), sd((3, 5280, 8), jnp.float32),
-        sd((1, 2, 5280, 8), jnp.float32), cache, cache,
-        sd((shape.phases[0].k, shape.phases[0].n), jnp.bfloat16),
-        *(sd((p.k, p.n), jnp.bfloat16) for p in shape.phases),
+        sd((1, 2, 5280, 8), jnp.float32), cache, cache, tiled(shape.phases[0]),
+        *(tiled(p) for p in shape.phases),
     ]  # fmt: skip
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text

@@ -23,15 +23,19 @@ def test_padded_row_gemv_is_the_plain_one(kw):
     x = jax.random.normal(jax.random.fold_in(key, 1), (96,), jnp.float32)
     got, want = row_gemv_padded(w, x, **kw), row_gemv_xla(w, x, **kw)
     assert got.shape == want.shape and got.dtype == want.dtype
-    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    # float32 sums of 96 products of unit normals in another order (a GEMM's on a GPU, the
+    # GEMV's): about sqrt(96) roundings of sums near 10 apart
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=5e-5)
 
 
 def test_padded_row_gemv_multiplies_eight_rows():
-    """The compiled product is [PADDED_ROWS, K] @ [K, N], not folded back to one row."""
+    """The compiled product is [PADDED_ROWS, K] @ [K, N], not folded back to one row (a GPU's
+    XLA may compute it transposed: a [N, PADDED_ROWS] result)."""
     w, x = jnp.ones((96, 64), jnp.bfloat16), jnp.ones((96,), jnp.bfloat16)
     hlo = jax.jit(row_gemv_padded).lower(w, x).compile().as_text()
     dots = [line for line in hlo.splitlines() if " dot(" in line]
-    assert dots and all(f"[{PADDED_ROWS},64]" in line for line in dots), dots
+    shapes = (f"[{PADDED_ROWS},64]", f"[64,{PADDED_ROWS}]")
+    assert dots and all(any(s in line for s in shapes) for line in dots), dots
 
 
 def test_model_decodes_through_padded_rows():

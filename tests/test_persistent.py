@@ -31,13 +31,22 @@ from tests.tolerance import rel_fro
 
 CFG = HuginnConfig.from_name("tiny")  # D 96, 4 heads of 24, 4 Core layers; 2 prelude, 2 coda
 POS = 40  # positions [0, 40) are the history; those after it must stay invisible
-SCHEDULE = dict(unit_cols=64, schedule=Schedule(ring=3))  # tiny: 4 to 12 [64, 64] units
+# tiny: 4 to 12 [64, 64] units; the kernel in interpret mode on the CPU, also where a GPU is
+# JAX's default device (the tiny Core's heads of 24 cannot take the compiled kernel)
+SCHEDULE = dict(unit_cols=64, schedule=Schedule(ring=3), device=jax.devices("cpu")[0])
 # The kernel multiplies bf16 operands (the reference's weights are bf16-valued, its activations
 # float32) and keeps its activations in float32 where the model rounds none: 5 L chained steps.
 RTOL = 2e-2
 H200 = types.SimpleNamespace(
     platform="gpu", compute_capability="9.0", device_kind="NVIDIA H200", core_count=132
 )
+
+
+@pytest.fixture(autouse=True)
+def _on_cpu():
+    """Arrays on the CPU, where the interpreter runs the kernel."""
+    with jax.default_device(SCHEDULE["device"]):
+        yield
 
 
 @functools.cache
@@ -183,7 +192,7 @@ def test_why_not_and_prepare_take_the_capped_workers_on_a_gpu():
     cache = abstract_cache(small)
     assert core_target(small, 1, device=H200)[0].workers == 1
     assert core_target(small, 1, workers=132, device=H200)[0].workers == 132
-    assert core_target(small, 1, device=jax.devices("cpu")[0])[0].workers == 1
+    assert core_target(small, 1, device=SCHEDULE["device"])[0].workers == 1
     assert why_not_persistent(small, 1, cache, num_steps=2, device=H200) is None
     refused = why_not_persistent(small, 1, cache, num_steps=2, workers=132, device=H200)
     assert "with 132 workers" in refused and "(1 workers at most fit)" in refused

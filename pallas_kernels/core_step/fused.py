@@ -118,7 +118,7 @@ def build_fused_core(
             u = first[q] + j
             t = u // phases[q].k_chunks
             kc = u - t * phases[q].k_chunks
-            box = pl.ds(kc * UNIT, UNIT), pl.ds(t * cols, cols)
+            box = t, pl.ds(kc * UNIT, UNIT), slice(None)  # weights [tiles, k, cols]
             if q == 0:
                 pl.when(raw)(lambda: send(adapter_raw.at[box]))
                 pl.when(jnp.logical_not(raw))(lambda: send(w_refs[0].at[box]))

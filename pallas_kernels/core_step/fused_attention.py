@@ -41,43 +41,48 @@ MASKED = -1e30  # the model's masked score: finite, so exp(MASKED - m) is 0, nev
 
 def attention_step(k, it, j) -> None:
     """Layer j's attention at iteration `it`; `k`: the kernel's `fused.KernelContext`."""
-    shape = k.shape
-    kp = shape.kp
-    k.load_scalars()
-    if j == 0:
-        rx = plgpu.layout_cast(jnp.ones((N_PAD,), jnp.float32), WGMMA.reduce(0))
-    else:
-        rx = k.inv_rms(k.scalar(it, ScalarRows.z(j)))
-    r1 = k.inv_rms(k.scalar(it, ScalarRows.zg(j)) * rx * rx)
-    scale = bcast_rows(rx * r1, kp)
 
     @pl.loop(0, -(-k.items // k.workers))
     def _item(rr):
         item = k.worker + rr * k.workers
-        pl.when(item < k.items)(lambda: _head_item(k, it, j, scale, item))
+        pl.when(item < k.items)(lambda: _head_item(k, it, j, item))
 
 
-def _head_item(k, it, j, scale, item) -> None:
+def _head_item(k, it, j, item) -> None:
     kp, hd = k.shape.kp, k.shape.head_dim
     h, _, c0 = _window(k, item)
     delta = h * hd - c0
     rows = plgpu.broadcasted_iota(jnp.int32, (kp, N_PAD), 0, layout=WGMMA)
     valid = jnp.logical_and(rows >= delta, rows < delta + hd)
-    q, k_new, v_new = scoped(k.rope_types, lambda s: _rope(k, j, scale, c0, valid, s))
+    q, k_new, v_new = scoped(k.rope_types, lambda s: _rope(k, it, j, c0, valid, s))
     scoped(k.block_types, lambda s: _attend(k, it, j, item, c0, valid, q, k_new, v_new, s))
 
 
-def _rope(k, j, scale, c0, valid, s):
-    """(q, k_new, v_new) [kp, 8] of the head's window at column c0, RoPE'd and scaled."""
+def _scale(k, it, j):
+    """[kp, 8]: the layer input's two norms (rx r1) from the scalar tile in shared memory."""
+    if j == 0:
+        rx = plgpu.layout_cast(jnp.ones((N_PAD,), jnp.float32), WGMMA.reduce(0))
+    else:
+        rx = k.inv_rms(k.scalar(it, ScalarRows.z(j)))
+    r1 = k.inv_rms(k.scalar(it, ScalarRows.zg(j)) * rx * rx)
+    return bcast_rows(rx * r1, k.shape.kp)
+
+
+def _rope(k, it, j, c0, valid, s):
+    """(q, k_new, v_new) [kp, 8] of the head's window at column c0, RoPE'd and scaled: the
+    scalar tile, the windows and the tables are copied at once, then waited for."""
     shape = k.shape
     kp, hd, d = shape.kp, shape.head_dim, shape.d
     win = kp + 2 * SHIFT
     qkv = Buffers.of("qkv", j)
+    k.load_scalars(wait=False)
     for w, base in enumerate((0, d, 2 * d)):
         plgpu.copy_gmem_to_smem(k.act.at[qkv, pl.ds(base + c0, win), :], s["win"].at[w], s["abar"])
     tabs, biases = s["tab"].at[pl.ds(0, 3)], s["tab"].at[pl.ds(3, 2)]
     plgpu.copy_gmem_to_smem(k.tables.at[:, pl.ds(c0, kp), :], tabs, s["abar"])
     plgpu.copy_gmem_to_smem(k.rope_bias.at[j, :, pl.ds(c0, kp), :], biases, s["abar"])
+    plgpu.barrier_wait(k.s["scbar"])
+    scale = _scale(k, it, j)
     plgpu.barrier_wait(s["abar"])
 
     def window(w, shift):

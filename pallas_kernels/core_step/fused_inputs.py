@@ -29,9 +29,12 @@ class KernelContext:
     def inv_rms(self, ss):
         return lax.rsqrt(ss / self.shape.d + self.eps)
 
-    def load_scalars(self) -> None:
+    def load_scalars(self, wait: bool = True) -> None:
+        """The scalar tiles into shared memory; `wait` False leaves the wait (on scbar) to the
+        caller, who issues its other copies first."""
         plgpu.copy_gmem_to_smem(self.scal, self.s["sc"], self.s["scbar"])
-        plgpu.barrier_wait(self.s["scbar"])
+        if wait:
+            plgpu.barrier_wait(self.s["scbar"])
 
     def scalar(self, it, row: int, previous: bool = False):
         """[8]: row `row` of the iteration's scalar tile (or the previous iteration's)."""

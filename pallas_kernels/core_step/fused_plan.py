@@ -263,9 +263,7 @@ def scratch_types(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int
     (the weight ring, zeros, scalar tiles, partials in), then those of three scopes that take
     the same bytes in turn: a product's, the attention's RoPE (its windows and tables) and the
     attention's blocks (`smem_bytes` counts them)."""
-    # the attention's wgmma operands: a head's columns start at multiples of 16 (h * head_dim),
-    # which the 16-column tiles of a 32-byte swizzle divide; a wgmma's operands share a swizzle
-    swizzle_32 = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
+    attention = attention_transforms(shape)
     bf16, f32, cols = jnp.bfloat16, jnp.float32, shape.unit_cols
     ring, kv_stages, kv_block = schedule.ring, schedule.kv_stages, schedule.kv_block
     kp, chunk = shape.kp, (UNIT, N_PAD)
@@ -300,14 +298,25 @@ def scratch_types(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int
         abar=plgpu.Barrier(num_arrivals=5),
     )
     blocks = dict(
-        kblk=plgpu.SMEM((kv_stages, kv_block, kp), bf16, transforms=swizzle_32),
-        vblk=plgpu.SMEM((kv_stages, kv_block, kp), bf16, transforms=swizzle_32),
+        kblk=plgpu.SMEM((kv_stages, kv_block, kp), bf16, transforms=attention),
+        vblk=plgpu.SMEM((kv_stages, kv_block, kp), bf16, transforms=attention),
         kvbar=plgpu.Barrier(num_arrivals=2, num_barriers=kv_stages),
-        btq=plgpu.SMEM((N_PAD, kp), bf16, transforms=swizzle_32),
-        pb=plgpu.SMEM((N_PAD, kv_block), bf16, transforms=swizzle_32),
+        btq=plgpu.SMEM((N_PAD, kp), bf16, transforms=attention),
+        pb=plgpu.SMEM((N_PAD, kv_block), bf16, transforms=attention),
         pout=plgpu.SMEM((2 * kp, N_PAD), f32),
     )
     return kernel_wide, product, rope, blocks
+
+
+def attention_transforms(shape: FusedShape) -> tuple:
+    """The shared-memory tiling and swizzle of the attention's wgmma operands (a wgmma's
+    operands share a swizzle): the widest swizzle whose tile of columns divides every head
+    window's first column (h * head_dim, or d - kp for the last heads), so that a window is
+    whole tiles: 128 bytes (64 columns) where those are multiples of 64, 64 bytes where of 32
+    (huginn-0125: head_dim 96), else 32 bytes (16 columns: the kernel needs multiples of 16)."""
+    step = math.gcd(shape.head_dim, shape.d - shape.kp)
+    swizzle = next((b for b in (128, 64) if step % (b // 2) == 0), 32)
+    return plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle)
 
 
 def scoped(types: dict, fn):

@@ -35,8 +35,9 @@ from pallas_kernels.core_step.step_program import LayerWeights, Pending, StepWei
 class FusedWeights:
     """A Core's weights as the kernel reads them (`pack_weights`)."""
 
-    products: tuple[jax.Array, ...]  # per phase, [k, n] bf16, zero-padded, gains folded in
-    adapter_raw: jax.Array  # Wa[:D] padded: the first iteration's (its state is not normed)
+    products: tuple[jax.Array, ...]  # per phase, [n / cols, k, cols] bf16 (`tile_columns`),
+    # zero-padded, gains folded in
+    adapter_raw: jax.Array  # Wa[:D] padded and tiled: the first iteration's (state not normed)
     embedded_half: jax.Array  # Wa[D:] [D, D], the adapter's embedded rows
     gains: jax.Array  # [L, k_d, 8] f32: per layer, norm_4 of the layer before (1), norm_2
     qk_bias: jax.Array  # [L, 2, D] f32 (zeros without a bias)
@@ -94,9 +95,10 @@ def pack_weights(
     bias = [
         jnp.zeros((2, d)) if lw.qk_bias is None else lw.qk_bias.reshape(2, d) for lw in w.layers
     ]
+    cols = shape.unit_cols
     return FusedWeights(
-        products=tuple(products),
-        adapter_raw=_pad2(adapter, *kn),
+        products=tuple(tile_columns(x, cols) for x in products),
+        adapter_raw=tile_columns(_pad2(adapter, *kn), cols),
         embedded_half=w.adapter[d:],
         gains=gains,
         qk_bias=jnp.stack(bias).astype(jnp.float32),
@@ -109,6 +111,13 @@ def pack_weights(
 
 def _kn(phase):
     return phase.k, phase.n
+
+
+def tile_columns(w: jax.Array, cols: int) -> jax.Array:
+    """[k, n] -> [n / cols, k, cols]: each tile of `cols` columns contiguous, so that every
+    [64, cols] weight unit, and a worker's run of units down a tile, is one contiguous read."""
+    k, n = w.shape
+    return w.reshape(k, n // cols, cols).transpose(1, 0, 2)
 
 
 def rope_tables(pos, head_dim: int, d: int, base: float) -> jax.Array:
