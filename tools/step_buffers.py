@@ -9,10 +9,12 @@ embedding (docs/core_layers.md).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import glob
 import os
 import re
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -45,6 +47,7 @@ def largest_temps(path: str, top: int) -> list[tuple[int, str]]:
 def main(argv):
     del argv
     dump_dir = tempfile.mkdtemp(prefix="step_buffers_")
+    atexit.register(shutil.rmtree, dump_dir, ignore_errors=True)  # XLA's dumps, read here only
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "")
         + f" --xla_dump_to={dump_dir} --xla_dump_hlo_module_re=.*step_jit.*"
