@@ -1,6 +1,7 @@
 """Shared test set-up: GPU-only tests (marked `gpu`) are skipped where JAX has no GPU; the data
 folder, the micro model and helpers that several test files use."""
 
+import dataclasses
 import os
 import shutil
 from pathlib import Path
@@ -67,6 +68,13 @@ def prefill_then_decode(
         )
         logits.append(out.logits)
     return np.concatenate(logits, axis=1), out.cache
+
+
+def micro_decode_runs(field: str, impls, **run) -> list:
+    """`prefill_then_decode(cfg, **run)` of the micro preset (blocks of 64) with the config
+    field `field` set to each of `impls`, in order: the runs an impl is compared by."""
+    micro = dataclasses.replace(MICRO, block_size=64)
+    return [prefill_then_decode(dataclasses.replace(micro, **{field: i}), **run) for i in impls]
 
 
 def core_step_jaxpr(cfg, batch: int) -> str:

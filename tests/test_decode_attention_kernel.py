@@ -2,16 +2,13 @@
 inputs (interpret mode on CPU; compiled on the GPU within tests/tolerance.py's bound), that
 reference against the model's `attend`, and the model decoding through the kernel."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import prefill_then_decode
+from conftest import micro_decode_runs
 from tolerance import assert_close, bf16
 
-from huginn_jax.config import HuginnConfig
 from huginn_jax.layers import attend
 from pallas_kernels.decode_attention import (
     DecodeAttentionConfig,
@@ -79,18 +76,9 @@ def test_bad_shapes_fail_clearly():
 def test_model_decodes_through_the_kernel():
     """decode_attention_impl="pallas" decodes like "xla": same weights, a 40-position prompt, three
     decode steps (kernel in interpret mode on CPU)."""
-    micro = dataclasses.replace(HuginnConfig.from_name("micro"), block_size=64)
-    runs = [
-        prefill_then_decode(
-            dataclasses.replace(micro, decode_attention_impl=impl),
-            prompt_len=40,
-            steps=3,
-            max_len=48,
-            seed=30,
-        )
-        for impl in ("xla", "pallas")
-    ]
-    (want, want_cache), (got, got_cache) = runs
+    (want, want_cache), (got, got_cache) = micro_decode_runs(
+        "decode_attention_impl", ("xla", "pallas"), prompt_len=40, steps=3, max_len=48, seed=30
+    )
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got_cache.v, want_cache.v, rtol=1e-5, atol=1e-5)
 

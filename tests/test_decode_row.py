@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import core_step_jaxpr, prefill_then_decode
+from conftest import core_step_jaxpr, micro_decode_runs
 
 from huginn_jax.config import HuginnConfig
 from huginn_jax.decode_row import PADDED_ROWS, row_gemv_padded, row_gemv_xla
@@ -41,18 +41,9 @@ def test_padded_row_gemv_multiplies_eight_rows():
 def test_model_decodes_through_padded_rows():
     """decode_gemv="xla_rows8" decodes like "xla" at batch 1 (float32: the same products,
     summed in another order). (Batch 2 takes the plain path: the next test.)"""
-    micro = dataclasses.replace(HuginnConfig.from_name("micro"), block_size=64)
-    (want, want_cache), (got, got_cache) = [
-        prefill_then_decode(
-            dataclasses.replace(micro, decode_gemv=impl),
-            prompt_len=12,
-            steps=2,
-            max_len=16,
-            seed=41,
-            batch=1,
-        )
-        for impl in ("xla", "xla_rows8")
-    ]
+    (want, want_cache), (got, got_cache) = micro_decode_runs(
+        "decode_gemv", ("xla", "xla_rows8"), prompt_len=12, steps=2, max_len=16, seed=41, batch=1
+    )
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(got_cache.k, want_cache.k, rtol=1e-5, atol=1e-5)
 

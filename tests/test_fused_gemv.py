@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import core_step_jaxpr, prefill_then_decode
+from conftest import core_step_jaxpr, micro_decode_runs
 from tolerance import assert_close, bf16
 
 from huginn_jax.config import HuginnConfig
@@ -112,18 +112,9 @@ def test_bad_input_fails_clearly():
 def test_model_decodes_through_the_kernel():
     """decode_gemv="pallas" decodes like "xla" at batch 1 (row GEMVs, interpret mode on CPU).
     (Batch 2 takes the plain path: test_model_step_uses_the_kernel_at_batch_one_only.)"""
-    micro = dataclasses.replace(HuginnConfig.from_name("micro"), block_size=64)
-    (want, want_cache), (got, got_cache) = [
-        prefill_then_decode(
-            dataclasses.replace(micro, decode_gemv=impl),
-            prompt_len=20,
-            steps=2,
-            max_len=24,
-            seed=40,
-            batch=1,
-        )
-        for impl in ("xla", "pallas")
-    ]
+    (want, want_cache), (got, got_cache) = micro_decode_runs(
+        "decode_gemv", ("xla", "pallas"), prompt_len=20, steps=2, max_len=24, seed=40, batch=1
+    )
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(got_cache.k, want_cache.k, rtol=1e-5, atol=1e-5)
 
