@@ -212,7 +212,8 @@ def _own_blocks(k, it, j, q, c0, split, s):
     copies in flight, an online softmax per sequence: (max, sum, weighted values), each [kp, 8]
     (column b the sequence b's; the [8] ones broadcast over the rows). The scores are those of
     every q column against sequence b's keys, of which column b is kept (q rounded to bf16 for
-    the wgmma)."""
+    the wgmma). The softmax's sums are kept per row of a block and summed over the rows once,
+    after the pass: a block's step reduces across its rows (over the warps) for the max only."""
     kp, stages, block, f32 = k.shape.kp, k.kv_stages, k.kv_block, jnp.float32
     pairs = _Pairs(k, it, j, split)
     lo, hi, total = pairs.lo, pairs.hi, pairs.total
@@ -231,7 +232,7 @@ def _own_blocks(k, it, j, q, c0, split, s):
         pl.when(f < total)(lambda f=f: copy_block(f))
 
     def step(f, carry):
-        m, ll, acc, m_all, l_all, acc_all = carry
+        m, ll, acc, m_all, l_all, acc_all = carry  # ll, l_all: [block, 8] sums per row
         b, blk = pairs.pair(f)
         st = lax.rem(f, stages)
         plgpu.barrier_wait(s["kvbar"].at[st])
@@ -249,7 +250,7 @@ def _own_blocks(k, it, j, q, c0, split, s):
         m_new = jnp.maximum(m, jnp.max(sc, axis=0))
         alpha = jnp.exp(m - m_new)
         pr = jnp.exp(sc - bcast_rows(m_new, block))
-        ll = ll * alpha + jnp.sum(pr, axis=0)
+        ll = ll * bcast_rows(alpha, block) + pr
         s["pb"].T[...] = pr.astype(jnp.bfloat16)
         plgpu.commit_smem()
 
@@ -258,15 +259,17 @@ def _own_blocks(k, it, j, q, c0, split, s):
             return acc_ref[...]
 
         acc = acc * bcast_rows(alpha, kp) + pl.run_scoped(pv, plgpu.ACC((kp, N_PAD), f32))
-        pick = colidx == jnp.where(blk == hi - 1, b, -1)  # column b at its last block
-        m_all = jnp.where(pick, bcast_rows(m_new, kp), m_all)
-        l_all = jnp.where(pick, bcast_rows(ll, kp), l_all)
-        acc_all = jnp.where(pick, acc, acc_all)
+        last = jnp.where(blk == hi - 1, b, -1)  # column b at its last block
+        m_all = jnp.where(colidx == last, bcast_rows(m_new, kp), m_all)
+        l_all = jnp.where(block_cols == last, ll, l_all)
+        acc_all = jnp.where(colidx == last, acc, acc_all)
         return m_new, ll, acc, m_all, l_all, acc_all
 
+    def tile(rows, value):
+        return plgpu.layout_cast(jnp.full((rows, N_PAD), value, f32), WGMMA)
+
+    block_cols = plgpu.broadcasted_iota(jnp.int32, (block, N_PAD), 1, layout=WGMMA)
     m0 = plgpu.layout_cast(jnp.full((N_PAD,), MASKED, f32), WGMMA.reduce(0))
-    l0 = plgpu.layout_cast(jnp.zeros((N_PAD,), f32), WGMMA.reduce(0))
-    init = (jnp.full((kp, N_PAD), MASKED), jnp.zeros((kp, N_PAD)), jnp.zeros((kp, N_PAD)))
-    init = tuple(plgpu.layout_cast(x.astype(f32), WGMMA) for x in init)
-    carry = lax.fori_loop(0, total, step, (m0, l0, init[2], *init))
-    return carry[3:]
+    init = (m0, tile(block, 0.0), tile(kp, 0.0), tile(kp, MASKED), tile(block, 0.0), tile(kp, 0.0))
+    _, _, _, m_all, l_rows, acc_all = lax.fori_loop(0, total, step, init)
+    return m_all, bcast_rows(jnp.sum(l_rows, axis=0), kp), acc_all
