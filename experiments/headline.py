@@ -8,6 +8,8 @@ case and implementation the headline time is the median over processes of each p
 with the range (min-max) of those medians; "vs best" is recomputed from the headline medians
 (the other framework's fastest ÷ this row's). A figure from one process can be a lucky or an
 unlucky process (clocks, cuBLAS's algorithm choice); the range shows how far they spread.
+`--metric` combines another of the program's measures instead of its primary time (core:
+`--metric=back_to_back`).
 """
 
 from __future__ import annotations
@@ -30,15 +32,32 @@ FLAGS = flags.FLAGS
 
 @dataclasses.dataclass(frozen=True)
 class Program:
-    """Where a program's records keep their case and their time."""
+    """Where a program's records keep their case and their time (`metrics`: the keys of its
+    other measures in the same unit, by the name `--metric` gives them)."""
 
     group_keys: tuple[str, ...]
     time_key: str
     unit: str
+    metrics: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def measured_by(self, metric: str) -> Program:
+        """This program with `metric`'s key as its time key ('' = its own); UserError for a
+        metric it does not record."""
+        if not metric:
+            return self
+        if metric not in self.metrics:
+            known = ", ".join(self.metrics) or "none"
+            raise UserError(f"--metric={metric}: not a measure of this program; known: {known}")
+        return dataclasses.replace(self, time_key=self.metrics[metric])
 
 
 PROGRAMS = {
-    "core": Program(("mode", "batch", "context", "iterations"), "ms_per_iteration", "ms"),
+    "core": Program(
+        ("mode", "batch", "context", "iterations"),
+        "ms_per_iteration",
+        "ms",
+        {"back_to_back": "back_to_back_ms_per_iteration"},
+    ),
     "chain": Program(("size_bytes", "layout"), "median_us", "us"),
     "adapter": Program(("m", "variant"), "us", "us"),
     "decode_attention": Program(("batch", "context"), "us", "us"),
@@ -50,6 +69,12 @@ PROGRAMS = {
 def define_flags() -> None:
     flags.DEFINE_string("json_out", "", "Write the combined figures here ('' to skip).")
     flags.DEFINE_string("txt_out", "", "Write the printed table here too ('' to skip).")
+    flags.DEFINE_string(
+        "metric",
+        "",
+        "The measure to combine: '' = the program's primary time; core: back_to_back (calls "
+        "dispatched without a wait, back_to_back_ms_per_iteration).",
+    )
 
 
 def environment_of(run: dict[str, Any]) -> dict[str, Any]:
@@ -101,7 +126,11 @@ def combine(runs: Sequence[dict[str, Any]], program: Program) -> list[dict[str, 
     return combined
 
 
-def format_table(records: list[dict[str, Any]], program: Program, processes: int) -> str:
+def format_table(
+    records: list[dict[str, Any]], program: Program, processes: int, metric: str = ""
+) -> str:
+    """One row per (case, impl), then what the figures are (`metric`: the measure's name when
+    it is not the program's primary time)."""
     unit = program.unit
     cases = [" ".join(f"{k}={r[k]}" for k in program.group_keys) for r in records]
     width = max(len("case"), *(len(c) for c in cases)) + 2
@@ -116,6 +145,8 @@ def format_table(records: list[dict[str, Any]], program: Program, processes: int
             f"{case:<{width}}{r['impl']:<22}{r[program.time_key]:>12.3f}{spread:>22}"
             f"{compare.format_vs_best(r['vs_best']):>9}"
         )
+    if metric:
+        lines.append(f"measure: {metric} ({program.time_key})")
     lines.append(
         f"median over {processes} processes of each process's median; range: min-max of those; "
         "vs best: the other framework's fastest median / this row's"
@@ -143,16 +174,17 @@ def main(argv: list[str]) -> None:
     if len(names) != 1:
         raise UserError(f"the files come from different programs: {', '.join(sorted(names))}")
     name = names.pop()
-    layout = PROGRAMS[name]
+    layout = PROGRAMS[name].measured_by(FLAGS.metric)
     records = combine(runs, layout)
     if not records:
-        raise UserError("no (case, impl) was measured in every file")
-    table = format_table(records, layout, len(runs))
+        raise UserError(f"no (case, impl) has {layout.time_key} in every file")
+    table = format_table(records, layout, len(runs), FLAGS.metric)
     if FLAGS.json_out:  # the environments are the measuring processes': this one measured nothing
         results_lib.write_json_atomic(
             FLAGS.json_out,
             {
                 "program": name,
+                "time_key": layout.time_key,
                 "sources": [str(p) for p in paths],
                 "environments": [environment_of(run) for run in runs],
                 "records": records,

@@ -14,7 +14,7 @@ from program_runs import run_forked
 
 import huginn_jax
 from experiments.core import cases, report, runners
-from experiments.measure import hlo
+from experiments.measure import hlo, timing
 from experiments.torch_ref.core import FASTEST_COMPILE_MODE
 from huginn_jax.config import HuginnConfig
 from huginn_jax.model import Core, embed, initial_state, run_prelude
@@ -173,6 +173,8 @@ def test_cli_on_cpu_writes_json(tmp_path):
     ran = impls + (["xla_mgpu"] if on_gpu else [])
     assert [(r["mode"], r["impl"]) for r in data["records"]] == [(m, i) for m in modes for i in ran]
     assert all(r["ms_per_iteration"] > 0 for r in data["records"])
+    assert all(r["back_to_back_ms_per_iteration"] > 0 for r in data["records"])  # on by default
+    assert all(r["back_to_back_samples"]["repeats"] == 1 for r in data["records"])
     assert data["records"][0]["xla_report"]["big_buffer_copies"] == []
     # The other decode paths compute what xla computes (bf16, so not bit for bit).
     for impl in impls[1:]:
@@ -201,9 +203,34 @@ def test_agreement_checks_fail_beyond_tolerance():
     assert checks["torch_eager"]["rel_err"] == pytest.approx(2 * tol, rel=1e-5)
 
 
+def test_record_and_table_carry_the_back_to_back_time():
+    """The back-to-back median in ms per iteration and its samples beside the waited call's; the
+    table's b2b/iter column shows it, "-" in a record without it (--back_to_back=0)."""
+    case = cases.Case("decode", batch=1, context=4, iterations=4)
+    cost = report.cost_of(CFG, case, 4)
+    waited = timing.Samples(seconds=[4e-3, 6e-3, 5e-3], warmup=1, per_call=4)
+    b2b = timing.Samples(seconds=[2e-3, 3e-3, 2.5e-3], warmup=1, per_call=4)
+    rec = report.record(case, "xla", waited, cost, None, b2b)
+    plain = report.record(case, "torch_graph", waited, cost, None)
+    assert rec["ms_per_iteration"] == pytest.approx(5.0)
+    assert rec["back_to_back_ms_per_iteration"] == pytest.approx(2.5)
+    assert timing.Samples.from_dict(rec["back_to_back_samples"]) == b2b
+    assert rec["tflops"] == plain["tflops"]  # the rates stay the waited call's
+    assert "back_to_back_ms_per_iteration" not in plain and "back_to_back_samples" not in plain
+    head, _, with_b2b, without = report.format_table([rec, plain]).splitlines()[:4]
+    end = head.index("b2b/iter") + len("b2b/iter")  # right-aligned under its header
+    assert with_b2b[:end].endswith(" 2.5 ms") and without[:end].endswith(" -")
+    one = {**rec, "iterations": 1, "ms_per_iteration": 10.0, "back_to_back_ms_per_iteration": 2.0}
+    assert report.scaling_lines([one, rec]) == [
+        "xla decode B=1 ctx=4: r=4 costs 0.500 x r x (r=1), back to back 1.250"
+    ]
+
+
 @pytest.mark.parametrize(
     "flag, message",
     [
+        ("--back_to_back=1", "--back_to_back=1: must be 0 (off) or >= 2"),
+        ("--back_to_back=-3", "--back_to_back=-3: must be 0 (off) or >= 2"),
         ("--mode=sideways", "--mode: unknown 'sideways'; known: decode, prefill"),
         ("--context=0", "must be >= 1"),
         ("--iterations=x", "expected integers"),
@@ -341,6 +368,8 @@ def test_cli_torch_impls_on_cpu(tmp_path):
     assert proc.stdout.count("conformance torch_eager (fast Core)") == 1
     assert {r["mode"] for r in data["records"]} == {"decode", "prefill"}
     assert all(r["ms_per_iteration"] > 0 for r in data["records"])
+    assert all(r["back_to_back_ms_per_iteration"] > 0 for r in data["records"])  # on by default
+    assert all(r["back_to_back_samples"]["repeats"] == 1 for r in data["records"])
     timed = [r for r in data["records"] if r["impl"].startswith("torch")]
     assert len(timed) == 2 * len(runnable)
     assert all(("compile_seconds" in r) == (r["impl"] == "torch_compile") for r in timed)

@@ -9,16 +9,20 @@ import pytest
 from program_runs import run_forked
 
 from experiments import headline
+from experiments.cli import UserError
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def core_run(times: dict[str, float]) -> dict:
+def core_run(times: dict[str, float], back_to_back: dict[str, float] | None = None) -> dict:
+    """A core results JSON: each impl's ms_per_iteration, and its back-to-back time where
+    `back_to_back` gives one."""
     case = {"mode": "decode", "batch": 1, "context": 1024, "iterations": 8}
-    return {
-        "environment": {"argv": ["/x/experiments/core.py"]},
-        "records": [{**case, "impl": impl, "ms_per_iteration": t} for impl, t in times.items()],
-    }
+    records = [{**case, "impl": impl, "ms_per_iteration": t} for impl, t in times.items()]
+    for rec in records:
+        if rec["impl"] in (back_to_back or {}):
+            rec["back_to_back_ms_per_iteration"] = back_to_back[rec["impl"]]
+    return {"environment": {"argv": ["/x/experiments/core.py"]}, "records": records}
 
 
 def test_median_range_and_vs_best_from_the_processes():
@@ -34,6 +38,40 @@ def test_median_range_and_vs_best_from_the_processes():
     assert torch["ms_per_iteration"] == 1.0 and torch["per_process"] == [1.2, 0.9, 1.0]
     assert xla["vs_best"] == pytest.approx(1.0 / 1.1)
     assert torch["vs_best"] == pytest.approx(1.1 / 1.0)
+
+
+def b2b_runs() -> list[dict]:
+    """Three processes with back-to-back times; torch_eager has none in one of them."""
+    waited = {"xla": 1.0, "torch_graph": 1.5, "torch_eager": 3.0}
+    return [
+        core_run(waited, {"xla": 0.8, "torch_graph": 1.4, "torch_eager": 2.0}),
+        core_run(waited, {"xla": 0.9, "torch_graph": 1.3}),
+        core_run(waited, {"xla": 0.7, "torch_graph": 1.2, "torch_eager": 2.0}),
+    ]
+
+
+def test_back_to_back_metric_combines_its_own_key():
+    program = headline.PROGRAMS["core"].measured_by("back_to_back")
+    assert program.time_key == "back_to_back_ms_per_iteration"
+    records = {r["impl"]: r for r in headline.combine(b2b_runs(), program)}
+    assert set(records) == {"xla", "torch_graph"}  # torch_eager lacks it in one process
+    xla = records["xla"]
+    assert xla["back_to_back_ms_per_iteration"] == 0.8 and xla["per_process"] == [0.8, 0.9, 0.7]
+    assert "ms_per_iteration" not in xla
+    assert xla["vs_best"] == pytest.approx(1.3 / 0.8)  # from the back-to-back medians
+    table = headline.format_table(list(records.values()), program, 3, "back_to_back")
+    assert "measure: back_to_back (back_to_back_ms_per_iteration)" in table
+    primary = headline.PROGRAMS["core"].measured_by("")
+    assert primary == headline.PROGRAMS["core"]
+    waited = headline.combine(b2b_runs(), primary)
+    assert "measure:" not in headline.format_table(waited, primary, 3)
+
+
+def test_unknown_metric_names_the_known_ones():
+    with pytest.raises(UserError, match="--metric=device: .* known: back_to_back"):
+        headline.PROGRAMS["core"].measured_by("device")
+    with pytest.raises(UserError, match="known: none"):
+        headline.PROGRAMS["chain"].measured_by("back_to_back")
 
 
 def test_generation_runs_combine_per_loop():
@@ -89,6 +127,22 @@ def run_cli_forked(*args):
     """`run_cli` forked from a process that has imported JAX (tests/program_runs.py): for runs
     that end at their input."""
     return run_forked("experiments.headline", *args, cwd=REPO)
+
+
+def test_cli_metric_back_to_back(tmp_path):
+    paths = []
+    for i, run in enumerate(b2b_runs()):
+        paths.append(tmp_path / f"run{i}.json")
+        paths[-1].write_text(json.dumps(run))
+    out = tmp_path / "headline.json"
+    proc = run_cli_forked(*map(str, paths), "--metric=back_to_back", f"--json_out={out}")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    assert data["time_key"] == "back_to_back_ms_per_iteration"
+    assert [r["impl"] for r in data["records"]] == ["xla", "torch_graph"]
+    assert "0.700-0.900" in proc.stdout and "measure: back_to_back" in proc.stdout
+    unknown = run_cli_forked(*map(str, paths), "--metric=device")
+    assert unknown.returncode == 2 and "known: back_to_back" in unknown.stderr
 
 
 def test_cli_errors_are_one_line(tmp_path):

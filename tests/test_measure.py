@@ -94,6 +94,47 @@ def test_time_fn_measures_real_time():
     assert all(0.01 <= s < 0.01 + 0.025 for s in halves.seconds), halves.seconds
 
 
+def test_back_to_back_waits_once_per_sample_and_divides_by_calls_and_per_call(clock):
+    """Warm-up calls are waited for each; then each sample is 3 calls of 1 s, 2 s and 3 s with
+    no wait between them and one wait of 0.5 s on the last call's output, over 3 x 2 units."""
+    durations = iter([100.0, 1.0, 2.0, 3.0, 1.0, 2.0, 3.0])
+    events = []
+
+    def fn():
+        events.append("call")
+        clock.advance(next(durations))
+        return len(events)
+
+    def sync():
+        events.append("sync")
+        clock.advance(0.5)
+
+    samples = timing.time_back_to_back(fn, warmup=1, repeats=2, calls=3, sync=sync, per_call=2)
+    assert events == ["call", "sync"] + ["call", "call", "call", "sync"] * 2
+    assert samples.seconds == [6.5 / 6, 6.5 / 6]
+    assert samples.warmup == 1 and samples.per_call == 2
+
+
+def test_back_to_back_waits_on_the_last_calls_output(clock, monkeypatch):
+    import jax
+
+    waited = []
+    monkeypatch.setattr(jax, "block_until_ready", waited.append)
+    outputs = iter(range(10))
+    samples = timing.time_back_to_back(lambda: next(outputs), warmup=2, repeats=2, calls=3)
+    assert waited == [0, 1, 4, 7]  # each warm-up call, then the third call of each sample
+    assert samples.seconds == [0.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    "kw", [{"calls": 1}, {"calls": 0}, {"repeats": 0}, {"warmup": -1}, {"per_call": 0}]
+)
+def test_back_to_back_rejects_bad_counts(kw):
+    args = {"warmup": 0, "repeats": 1, "calls": 2, "per_call": 1} | kw
+    with pytest.raises(ValueError, match=f"{next(iter(kw))}="):
+        timing.time_back_to_back(lambda: None, sync=lambda: None, **args)
+
+
 def test_samples_quantiles():
     s = timing.Samples(seconds=[4.0, 1.0, 3.0, 2.0, 5.0], warmup=0)
     assert s.median == 3.0

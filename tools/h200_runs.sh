@@ -15,6 +15,7 @@
 #             core_headline.{json,txt}: median and range over the processes (CORE_MODES,
 #             CORE_BATCH and CORE_IMPLS_OVERRIDE narrow it: the persistent call's headline is
 #             CORE_MODES=decode CORE_IMPLS_OVERRIDE=persistent,torch_compile)
+#             and core_b2b_headline.{json,txt}: the same over the back-to-back times
 #   chain     the chain at 8 ... 288 MiB, every implementation, in $PROCESSES processes, the
 #             first with the plot -> chain.{json,txt,png}, chain_headline.{json,txt}
 #   chain_trace  where XLA's time per chain goes at 8 MiB: kernels and gaps per chain of each
@@ -129,6 +130,8 @@ stage_core() {
   [ "$FIRST" = 1 ] || return 0
   python3 -m experiments.headline "$d"/core_[0-9]*.json --json_out="$d/core_headline.json" \
     --txt_out="$d/core_headline.txt"
+  python3 -m experiments.headline "$d"/core_[0-9]*.json --metric=back_to_back \
+    --json_out="$d/core_b2b_headline.json" --txt_out="$d/core_b2b_headline.txt" || true
 }
 
 stage_chain() {

@@ -40,9 +40,10 @@ random, never zeros); prefill = `context` new positions from position 0. Impleme
 (`--impls=torch` means all five; experiments.torch_ref.core_runner; torch_compile, torch_graph
 and torch_reference need CUDA.) Each torch impl's Core code is also checked once per process
 against the conformance checkpoint (experiments.torch_ref.conformance); a failure ends the run.
-Timing: `measure.timing.time_fn`, caches not flushed; each call restarts from the same state and
-history, as in the study. Implementations whose output states disagree beyond the tolerance
-(report.check_tolerance) end the run with exit status 2 after the results are written.
+Timing: `measure.timing.time_fn`, each call waited for, and `time_back_to_back`, calls
+dispatched without a wait (--back_to_back), caches not flushed; each call restarts from the same
+state and history, as in the study. Implementations whose output states disagree beyond the
+tolerance (report.check_tolerance) end the run with exit status 2 after the results are written.
 On a CPU the flags not given take the smaller values of CPU_DEFAULTS (one line says which, and
 the JSON records them); a problem that cannot fit in memory is refused before anything is
 allocated; Ctrl-C or SIGTERM writes the rows measured so far, marked "complete": false.
@@ -72,6 +73,7 @@ CPU_DEFAULTS = {
     "iterations": ["2"],
     "warmup": 1,
     "repeats": 3,
+    "back_to_back": 2,
 }
 
 
@@ -138,6 +140,12 @@ def define_flags() -> None:
     )
     flags.DEFINE_integer("warmup", 3, "Untimed calls (CPU: 1).")
     flags.DEFINE_integer("repeats", 20, "Timed calls; the median time per iteration (CPU: 3).")
+    flags.DEFINE_integer(
+        "back_to_back",
+        10,
+        "Calls per back-to-back sample: --repeats samples of this many calls dispatched without "
+        "a wait, then one wait (back_to_back_ms_per_iteration); 0 = not measured (CPU: 2).",
+    )
     flags.DEFINE_integer("seed", 0, "Seed of weights, state and history.")
     flags.DEFINE_string("json_out", "out/core.json", "Results JSON ('' to skip).")
     flags.DEFINE_bool("hbm", False, "HBM bytes per iteration from Nsight Compute (GPU + ncu).")
@@ -160,6 +168,8 @@ def check_flags() -> tuple[list[cases_lib.Case], list[str], HuginnConfig]:
     for name, least in (("warmup", 0), ("repeats", 1), ("ncu_timeout", 1)):
         if FLAGS[name].value < least:
             raise UserError(f"--{name}={FLAGS[name].value}: must be >= {least}")
+    if FLAGS.back_to_back < 0 or FLAGS.back_to_back == 1:
+        raise UserError(f"--back_to_back={FLAGS.back_to_back}: must be 0 (off) or >= 2")
     cli.names_in("hbm_impls", FLAGS.hbm_impls, cases_lib.IMPLS)
     core_mesh.shards_from_flag()
     profiling.persistent_schedule()

@@ -14,6 +14,8 @@ from experiments.measure import compare, timing
 from experiments.measure import trace as trace_lib
 from huginn_jax import costs
 
+B2B_KEY = "back_to_back_ms_per_iteration"  # a record's median of `timing.time_back_to_back`
+
 
 def cost_of(cfg, case: Case, dtype_bytes: int) -> dict:
     """The cost model's bytes and FLOPs for ONE iteration of `case`."""
@@ -47,9 +49,18 @@ def check_tolerance(dtype_name: str, iterations: int) -> float:
     return base * max(1.0, iterations) ** 0.5
 
 
-def record(case: Case, impl: str, samples: timing.Samples, cost: dict, ceilings) -> dict:
+def record(
+    case: Case,
+    impl: str,
+    samples: timing.Samples,
+    cost: dict,
+    ceilings,
+    back_to_back: timing.Samples | None = None,
+) -> dict:
     """One timed (case, impl): ms per iteration, its samples, the rates over the cost model's
-    bytes and FLOPs, and with ceilings the % of the HBM floor and of the bf16 GEMM rate."""
+    bytes and FLOPs, and with ceilings the % of the HBM floor and of the bf16 GEMM rate. The
+    rates are the waited call's; `back_to_back` (`timing.time_back_to_back`) adds its median and
+    samples beside them."""
     t = samples.median  # seconds per iteration
     rec = {
         **dataclasses.asdict(case),
@@ -65,6 +76,9 @@ def record(case: Case, impl: str, samples: timing.Samples, cost: dict, ceilings)
         floor = (cost["weight_bytes"] + cost["kv_read_bytes"]) / ceilings.read_bytes_per_s
         rec["pct_hbm_floor"] = 100 * floor / t
         rec["pct_bf16_gemm"] = 100 * (cost["flops"] / t) / ceilings.bf16_flops_per_s
+    if back_to_back is not None:
+        rec[B2B_KEY] = back_to_back.median * 1e3
+        rec["back_to_back_samples"] = back_to_back.to_dict()
     return rec
 
 
@@ -98,7 +112,8 @@ def agreement_checks(cases, impls, outputs: dict, dtype_name: str) -> list[dict]
 
 
 def scaling_lines(records: list[dict]) -> list[str]:
-    """r iterations in one executable against r × one iteration, per case and impl."""
+    """r iterations in one executable against r × one iteration, per case and impl (and the
+    same ratio of the back-to-back times, when measured)."""
     lines = []
     by_key = {}
     for r in records:
@@ -107,7 +122,10 @@ def scaling_lines(records: list[dict]) -> list[str]:
         one = by_key.get((mode, b, ctx, impl, 1))
         if it > 1 and one:
             ratio = r["ms_per_iteration"] / one["ms_per_iteration"]
-            lines.append(f"{impl} {mode} B={b} ctx={ctx}: r={it} costs {ratio:.3f} x r x (r=1)")
+            line = f"{impl} {mode} B={b} ctx={ctx}: r={it} costs {ratio:.3f} x r x (r=1)"
+            if B2B_KEY in r and B2B_KEY in one:
+                line += f", back to back {r[B2B_KEY] / one[B2B_KEY]:.3f}"
+            lines.append(line)
     return lines
 
 
@@ -146,13 +164,15 @@ def report_lines(result: dict) -> list[str]:
 
 TABLE_LEGEND = """\
 time/iter median time per Core iteration (a call's wall time / r), p10-p90 of the calls
+b2b/iter  median time per iteration of calls dispatched back to back, one wait per --back_to_back
+          calls (the host's dispatch overlapped with the device's work)
 vs best   the other framework's fastest time/iter in the same case / this row's (> 1: ahead)
 GB/s w+kv (Core weights + KV cache read) per iteration / time/iter
 %floor    (weights + KV read) at the measured read-only streaming rate / time/iter
 %gemm     TFLOP/s / the measured sustained bf16 GEMM rate
 HBM/pred  bytes read (ncu, --hbm) / the cost model's
 -         not measured: no ceilings file for this device, no rival of the other framework,
-          or no --hbm"""
+          no --hbm, or --back_to_back=0"""
 
 
 def _optional(value: float | None, spec: str) -> str:
@@ -163,6 +183,7 @@ def format_table(records: list[dict]) -> str:
     """One row per record, then the legend; "-" where a value was not measured."""
     head = (
         f"{'mode':<8}{'B':>4}{'ctx':>6}{'r':>4} {'impl':<16}{'time/iter':>10}{'p10-p90':>17}"
+        f"{'b2b/iter':>10}"
         f"{'vs best':>8}{'GB/s w+kv':>10}{'%floor':>7}{'TFLOP/s':>9}{'%gemm':>6}{'HBM/pred':>9}"
     )
     lines = [head, "-" * len(head)]
@@ -172,9 +193,11 @@ def format_table(records: list[dict]) -> str:
         spread = timing.format_us_range(s["p10_us"], s["p90_us"])
         hbm = r.get("hbm") or {}
         ratio = hbm.get("read_over_prediction")
+        b2b = r.get(B2B_KEY)
         lines.append(
             f"{r['mode']:<8}{r['batch']:>4}{r['context']:>6}{it:>4} {r['impl']:<16}"
             f"{timing.format_us(r['ms_per_iteration'] * 1e3):>10}{spread:>17}"
+            f"{timing.format_us(None if b2b is None else b2b * 1e3):>10}"
             f"{compare.format_vs_best(r.get('vs_best')):>8}"
             f"{_optional(r['weights_kv_gbps'], '.0f'):>10}"
             f"{_optional(r.get('pct_hbm_floor'), '.1f'):>7}{_optional(r['tflops'], '.1f'):>9}"

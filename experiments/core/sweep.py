@@ -64,18 +64,25 @@ def run_case(impl, cfg, graphdef, params, case, ceilings) -> tuple[dict, Any]:
         path = Path(FLAGS.hlo_dir) / f"core-{impl}-{case.spec().replace(':', '-')}.hlo.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(runner.compile_report()[0])
+    sync = getattr(runner, "sync", None)
     samples = timing.time_fn(
-        runner,
-        warmup=FLAGS.warmup,
-        repeats=FLAGS.repeats,
-        sync=getattr(runner, "sync", None),
-        per_call=case.iterations,
+        runner, warmup=FLAGS.warmup, repeats=FLAGS.repeats, sync=sync, per_call=case.iterations
     )
+    back_to_back = None
+    if FLAGS.back_to_back:  # the calls are ordered: a donated cache (JAX), one stream (torch)
+        back_to_back = timing.time_back_to_back(
+            runner,
+            warmup=1,
+            repeats=FLAGS.repeats,
+            calls=FLAGS.back_to_back,
+            sync=sync,
+            per_call=case.iterations,
+        )
     out = to_numpy(runner())
-    if getattr(runner, "sync", None):
-        runner.sync()
+    if sync:
+        sync()
     cost = report.cost_of(cfg, case, 2 if FLAGS.dtype == "bf16" else 4)
-    rec = report.record(case, impl, samples, cost, ceilings)
+    rec = report.record(case, impl, samples, cost, ceilings, back_to_back)
     rec.update(extra, **core_mesh.comm_record(cfg, case, 2 if FLAGS.dtype == "bf16" else 4))
     if getattr(runner, "compile_seconds", None) is not None:  # torch_compile: apart from timing
         rec["compile_seconds"] = runner.compile_seconds

@@ -1,13 +1,18 @@
-"""The one timing helper every experiment uses.
+"""The two timing measures the experiments use, and how their times are summarized and printed.
 
 Method: call `fn` `warmup` times (compilation, autotuning and first-touch costs land there), then
-`repeats` more times, each one timed on its own with `time.perf_counter` from the call until its
-results are ready on the device (`jax.block_until_ready` on what `fn` returns, or a `sync` callable
-such as `torch.cuda.synchronize`). A sample is the wall time of one call divided by `per_call`, the
-number of units (e.g. chains) one call performs; the summary is the median with the p10-p90 and
-min-max spread. Caches are NOT flushed between calls: data such as a weight matrix may stay in L2
-from one call to the next. That is deliberate: it is the warm-cache condition the profiling study
-measured.
+`repeats` timed samples with `time.perf_counter`; a sample's time is divided by the units of work
+it covers (`per_call` per call, e.g. chains), and the summary is the median with the p10-p90 and
+min-max spread. Waiting means `jax.block_until_ready` on what `fn` returns, or a `sync` callable
+such as `torch.cuda.synchronize`.
+- `time_fn`, the waited call: one call, from the call until its results are ready. It includes
+  the host's dispatch of the call and the wait.
+- `time_back_to_back`: `calls` calls dispatched one after another, then one wait. Each call's
+  dispatch overlaps the device's work of the calls before it (as in a decode loop that dispatches
+  the next step before reading the last), so when the host is faster than the device it
+  approaches the device's time per call.
+Caches are NOT flushed between calls: data such as a weight matrix may stay in L2 from one call
+to the next. That is deliberate: it is the warm-cache condition the profiling study measured.
 """
 
 from __future__ import annotations
@@ -112,6 +117,39 @@ def time_fn(
         t0 = time.perf_counter()
         call_and_wait()
         seconds.append((time.perf_counter() - t0) / per_call)
+    return Samples(seconds=seconds, warmup=warmup, per_call=per_call)
+
+
+def time_back_to_back(
+    fn: Callable[[], Any],
+    *,
+    warmup: int,
+    repeats: int,
+    calls: int,
+    sync: Callable[[], None] | None = None,
+    per_call: int = 1,
+) -> Samples:
+    """Times `calls` calls of `fn()` dispatched back to back, with one wait (`wait`, as in
+    `time_fn`) on the last call's output; returns seconds per unit for each of `repeats` such
+    runs, after `warmup` waited calls. A sample is the run's wall time / (`calls` * `per_call`).
+
+    The wait covers the earlier calls only where the device runs the calls in order: one stream
+    (torch, `sync`), or each call's input being the last call's output (a donated JAX cache).
+    """
+    if warmup < 0 or repeats < 1 or calls < 2 or per_call < 1:
+        raise ValueError(
+            "need warmup >= 0, repeats >= 1, calls >= 2, per_call >= 1; got "
+            f"{warmup=} {repeats=} {calls=} {per_call=}"
+        )
+    for _ in range(warmup):
+        wait(fn(), sync)
+    seconds = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls - 1):
+            fn()
+        wait(fn(), sync)
+        seconds.append((time.perf_counter() - t0) / (calls * per_call))
     return Samples(seconds=seconds, warmup=warmup, per_call=per_call)
 
 
