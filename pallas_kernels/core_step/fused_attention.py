@@ -218,6 +218,7 @@ def _own_blocks(k, it, j, q, c0, split, s):
     pairs = _Pairs(k, it, j, split)
     lo, hi, total = pairs.lo, pairs.hi, pairs.total
     colidx = plgpu.broadcasted_iota(jnp.int32, (kp, N_PAD), 1, layout=WGMMA)
+    block_cols = plgpu.broadcasted_iota(jnp.int32, (block, N_PAD), 1, layout=WGMMA)
     rows = plgpu.broadcasted_iota(jnp.int32, (block, N_PAD), 0, layout=WGMMA)
     s["btq"].T[...] = q.astype(jnp.bfloat16)
     plgpu.commit_smem()
@@ -268,7 +269,6 @@ def _own_blocks(k, it, j, q, c0, split, s):
     def tile(rows, value):
         return plgpu.layout_cast(jnp.full((rows, N_PAD), value, f32), WGMMA)
 
-    block_cols = plgpu.broadcasted_iota(jnp.int32, (block, N_PAD), 1, layout=WGMMA)
     m0 = plgpu.layout_cast(jnp.full((N_PAD,), MASKED, f32), WGMMA.reduce(0))
     init = (m0, tile(block, 0.0), tile(kp, 0.0), tile(kp, MASKED), tile(block, 0.0), tile(kp, 0.0))
     _, _, _, m_all, l_rows, acc_all = lax.fori_loop(0, total, step, init)
