@@ -20,6 +20,7 @@ from pallas_kernels.core_step.fused import build_fused_core
 from pallas_kernels.core_step.fused_plan import FusedShape, Schedule, check_fused, most_workers
 from pallas_kernels.core_step.fused_step import (
     fused_core_decode,
+    interleave_halves,
     pack_weights,
     random_step_weights,
     write_new_rows,
@@ -90,13 +91,15 @@ def kernel_run(w, batch, iterations, pos, *, workers, interpret, schedule, slot=
 
 
 # kv_stages 3 over 2 sequences x 2 blocks: the copies run ahead across a sequence's end; the L2
-# prefetches (no-ops when interpreted) are traced where they reach into the next product;
-# blocks of 128 positions over 2 sequences x 2 blocks, the last one partly masked
+# prefetches (no-ops when interpreted) are traced where they reach into the next product, per
+# unit or as each product ends (the last one's into the next iteration's adapter); blocks of 128
+# positions over 2 sequences x 2 blocks, the last one partly masked
 @pytest.mark.parametrize(
     "batch,iterations,pos,schedule,slot",
     [
         (1, 2, 0, Schedule(ring=3, kv_stages=2), SLOT),
         (2, 1, SLOT - 1, Schedule(ring=2, kv_stages=3, l2_units=1, l2_blocks=2), SLOT),
+        (1, 2, 5, Schedule(ring=2, kv_stages=2, l2_barrier=1, l2_attention=1), SLOT),
         (2, 1, 200, Schedule(ring=2, kv_stages=2, kv_block=128), 2 * SLOT),
     ],
 )
@@ -234,6 +237,16 @@ def test_lowers_for_cuda_with_every_sm(batch):
     assert "mosaic_gpu" in text
 
 
+def test_fc_halves_interleave_by_chunks():
+    """The fc's columns [gate | up] become gate chunk 0, up chunk 0, gate chunk 1, ...: the
+    MLP proj's input chunk c is the fc output's rows [128 c, 128 c + 128)."""
+    x = jnp.arange(2 * 3 * 64).reshape(1, -1)
+    got = np.asarray(interleave_halves(x)).reshape(6, 64)
+    gate, up = np.arange(192).reshape(3, 64), 192 + np.arange(192).reshape(3, 64)
+    np.testing.assert_array_equal(got[0::2], gate)
+    np.testing.assert_array_equal(got[1::2], up)
+
+
 def test_schedule_is_written_as_parsed():
     assert Schedule.parse("6:3") == Schedule(6, 3, 0, 0)
     assert str(Schedule.parse("6:3:16:8")) == "6:3:16:8"
@@ -241,7 +254,9 @@ def test_schedule_is_written_as_parsed():
     assert Schedule.parse("4:2:0:0:128") == Schedule(4, 2, kv_block=128)
     assert str(Schedule(4, 2, kv_block=128)) == "4:2:0:0:128"
     assert str(Schedule.parse("6:3:0:0:64")) == "6:3"
-    for bad in ("6", "6:3:1:2:3:4", "6:x"):
+    assert Schedule.parse("6:3:0:0:64:4:16") == Schedule(6, 3, l2_barrier=4, l2_attention=16)
+    assert str(Schedule(6, 3, l2_attention=16)) == "6:3:0:0:64:0:16"
+    for bad in ("6", "6:3:1:2:64:4:5:6", "6:x"):
         with pytest.raises(ValueError, match="is not RING:KV_STAGES"):
             Schedule.parse(bad)
     with pytest.raises(ValueError, match="kv_block=96 must be one of"):

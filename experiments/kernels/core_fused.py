@@ -16,10 +16,12 @@ the fusion of the rest costs is the difference. The first row of each batch is c
 `step_program.core_iteration` (float32). --profile: Mosaic GPU's on-device profiler records
 each step and barrier (SM cycles per iteration, median over the workers, and their p10-p90),
 batch 1, the last context, per schedule. A schedule RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS
-[:KV_BLOCK]]]: weight units in flight per worker and cached blocks in flight in the attention
-(the shared memory bounds the two together), the weight unit that many units further on
-prefetched into L2, each attention item's first blocks prefetched into L2, and the cached
-positions per attention block, 64 or 128 (`fused_plan.Schedule`).
+[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION]]]]]: weight units in flight per worker and cached blocks
+in flight in the attention (the shared memory bounds the two together), the weight unit that
+many units further on prefetched into L2, each attention item's first blocks prefetched into
+L2, the cached positions per attention block, 64 or 128, and the next product's units after
+the ring's prefetched into L2 as each product but a qkv ends, and as a qkv ends
+(`fused_plan.Schedule`).
 --jobs=N: each (batch, schedule) in a process of its own, N at a time, so that their
 compilations overlap; the processes take turns on the GPU (a file lock around their work
 there; the compilations run outside it), and the table is theirs together. Needs an sm_90 GPU.
@@ -66,10 +68,11 @@ def define_flags() -> None:
     flags.DEFINE_integer("iterations", 8, "Core iterations per call.")
     flags.DEFINE_list(
         "schedules", [str(Schedule())],
-        "RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK]]], a list: weight units in flight per "
-        "worker, cached blocks in flight, weight units prefetched into L2 beyond the ring, "
-        "cached blocks per attention item prefetched into L2, cached positions per block (64 "
-        "or 128) (default: the kernel's default).",
+        "RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION]]]]], a list: "
+        "weight units in flight per worker, cached blocks in flight, weight units prefetched "
+        "into L2 beyond the ring, cached blocks per attention item prefetched into L2, cached "
+        "positions per block (64 or 128), the next product's units prefetched into L2 as a "
+        "product (not a qkv) ends, and as a qkv ends (default: the kernel's default).",
     )  # fmt: skip
     flags.DEFINE_integer("reps", 10, "Timed calls per row (median).")
     flags.DEFINE_bool(

@@ -69,8 +69,9 @@ def build_fused_core(
     the outputs. `schedule` (`fused_plan.Schedule`): `ring` weight units in flight per worker
     into shared memory, `kv_stages` cached blocks of `kv_block` positions in flight in the
     attention; `l2_units` > 0
-    also prefetches into L2 the unit that many further on, and `l2_blocks` > 0 each attention
-    item's first blocks (both slower on the H200 than without: docs/core_step.md).
+    also prefetches into L2 the unit that many further on, `l2_blocks` > 0 each attention
+    item's first blocks, `l2_barrier` and `l2_attention` the next product's units after the
+    ring's as a product ends (all slower on the H200 than without: docs/core_step.md).
     Interpret mode: one worker (no global semaphores; prefetches are no-ops). `profile_dir`:
     Mosaic GPU's on-device profiler records every step's and barrier's entry and exit (SM
     clock) there."""
@@ -187,14 +188,13 @@ def build_fused_core(
             tiles = phases[p].tiles(cols)
             c0 = it * per_iteration + cum[p]
             src_a, src_b, sums, gain_col, store, residual = sources(shape, p)
+            gate_up = kind == "mlp_proj"
             owned = sums is not None or store is not None
             layer_gains = gains.at[max(j, 0)]
 
             def chunk_src(src, rows, kc):
                 if src == "e_part":
                     return e_part.at[rows, :]
-                if isinstance(src, tuple):  # the up half of the fc output
-                    return act.at[src[1], pl.ds(shape.k_i + kc * UNIT, UNIT), :]
                 return act.at[src, rows, :]
 
             def is_owner(i):
@@ -206,8 +206,11 @@ def build_fused_core(
                 slot = lax.rem(i, x_stages)
                 kc = lax.rem(u0 + i, kch)
                 rows = pl.ds(kc * UNIT, UNIT)
-                dst_a, bar_a = s["xa"].at[slot], s["bara"].at[slot]
-                if isinstance(src_a, tuple):  # the adapter: the given state, then the state
+                dst_a, bar_a = s["xa"].at[slot, pl.ds(0, UNIT)], s["bara"].at[slot]
+                if gate_up:  # chunk kc of the gate and of the up half, interleaved
+                    src = act.at[src_a[1], pl.ds(kc * 2 * UNIT, 2 * UNIT), :]
+                    plgpu.copy_gmem_to_smem(src, s["xa"].at[slot], bar_a)
+                elif isinstance(src_a, tuple):  # the adapter: the given state, then the state
                     fresh, later = state.at[rows, :], act.at[src_a[1], rows, :]
                     pl.when(it == 0)(lambda: plgpu.copy_gmem_to_smem(fresh, dst_a, bar_a))
                     pl.when(it > 0)(lambda: plgpu.copy_gmem_to_smem(later, dst_a, bar_a))
@@ -262,8 +265,10 @@ def build_fused_core(
                         xs, bs = lax.rem(i, x_stages), lax.rem(i, lag + 1)
                         kc = lax.rem(u0 + i, kch)
                         plgpu.barrier_wait(s["bara"].at[xs])
-                        a = plgpu.load(s["xa"].at[xs], layout=WGMMA)
+                        a = plgpu.load(s["xa"].at[xs, pl.ds(0, UNIT)], layout=WGMMA)
                         b = None
+                        if gate_up:
+                            b = plgpu.load(s["xa"].at[xs, pl.ds(UNIT, UNIT)], layout=WGMMA)
                         if src_b is not None:
                             plgpu.barrier_wait(s["barb"].at[xs])
                             b = plgpu.load(s["xbb"].at[xs], layout=WGMMA)
@@ -351,6 +356,23 @@ def build_fused_core(
                 else:
                     pl.when(it < iterations - 1)(lambda: zero_rows(buf, off, phases[nxt].n))
 
+        def prefetch_next(it, p):
+            """As product p ends, the next product's units after those in the ring go into L2
+            (`l2_attention` after a qkv, `l2_barrier` after the others): HBM streams them while
+            the barrier and the attention hold the ring."""
+            kind, _ = kind_of(phases[p].name)
+            n = schedule.l2_attention if kind == "qkv" else schedule.l2_barrier
+            q = (p + 1) % n_phases
+
+            def go():
+                for g in range(ring, ring + n):
+                    prefetch_weight(q, g, False)
+
+            if n and q:
+                go()
+            elif n:
+                pl.when(it < iterations - 1)(go)
+
         def cross(it, step):
             if not k.reduce:
                 return
@@ -397,6 +419,7 @@ def build_fused_core(
             for p in range(n_phases):
                 with jax.named_scope(phases[p].name):
                     product(it, p)
+                prefetch_next(it, p)
                 plgpu.wait_smem_to_gmem(0)
                 cross(it, step)
                 step += 1

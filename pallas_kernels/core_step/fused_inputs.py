@@ -84,8 +84,8 @@ def sources(shape: FusedShape, p: int):
     if kind == "fc":
         sums = (ScalarRows.h1(j), ScalarRows.h1g(j))
         return Buffers.of("o", j), None, sums, GAIN_G2, None, None
-    fc = Buffers.of("fc", j)
-    return fc, ("up", fc), None, None, None, (Buffers.of("o", j), GAIN_G2, j)
+    gate_up = ("gate_up", Buffers.of("fc", j))  # both halves' chunks in one copy
+    return gate_up, None, None, None, None, (Buffers.of("o", j), GAIN_G2, j)
 
 
 def scaled(k: KernelContext, it, p: int):

@@ -36,8 +36,11 @@ class Schedule:
     """How the kernel keeps its reads in flight (`fused.build_fused_core`): `ring` weight units
     per worker into shared memory, the unit `l2_units` further on into L2, `kv_stages` cached
     blocks of `kv_block` positions in the attention (one block per softmax step), each
-    attention item's first `l2_blocks` blocks into L2 ahead of it. Written
-    RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK]]] (`parse`, `str`). The defaults are the
+    attention item's first `l2_blocks` blocks into L2 ahead of it; as each product ends, the
+    next product's `l2_barrier` units after the ring's into L2 (`l2_attention` after a qkv,
+    whose barrier the attention follows). Written
+    RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION]]]]] (`parse`,
+    `str`). The defaults are the
     kernel's: the shared memory bounds ring and kv_stages x kv_block together (6:3 and 8:2 fit
     at blocks of 64; docs/core_step.md: how they compare), and the L2 prefetches were slower
     than none."""
@@ -47,6 +50,8 @@ class Schedule:
     l2_units: int = 0
     l2_blocks: int = 0
     kv_block: int = BLOCK
+    l2_barrier: int = 0
+    l2_attention: int = 0
 
     def __post_init__(self):
         if self.kv_block not in KV_BLOCKS:
@@ -54,12 +59,14 @@ class Schedule:
 
     @classmethod
     def parse(cls, text: str) -> Schedule:
-        """6:3, 6:3:16:8 or 4:2:0:0:128 (the fields left out take their defaults); ValueError
+        """6:3, 6:3:16:8, 4:2:0:0:128 or 6:3:0:0:64:4:16 (the fields left out take their
+        defaults); ValueError
         otherwise."""
         parts = text.split(":")
-        if not 2 <= len(parts) <= 5 or not all(p.isdigit() for p in parts):
+        if not 2 <= len(parts) <= 7 or not all(p.isdigit() for p in parts):
             raise ValueError(
-                f"{text!r} is not RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK]]] (6:3:16:8)"
+                f"{text!r} is not RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK"
+                "[:L2_BARRIER[:L2_ATTENTION]]]]] (6:3:16:8)"
             )
         return cls(*(int(p) for p in parts))
 
@@ -222,10 +229,12 @@ def smem_bytes(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int) -
 
 def most_workers(shape: FusedShape, schedule: Schedule) -> int:
     """The most workers `check_fused` lets `schedule` run `shape` on (0 where not even one):
-    each worker must own more units of every product than ring + l2_units. Of a product's u
-    units the fewest a worker owns among w is u // w, which stays above ring + l2_units for every
-    w up to u // (ring + l2_units + 1)."""
-    reach = schedule.ring + schedule.l2_units
+    each worker must own more units of every product than the ring and its furthest L2
+    prefetch reach (ring + the largest of l2_units, l2_barrier, l2_attention). Of a product's u
+    units the fewest a worker owns among w is u // w, which stays above that reach for every w
+    up to u // (reach + 1)."""
+    l2 = (schedule.l2_units, schedule.l2_barrier, schedule.l2_attention)
+    reach = schedule.ring + max(l2)
     return min(p.units(shape.unit_cols) // (reach + 1) for p in shape.phases)
 
 
@@ -236,13 +245,14 @@ def check_fused(
     the wgmma lag, the ring and the L2 lookahead shorter than every worker's units of each
     product (the lookahead reaches into the next product only), so at least 1 and at most
     `most_workers` workers, at least 2 stages of cached blocks, buffers that fit."""
-    ring, kv_stages, l2_units = schedule.ring, schedule.kv_stages, schedule.l2_units
+    ring, kv_stages = schedule.ring, schedule.kv_stages
+    l2 = (schedule.l2_units, schedule.l2_barrier, schedule.l2_attention)
     if not 1 <= ring <= MAX_RING or not 0 <= lag < ring or not 1 <= x_stages <= ring:
         raise ValueError(f"need 0 <= lag={lag} < ring={ring} <= {MAX_RING}, x_stages <= ring")
     if not 2 <= kv_stages <= MAX_RING:
         raise ValueError(f"kv_stages={kv_stages} must be in [2, {MAX_RING}]")
-    if l2_units < 0:
-        raise ValueError(f"l2_units={l2_units} must be >= 0")
+    if min(l2) < 0:
+        raise ValueError(f"schedule {schedule}: the L2 prefetches must be >= 0")
     if workers < 1:
         raise ValueError(f"workers={workers} must be at least 1")
     most = most_workers(shape, schedule)
@@ -251,7 +261,7 @@ def check_fused(
         fits = f"{most} workers at most fit" if most else "not even one worker fits"
         raise ValueError(
             f"a worker owns {fewest} units of some product with {workers} workers: the ring "
-            f"({ring}) and the L2 lookahead ({l2_units}) must be shorter ({fits})"
+            f"({ring}) and the L2 lookahead ({max(l2)}) must be shorter ({fits})"
         )
     need = smem_bytes(shape, schedule, x_stages, lag)
     if need > SMEM_LIMIT:
@@ -278,7 +288,7 @@ def scratch_types(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int
         pbar=plgpu.Barrier(),
     )
     product = dict(
-        xa=plgpu.SMEM((x_stages, *chunk), f32),
+        xa=plgpu.SMEM((x_stages, 2 * UNIT, N_PAD), f32),  # 2 chunks: the MLP's gate and up
         xbb=plgpu.SMEM((x_stages, *chunk), f32),
         xg=plgpu.SMEM((x_stages, *chunk), f32),
         bara=plgpu.Barrier(num_barriers=x_stages),

@@ -27,6 +27,7 @@ from pallas_kernels.core_step.fused_plan import (
     FusedShape,
     Schedule,
 )
+from pallas_kernels.core_step.plan import UNIT
 from pallas_kernels.core_step.step_program import LayerWeights, Pending, StepWeights, rope_row
 
 
@@ -59,6 +60,15 @@ def core_shape(w: StepWeights, *, heads: int, batch: int, unit_cols: int = 128) 
     return FusedShape(d, heads, w.head_dim, intermediate, len(w.layers), batch, unit_cols)
 
 
+def interleave_halves(x: jax.Array) -> jax.Array:
+    """[..., 2 k] of two halves [a | b] -> [a_0 b_0 a_1 b_1 ...] by chunks of 64 columns: the fc
+    output's rows [128 c, 128 c + 128) are then the MLP proj's input chunk c (the gate's, then
+    the up half's), one copy."""
+    *lead, n = x.shape
+    chunks = x.reshape(*lead, 2, n // (2 * UNIT), UNIT)
+    return jnp.swapaxes(chunks, -3, -2).reshape(*lead, n)
+
+
 def pack_weights(
     w: StepWeights, *, heads: int, batch: int, rope_base: float, unit_cols: int = 128
 ) -> FusedWeights:
@@ -78,10 +88,11 @@ def pack_weights(
     tiles = []
     for j, lw in enumerate(w.layers):
         g4_prev = ones if j == 0 else w.layers[j - 1].norm_4
-        fc = jnp.concatenate(
+        fc = jnp.stack(
             [_pad2(half, d, shape.k_i, jnp.float32) for half in jnp.split(lw.fc, 2, axis=1)],
             axis=1,
-        )
+        )  # [d, 2, k_i], then gate and up interleaved by 64 columns (`interleave_halves`)
+        fc = interleave_halves(fc.reshape(d, 2 * shape.k_i))
         folded = (
             (g4_prev * lw.norm_1)[:, None] * lw.wqkv,
             lw.proj,
