@@ -40,10 +40,9 @@ class Schedule:
     next product's `l2_barrier` units after the ring's into L2 (`l2_attention` after a qkv,
     whose barrier the attention follows). Written
     RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION]]]]] (`parse`,
-    `str`). The defaults are the
-    kernel's: the shared memory bounds ring and kv_stages x kv_block together (6:3 and 8:2 fit
-    at blocks of 64; docs/core_step.md: how they compare), and the L2 prefetches were slower
-    than none."""
+    `str`). The defaults are the kernel's: the shared memory bounds ring and kv_stages x
+    kv_block together (6:3 and 8:2 fit at blocks of 64; docs/core_step.md: how they compare),
+    and the L2 prefetches were slower than none."""
 
     ring: int = 6
     kv_stages: int = 3
@@ -60,8 +59,7 @@ class Schedule:
     @classmethod
     def parse(cls, text: str) -> Schedule:
         """6:3, 6:3:16:8, 4:2:0:0:128 or 6:3:0:0:64:4:16 (the fields left out take their
-        defaults); ValueError
-        otherwise."""
+        defaults); ValueError otherwise."""
         parts = text.split(":")
         if not 2 <= len(parts) <= 7 or not all(p.isdigit() for p in parts):
             raise ValueError(
@@ -157,7 +155,8 @@ class FusedShape:
 class Buffers:
     """Indices into `act`: the adapter output a, layer 0's input z0 = a r + e @ Wa[D:], then per
     layer the qkv output (rows shifted by SHIFT), the attention output, the proj output with the
-    residual added (h1), the fc output and the mlp output with the residual added (the next
+    residual added (h1), the fc output (the gate's and the up half's rows interleaved by 64,
+    `fused_step.interleave_halves`) and the mlp output with the residual added (the next
     layer's input z, or after the last layer the state)."""
 
     A = 0
