@@ -188,7 +188,7 @@ def build_fused_core(
             tiles = phases[p].tiles(cols)
             c0 = it * per_iteration + cum[p]
             src_a, src_b, sums, gain_col, store, residual = sources(shape, p)
-            gate_up = kind == "mlp_proj"
+            gate_up = isinstance(src_a, tuple) and src_a[0] == "gate_up"
             owned = sums is not None or store is not None
             layer_gains = gains.at[max(j, 0)]
 
@@ -364,7 +364,7 @@ def build_fused_core(
             n = schedule.l2_attention if kind == "qkv" else schedule.l2_barrier
             q = (p + 1) % n_phases
 
-            def go():
+            def go():  # the next phase's (of the next iteration after the last phase)
                 for g in range(ring, ring + n):
                     prefetch_weight(q, g, False)
 

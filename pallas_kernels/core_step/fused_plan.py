@@ -52,6 +52,11 @@ class Schedule:
     l2_barrier: int = 0
     l2_attention: int = 0
 
+    @property
+    def l2_reach(self) -> int:
+        """Units past the ring that the furthest of the weight prefetches reaches."""
+        return max(self.l2_units, self.l2_barrier, self.l2_attention)
+
     def __post_init__(self):
         if self.kv_block not in KV_BLOCKS:
             raise ValueError(f"kv_block={self.kv_block} must be one of {KV_BLOCKS}")
@@ -229,11 +234,10 @@ def smem_bytes(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int) -
 def most_workers(shape: FusedShape, schedule: Schedule) -> int:
     """The most workers `check_fused` lets `schedule` run `shape` on (0 where not even one):
     each worker must own more units of every product than the ring and its furthest L2
-    prefetch reach (ring + the largest of l2_units, l2_barrier, l2_attention). Of a product's u
+    prefetch reach (ring + `Schedule.l2_reach`). Of a product's u
     units the fewest a worker owns among w is u // w, which stays above that reach for every w
     up to u // (reach + 1)."""
-    l2 = (schedule.l2_units, schedule.l2_barrier, schedule.l2_attention)
-    reach = schedule.ring + max(l2)
+    reach = schedule.ring + schedule.l2_reach
     return min(p.units(shape.unit_cols) // (reach + 1) for p in shape.phases)
 
 
@@ -245,12 +249,11 @@ def check_fused(
     product (the lookahead reaches into the next product only), so at least 1 and at most
     `most_workers` workers, at least 2 stages of cached blocks, buffers that fit."""
     ring, kv_stages = schedule.ring, schedule.kv_stages
-    l2 = (schedule.l2_units, schedule.l2_barrier, schedule.l2_attention)
     if not 1 <= ring <= MAX_RING or not 0 <= lag < ring or not 1 <= x_stages <= ring:
         raise ValueError(f"need 0 <= lag={lag} < ring={ring} <= {MAX_RING}, x_stages <= ring")
     if not 2 <= kv_stages <= MAX_RING:
         raise ValueError(f"kv_stages={kv_stages} must be in [2, {MAX_RING}]")
-    if min(l2) < 0:
+    if min(schedule.l2_units, schedule.l2_barrier, schedule.l2_attention) < 0:
         raise ValueError(f"schedule {schedule}: the L2 prefetches must be >= 0")
     if workers < 1:
         raise ValueError(f"workers={workers} must be at least 1")
@@ -260,7 +263,7 @@ def check_fused(
         fits = f"{most} workers at most fit" if most else "not even one worker fits"
         raise ValueError(
             f"a worker owns {fewest} units of some product with {workers} workers: the ring "
-            f"({ring}) and the L2 lookahead ({max(l2)}) must be shorter ({fits})"
+            f"({ring}) and the L2 lookahead ({schedule.l2_reach}) must be shorter ({fits})"
         )
     need = smem_bytes(shape, schedule, x_stages, lag)
     if need > SMEM_LIMIT:

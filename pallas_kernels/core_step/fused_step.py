@@ -88,11 +88,12 @@ def pack_weights(
     tiles = []
     for j, lw in enumerate(w.layers):
         g4_prev = ones if j == 0 else w.layers[j - 1].norm_4
-        fc = jnp.stack(
-            [_pad2(half, d, shape.k_i, jnp.float32) for half in jnp.split(lw.fc, 2, axis=1)],
-            axis=1,
-        )  # [d, 2, k_i], then gate and up interleaved by 64 columns (`interleave_halves`)
-        fc = interleave_halves(fc.reshape(d, 2 * shape.k_i))
+        fc = interleave_halves(
+            jnp.concatenate(
+                [_pad2(half, d, shape.k_i, jnp.float32) for half in jnp.split(lw.fc, 2, axis=1)],
+                axis=1,
+            )
+        )
         folded = (
             (g4_prev * lw.norm_1)[:, None] * lw.wqkv,
             lw.proj,
