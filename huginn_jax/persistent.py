@@ -32,10 +32,14 @@ from flax import nnx
 from huginn_jax.config import HuginnConfig
 from huginn_jax.kv_cache import KVCache
 from huginn_jax.model import Core, Huginn
-from pallas_kernels.core_step.fused_plan import FusedShape, Schedule, most_workers
+from pallas_kernels.core_step.fused_plan import (
+    DEFAULT_UNIT_COLS,
+    FusedShape,
+    Schedule,
+    most_workers,
+)
 from pallas_kernels.core_step.step_program import LayerWeights, Pending, StepWeights
 
-DEFAULT_UNIT_COLS = 128  # output columns of a [64, unit_cols] weight unit
 CACHE_MULTIPLE = Schedule().kv_block  # the default schedule reads cached positions in such blocks
 HOPPER = "9.0"  # the compute capability the kernel is built for (wgmma, TMA)
 

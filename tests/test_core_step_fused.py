@@ -130,15 +130,17 @@ def test_new_rows_land_in_their_slots():
 SMALL = (512, 8, 768, 2)  # d, heads (of 64), MLP width, layers: 16 workers, 2 splits per head
 HUGINN = (5280, 55, 17920, 4)
 # shape, workers, batch, iterations, position, positions per slot, (unit_cols, schedule): at
-# huginn-0125 [64, 128] units, the kernel's default schedule and one with the longest ring and
-# L2 lookahead that fit; on the small shape [64, 64] units, so that every worker owns more units
-# than the ring, with 3 cached blocks in flight; each shape also with blocks of 128 positions
+# huginn-0125 the kernel's default units and schedule at batch 1 and 8, and [64, 128] units with
+# the longest ring and L2 lookahead that fit; on the small shape [64, 64] units, so that every
+# worker owns more units than the ring, with 3 cached blocks in flight; each shape also with
+# blocks of 128 positions
 SMALL_SCHEDULE = (64, Schedule(3, 3, 0, 0))
 GPU_CASES = [
     (SMALL, 16, 1, 2, 130, 192, SMALL_SCHEDULE),
     (SMALL, 16, 8, 1, 63, 128, SMALL_SCHEDULE),
     (SMALL, 16, 8, 1, 200, 256, (64, Schedule(3, 2, kv_block=128))),
-    (HUGINN, 132, 1, 2, 1000, 1024, (128, Schedule())),
+    (HUGINN, 132, 1, 2, 1000, 1024, (256, Schedule())),
+    (HUGINN, 132, 8, 1, 200, 256, (256, Schedule())),
     (HUGINN, 132, 8, 1, 200, 256, (128, Schedule(8, 2, 16, 8))),
     (HUGINN, 132, 1, 2, 1000, 1024, (128, Schedule(4, 2, kv_block=128))),
 ]
@@ -187,16 +189,17 @@ def test_gpu_configurations_fit():
 def test_most_workers_is_what_check_fused_allows():
     """The `small` preset (D 256, 4 heads of 64, MLP width 688 padded to 704, 4 layers) in
     [64, 128] units: adapter 4 x 2, per layer qkv 4 x 6, proj 4 x 2, fc 4 x 11, mlp proj 11 x 2.
-    Every worker must own more of each than the default ring of 6: 8 // 7 workers. Past the
-    most, check_fused says how many fit; a ring of 8 leaves not even one."""
+    Every worker must own more of each than a ring of 6: 8 // 7 workers. Past the most,
+    check_fused says how many fit; a ring of 8 leaves not even one."""
     shape = fused_shape(HuginnConfig.from_name("small"), 1, 128)
     units = [p.units(128) for p in shape.phases]
     assert units == [4 * 2] + [4 * 6, 4 * 2, 4 * 11, 11 * 2] * 4
-    most = min(units) // (Schedule().ring + Schedule().l2_units + 1)
-    assert most_workers(shape, Schedule()) == most == 1
-    check_fused(shape, most, Schedule())
+    six = Schedule(ring=6)
+    most = min(units) // (six.ring + six.l2_units + 1)
+    assert most_workers(shape, six) == most == 1
+    check_fused(shape, most, six)
     with pytest.raises(ValueError, match=rf"with {most + 1} workers: .*\({most} workers at most"):
-        check_fused(shape, most + 1, Schedule())
+        check_fused(shape, most + 1, six)
     assert most_workers(shape, Schedule(ring=8)) == 0
     with pytest.raises(ValueError, match="not even one worker fits"):
         check_fused(shape, 1, Schedule(ring=8))
@@ -204,11 +207,11 @@ def test_most_workers_is_what_check_fused_allows():
 
 @pytest.mark.parametrize("batch", [1, 8])
 def test_most_workers_keeps_every_sm_of_an_h200_for_huginn_0125(batch):
-    """huginn-0125's fewest units are the adapter's and each proj's (83 row chunks by 42 column
-    tiles): far more workers than an H200's 132 SMs fit the default schedule."""
-    shape = fused_shape(HuginnConfig.from_name("huginn_0125"), batch, 128)
+    """huginn-0125's fewest units are the adapter's and each proj's (83 row chunks by 21 column
+    tiles of 256): far more workers than an H200's 132 SMs fit the default schedule."""
+    shape = fused_shape(HuginnConfig.from_name("huginn_0125"), batch)
     most = most_workers(shape, Schedule())
-    assert most == 83 * 42 // 7 and most >= 132
+    assert most == 83 * 21 // 4 and most >= 132
     check_fused(shape, most, Schedule())
     with pytest.raises(ValueError, match="L2 lookahead"):
         check_fused(shape, most + 1, Schedule())
@@ -274,9 +277,15 @@ def test_refuses_what_it_cannot_run():
         )
     with pytest.raises(ValueError, match="smem"):
         check_fused(FusedShape(5280, 55, 96, 17920, 1, 1), 132, Schedule(ring=9))
-    with pytest.raises(ValueError, match="L2 lookahead"):  # 26 units of the adapter per worker
-        huginn = FusedShape(5280, 55, 96, 17920, 1, 1)
-        check_fused(huginn, 132, Schedule(ring=6, l2_units=20))
+    huginn = FusedShape(5280, 55, 96, 17920, 1, 1)
+    with pytest.raises(ValueError, match="L2 lookahead"):  # 13 units of the adapter per worker
+        check_fused(huginn, 132, Schedule(ring=3, l2_units=10))
+    # the on-device profiler's records of 8 iterations of 4 layers take 5.4 KiB: 3:3 leaves 3.9
+    four_layers = FusedShape(5280, 55, 96, 17920, 4, 1)
+    check_fused(four_layers, 132, Schedule(3, 3))
+    check_fused(four_layers, 132, Schedule(3, 2), profiled_iterations=8)
+    with pytest.raises(ValueError, match="for the profiler's records of 8 iterations"):
+        check_fused(four_layers, 132, Schedule(3, 3), profiled_iterations=8)
     with pytest.raises(ValueError, match="multiple of the schedule's blocks \\(128\\)"):
         w = step_weights(core())
         w = StepWeights(w.adapter, w.layers[:LAYERS], head_dim=w.head_dim, eps=w.eps)

@@ -35,8 +35,9 @@
 #             its HBM bytes per iteration by Nsight Compute (the persistent call only)
 #   core_persistent_b8  the same comparison at batch 8, without Nsight Compute
 #   core_fused  that kernel per context, batch and schedule ($FUSED_SCHEDULES, RING:KV_STAGES,
-#             in $FUSED_JOBS processes at once) against its floor and its bare weight stream,
-#             and where its time goes (Mosaic GPU's on-device profiler)
+#             in $FUSED_JOBS processes at once; $FUSED_UNIT_COLS: the weight units' width,
+#             128 as recorded) against its floor and its bare weight stream, and where its time
+#             goes (Mosaic GPU's on-device profiler)
 #   core_fused_l2  the same with weight units and cached blocks prefetched into L2
 #             (RING:KV_STAGES:L2_UNITS:L2_BLOCKS), contexts 64 and 1024
 #   prefill_gemm  the Core's prefill GEMMs shape by shape, XLA against PyTorch
@@ -267,7 +268,7 @@ fused_run() {
   local d=$1 name=$2
   timeout "${FUSED_TIMEOUT:-540}" python3 -m experiments.kernels.core_fused --batch=1,8 \
     --contexts="$3" --schedules="$4" --jobs="$5" --profile --json_out="$d/$name.json" \
-    > "$d/$name.txt" 2>&1
+    --unit_cols="${FUSED_UNIT_COLS:-128}" > "$d/$name.txt" 2>&1
   echo "== $name rc $?"; grep -v "it/s\]" "$d/$name.txt" | tail -30
 }
 

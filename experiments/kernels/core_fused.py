@@ -2,7 +2,7 @@
 against its own weight stream, and where its time goes.
 
     python -m experiments.kernels.core_fused [--batch=1 --contexts=64,1024,4096 --profile]
-        [--schedules=8:2,6:3] [--jobs=2]
+        [--unit_cols=256 --schedules=3:3,4:2] [--jobs=2]
 
 Random weights (`fused_step.random_step_weights`), `--iterations` Core iterations per call at one
 position `context` (the cache slots hold `slot_positions(context)`), each row the device time of
@@ -11,20 +11,23 @@ XLA operations around it (the embedded half of the adapter once per call, the ta
 rows). Columns: ms per iteration; the floor: the products' weights (as padded, 64 rows per
 unit) and the cache bytes the attention must read (batch x layers x heads x context x 2 x
 head_dim in bf16) at the measured read ceiling (results/<device>/ceilings.json), and % of it.
-The "stream" row runs the same products alone (`weight_stream`, [64, 128] tiles, ring 8): what
-the fusion of the rest costs is the difference. The first row of each batch is checked against
-`step_program.core_iteration` (float32). --profile: Mosaic GPU's on-device profiler records
-each step and barrier (SM cycles per iteration, median over the workers, and their p10-p90),
-batch 1, the last context, per schedule. A schedule RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS
-[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION]]]]]: weight units in flight per worker and cached blocks
-in flight in the attention (the shared memory bounds the two together), the weight unit that
-many units further on prefetched into L2, each attention item's first blocks prefetched into
-L2, the cached positions per attention block, 64 or 128, and the next product's units after
-the ring's prefetched into L2 as each product but a qkv ends, and as a qkv ends
-(`fused_plan.Schedule`).
+The "stream" row runs the same products alone (`weight_stream`, the same units, 128 KiB of
+them in flight): what the fusion of the rest costs is the difference. The first row of each
+batch is checked against `step_program.core_iteration` (float32). --profile: Mosaic GPU's
+on-device profiler records each step and barrier (SM cycles per iteration, median over the
+workers, and their p10-p90), batch 1, the last context, per schedule (its records take shared
+memory: a schedule that leaves too little is refused before any work). --unit_cols: the
+weight units' width, which the ring counts (`fused_plan.Schedule`'s defaults are for 256).
+A schedule RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION]]]]]: weight
+units in flight per worker and cached blocks in flight in the attention (the shared memory
+bounds the two together), the weight unit that many units further on prefetched into L2, each
+attention item's first blocks prefetched into L2, the cached positions per attention block,
+64 or 128, and the next product's units after the ring's prefetched into L2 as each product
+but a qkv ends, and as a qkv ends (`fused_plan.Schedule`).
 --jobs=N: each (batch, schedule) in a process of its own, N at a time, so that their
 compilations overlap; the processes take turns on the GPU (a file lock around their work
-there; the compilations run outside it), and the table is theirs together. Needs an sm_90 GPU.
+there, shared with other programs given the same --gpu_lock; the compilations run outside
+it), and the table is theirs together. Needs an sm_90 GPU.
 """
 
 from __future__ import annotations
@@ -57,11 +60,10 @@ FLAGS = flags.FLAGS
 PROGRAM = "core_fused"
 SHAPE = (5280, 55, 17920, 4)  # huginn-0125: n_embd, heads, MLP width, Core layers
 WORKERS = 132  # one per SM of an H100 / H200
-UNIT_COLS = 128
 
 
 def define_flags() -> None:
-    from pallas_kernels.core_step.fused_plan import Schedule
+    from pallas_kernels.core_step.fused_plan import DEFAULT_UNIT_COLS, Schedule
 
     flags.DEFINE_list("batch", ["1"], "Sequences per call (1..8), a list.")
     flags.DEFINE_list("contexts", ["64", "1024", "4096"], "Cached positions, a list.")
@@ -74,6 +76,10 @@ def define_flags() -> None:
         "positions per block (64 or 128), the next product's units prefetched into L2 as a "
         "product (not a qkv) ends, and as a qkv ends (default: the kernel's default).",
     )  # fmt: skip
+    flags.DEFINE_integer(
+        "unit_cols", DEFAULT_UNIT_COLS,
+        "Output columns of a [64, unit_cols] weight unit: 64, 128 or 256.",
+    )  # fmt: skip
     flags.DEFINE_integer("reps", 10, "Timed calls per row (median).")
     flags.DEFINE_bool(
         "profile", False, "Record the steps' cycles (batch 1, the last context), per schedule."
@@ -81,7 +87,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("jobs", 1, "Processes at once, one per (batch, schedule).")
     flags.DEFINE_bool("stream", True, "Time the bare weight stream per batch.")
     flags.DEFINE_string(
-        "gpu_lock", "", "A file to lock around the GPU work (set by --jobs for its processes)."
+        "gpu_lock", "", "A file to lock around the GPU work (with --jobs, its processes share it)."
     )
     flags.DEFINE_string("json_out", "out/core_fused.json", "Results JSON.")
 
@@ -92,7 +98,7 @@ def floor_bytes(batch: int, context: int) -> tuple[int, int]:
     from pallas_kernels.core_step.plan import stream_bytes
 
     d, heads, f, layers = SHAPE
-    shape = FusedShape(d, heads, d // heads, f, layers, batch, UNIT_COLS)
+    shape = FusedShape(d, heads, d // heads, f, layers, batch, FLAGS.unit_cols)
     return stream_bytes(shape.phases), batch * layers * 2 * context * d * 2
 
 
@@ -125,7 +131,7 @@ def compiled_decode(w, batch: int, slot_len: int, schedule, profile_dir: str = "
     d, heads, _, _ = SHAPE
     with held(FLAGS.gpu_lock):
         state, embedded, k, v, slots = decode_inputs(batch, slot_len)
-        fw = pack_weights(w, heads=heads, batch=batch, rope_base=10000.0, unit_cols=UNIT_COLS)
+        fw = pack_weights(w, heads=heads, batch=batch, rope_base=10000.0, unit_cols=FLAGS.unit_cols)
         args = jax.block_until_ready((fw, Pending(state), embedded, k, v, slots))
     decode = fused_core_decode.lower(
         *args, jnp.int32(0), iterations=FLAGS.iterations, workers=WORKERS,
@@ -144,7 +150,13 @@ def fused_rows(w, batch: int, contexts: list[int], schedule, ceiling) -> list[di
     with held(FLAGS.gpu_lock):
         for context in contexts:
             pos = jnp.int32(context)
-            row = dict(impl="fused", batch=batch, context=context, **dataclasses.asdict(schedule))
+            row = dict(
+                impl="fused",
+                batch=batch,
+                context=context,
+                unit_cols=FLAGS.unit_cols,
+                **dataclasses.asdict(schedule),
+            )
             if not rows:  # the first row: the state against the specification
                 got = decode(*args, pos)[0].value(w.eps)
                 want, e_part = state, None
@@ -172,11 +184,16 @@ def timed(row: dict, fn, ceiling, weight_bytes: int, cache_bytes: int, *args) ->
     return row
 
 
+def stream_ring() -> int:
+    """The bare stream's ring: 128 KiB of weight units in flight (8 at [64, 128])."""
+    return 8 * 128 // FLAGS.unit_cols
+
+
 def stream_row(batch: int, ceiling) -> dict:
     from pallas_kernels.core_step import core_phases, stream_bytes, weight_stream
 
     d, _, f, layers = SHAPE
-    phases = core_phases(d, f, 3 * d, layers, unit_cols=UNIT_COLS)
+    phases = core_phases(d, f, 3 * d, layers, unit_cols=FLAGS.unit_cols)
     with held(FLAGS.gpu_lock):
         weights = tuple(jnp.full((p.k, p.n), 0.01, jnp.bfloat16) for p in phases)
         x0 = jax.block_until_ready(jnp.ones((batch, phases[0].k), jnp.float32))
@@ -184,11 +201,11 @@ def stream_row(batch: int, ceiling) -> dict:
     def fn(x, w):
         return weight_stream(
             x, w, phases=phases, iterations=FLAGS.iterations, workers=WORKERS,
-            unit_cols=UNIT_COLS, ring=8,
+            unit_cols=FLAGS.unit_cols, ring=stream_ring(),
         )  # fmt: skip
 
     compiled = jax.jit(fn).lower(x0, weights).compile()
-    row = dict(impl="stream", batch=batch, context=0, ring=8)
+    row = dict(impl="stream", batch=batch, context=0, ring=stream_ring(), unit_cols=FLAGS.unit_cols)
     with held(FLAGS.gpu_lock):
         return timed(row, compiled, ceiling, stream_bytes(phases), 0, x0, weights)
 
@@ -219,7 +236,8 @@ def profile(w, context: int, schedule) -> dict:
             p90=vals[9 * len(vals) // 10],
         )
     return dict(
-        context=context, schedule=str(schedule), workers=len(per_worker),
+        context=context, schedule=str(schedule), unit_cols=FLAGS.unit_cols,
+        workers=len(per_worker),
         cycles_per_iteration=out,
     )  # fmt: skip
 
@@ -238,8 +256,8 @@ def format_table(rows: list[dict], profiles: list[dict]) -> str:
     from pallas_kernels.core_step.fused_plan import Schedule
 
     head = (
-        f"{'batch':>5}  {'impl':<8}{'sched':>10}{'context':>8}{'ms/iter':>9}{'floor ms':>10}"
-        f"{'% floor':>9}  err"
+        f"{'batch':>5}  {'impl':<8}{'unit':>6}{'sched':>10}{'context':>8}{'ms/iter':>9}"
+        f"{'floor ms':>10}{'% floor':>9}  err"
     )
     lines = [head, "-" * len(head)]
     fields = [f.name for f in dataclasses.fields(Schedule)]
@@ -249,11 +267,15 @@ def format_table(rows: list[dict], profiles: list[dict]) -> str:
         cells += f"{floor:10.3f}{r['pct_floor']:8.1f}%" if floor and ms else f"{'-':>10}{'-':>9}"
         err = f"{r['rel_err']:.1e}" if "rel_err" in r else "-"
         sched = str(Schedule(*(r[f] for f in fields))) if "kv_stages" in r else r["ring"]
-        lines.append(f"{r['batch']:>5}  {r['impl']:<8}{sched:>10}{r['context']:>8}{cells}  {err}")
+        unit = f"{r['unit_cols']:>6}"
+        lines.append(
+            f"{r['batch']:>5}  {r['impl']:<8}{unit}{sched:>10}{r['context']:>8}{cells}  {err}"
+        )
     for prof in profiles:
         lines.append(
             f"\ncycles per iteration (median over {prof['workers']} workers, p10-p90), "
-            f"context {prof['context']}, batch 1, schedule {prof['schedule']}:"
+            f"context {prof['context']}, batch 1, [64, {prof['unit_cols']}] units, "
+            f"schedule {prof['schedule']}:"
         )
         for kind, c in prof["cycles_per_iteration"].items():
             lines.append(f"  {kind:<10}{c['median']:>12.0f}   {c['p10']:.0f}-{c['p90']:.0f}")
@@ -286,7 +308,8 @@ def run_jobs(batches: list[int], schedules: list[str]) -> tuple[list[dict], list
 
 def _run_jobs(batches: list[int], schedules: list[str], work: Path):
     cases = [(b, sch) for b in batches for sch in schedules]
-    lock = work / "gpu.lock"  # created by the first process that takes it
+    # created by the first process that takes it; a given one is shared with other programs
+    lock = Path(FLAGS.gpu_lock) if FLAGS.gpu_lock else work / "gpu.lock"
 
     def argv(n, batch, sch):  # the stream once per batch, each schedule's profile once
         first_of_batch, profiled = sch == schedules[0], batch == batches[0]
@@ -294,6 +317,7 @@ def _run_jobs(batches: list[int], schedules: list[str], work: Path):
             sys.executable, "-m", "experiments.kernels.core_fused", f"--batch={batch}",
             f"--schedules={sch}", f"--contexts={','.join(FLAGS.contexts)}",
             f"--iterations={FLAGS.iterations}", f"--reps={FLAGS.reps}",
+            f"--unit_cols={FLAGS.unit_cols}",
             f"--stream={FLAGS.stream and first_of_batch}",
             f"--profile={FLAGS.profile and profiled}", f"--gpu_lock={lock}", "--jobs=1",
             f"--json_out={work / f'case_{n}.json'}",
@@ -339,15 +363,21 @@ def main(argv: list[str]) -> None:
         raise UserError("--iterations, --reps and --jobs must be >= 1")
     schedules = [parse_schedule(text) for text in FLAGS.schedules]
     from pallas_kernels.core_step.fused_plan import FusedShape, check_fused
+    from pallas_kernels.core_step.plan import UNIT_COLS
+
+    if FLAGS.unit_cols not in UNIT_COLS:
+        raise UserError(f"--unit_cols={FLAGS.unit_cols} must be one of {UNIT_COLS}")
 
     d, heads, f, layers = SHAPE
-    for batch in batches:
+    profiled = [(1, FLAGS.iterations)] if FLAGS.profile else []  # `profile` runs batch 1
+    for batch, profiled_iterations in [(b, 0) for b in batches] + profiled:
         for sch in schedules:
             try:
-                shape = FusedShape(d, heads, d // heads, f, layers, batch, UNIT_COLS)
-                check_fused(shape, WORKERS, sch)
+                shape = FusedShape(d, heads, d // heads, f, layers, batch, FLAGS.unit_cols)
+                check_fused(shape, WORKERS, sch, profiled_iterations=profiled_iterations)
             except ValueError as e:
-                raise UserError(f"schedule {sch}, --batch={batch}: {e}") from None
+                what = " (--profile)" if profiled_iterations else ""
+                raise UserError(f"schedule {sch}, --batch={batch}{what}: {e}") from None
     program.check_outputs(FLAGS.json_out)
     device = jax.devices()[0]
     if device.platform != "gpu":

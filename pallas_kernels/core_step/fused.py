@@ -43,6 +43,7 @@ from pallas_kernels.core_step.fused_plan import (
     FusedShape,
     Schedule,
     check_fused,
+    profile_ranges,
     scoped,
     scratch_types,
     splits_for,
@@ -82,7 +83,7 @@ def build_fused_core(
             f"head_dim={shape.head_dim} and d - {shape.kp} must be multiples of 16: a head's "
             "cache columns are copied into tiles of 16 columns"
         )
-    check_fused(shape, workers, schedule, x_stages, lag)
+    check_fused(shape, workers, schedule, x_stages, lag, iterations if profile_dir else 0)
     ring, kv_stages = schedule.ring, schedule.kv_stages
     l2_units, l2_blocks = schedule.l2_units, schedule.l2_blocks
     phases, cols, layers = shape.phases, shape.unit_cols, shape.layers
@@ -440,8 +441,8 @@ def build_fused_core(
         jax.ShapeDtypeStruct((iterations, layers, 2, shape.heads, kp, N_PAD), f32),
     )
     params = plgpu.CompilerParams()
-    if profile_dir:  # a range per step and per barrier, and a few more
-        ranges = iterations * 2 * steps_per_iteration + 8
+    if profile_dir:
+        ranges = profile_ranges(shape, iterations)
         params = plgpu.CompilerParams(profile_space=ranges, profile_dir=profile_dir)
     return plgpu.kernel(
         body,

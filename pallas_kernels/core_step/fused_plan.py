@@ -28,7 +28,9 @@ KV_BLOCKS = (64, 128)  # the blocks the attention can step by (Schedule.kv_block
 SHIFT = 8  # rows of padding around the qkv output (RoPE reads row r - 1 and r + 1)
 SCALAR_ROWS = 64
 BUFFER_KINDS = ("qkv", "att", "o", "fc", "m")
+DEFAULT_UNIT_COLS = 256  # output columns of the kernel's [64, unit_cols] weight units
 REDUCTION_SCRATCH = 2048  # bytes Mosaic GPU adds for reductions across warps
+PROFILE_RANGE_BYTES = 16  # shared memory per range of Mosaic GPU's on-device profiler
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,11 +42,12 @@ class Schedule:
     next product's `l2_barrier` units after the ring's into L2 (`l2_attention` after a qkv,
     whose barrier the attention follows). Written
     RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION]]]]] (`parse`,
-    `str`). The defaults are the kernel's: the shared memory bounds ring and kv_stages x
-    kv_block together (6:3 and 8:2 fit at blocks of 64; docs/core_step.md: how they compare),
-    and the L2 prefetches were slower than none."""
+    `str`). The defaults are the kernel's, for its default [64, 256] weight units: the shared
+    memory bounds ring x unit width and kv_stages x kv_block together (3:3 and 4:2 fit at
+    [64, 256] units and blocks of 64, 6:3 and 8:2 at [64, 128]; docs/core_step.md: how they
+    compare), and the L2 prefetches were slower than none."""
 
-    ring: int = 6
+    ring: int = 3
     kv_stages: int = 3
     l2_units: int = 0
     l2_blocks: int = 0
@@ -94,7 +97,7 @@ class FusedShape:
     intermediate: int
     layers: int
     batch: int
-    unit_cols: int = 128
+    unit_cols: int = DEFAULT_UNIT_COLS
 
     def __post_init__(self):
         check_unit_cols(self.unit_cols)
@@ -241,13 +244,25 @@ def most_workers(shape: FusedShape, schedule: Schedule) -> int:
     return min(p.units(shape.unit_cols) // (reach + 1) for p in shape.phases)
 
 
+def profile_ranges(shape: FusedShape, iterations: int) -> int:
+    """Ranges the on-device profiler keeps room for: each step's and each barrier's, and a few
+    more."""
+    return iterations * 2 * (len(shape.phases) + shape.layers) + 8
+
+
 def check_fused(
-    shape: FusedShape, workers: int, schedule: Schedule, x_stages: int = 2, lag: int = 1
+    shape: FusedShape,
+    workers: int,
+    schedule: Schedule,
+    x_stages: int = 2,
+    lag: int = 1,
+    profiled_iterations: int = 0,
 ) -> None:
     """ValueError unless the schedule can run (as `stream.check_schedule`): a ring longer than
     the wgmma lag, the ring and the L2 lookahead shorter than every worker's units of each
     product (the lookahead reaches into the next product only), so at least 1 and at most
-    `most_workers` workers, at least 2 stages of cached blocks, buffers that fit."""
+    `most_workers` workers, at least 2 stages of cached blocks, buffers that fit (with the
+    profiler's records of `profiled_iterations`, where it runs)."""
     ring, kv_stages = schedule.ring, schedule.kv_stages
     if not 1 <= ring <= MAX_RING or not 0 <= lag < ring or not 1 <= x_stages <= ring:
         raise ValueError(f"need 0 <= lag={lag} < ring={ring} <= {MAX_RING}, x_stages <= ring")
@@ -266,6 +281,13 @@ def check_fused(
             f"({ring}) and the L2 lookahead ({schedule.l2_reach}) must be shorter ({fits})"
         )
     need = smem_bytes(shape, schedule, x_stages, lag)
+    if profiled_iterations:
+        profiler = PROFILE_RANGE_BYTES * profile_ranges(shape, profiled_iterations)
+        if need + profiler > SMEM_LIMIT:
+            raise ValueError(
+                f"schedule {schedule}: {need} bytes of smem and {profiler} for the profiler's "
+                f"records of {profiled_iterations} iterations > {SMEM_LIMIT}"
+            )
     if need > SMEM_LIMIT:
         raise ValueError(f"schedule {schedule}: {need} bytes of smem > {SMEM_LIMIT}")
 

@@ -22,6 +22,7 @@ import numpy as np
 from pallas_kernels.core_step.fused import build_fused_core
 from pallas_kernels.core_step.fused_plan import (
     DEFAULT_SCHEDULE,
+    DEFAULT_UNIT_COLS,
     N_PAD,
     Buffers,
     FusedShape,
@@ -52,7 +53,9 @@ def _pad2(x, rows: int, cols: int, dtype=jnp.bfloat16):
     return jnp.pad(x, ((0, rows - x.shape[0]), (0, cols - x.shape[1]))).astype(dtype)
 
 
-def core_shape(w: StepWeights, *, heads: int, batch: int, unit_cols: int = 128) -> FusedShape:
+def core_shape(
+    w: StepWeights, *, heads: int, batch: int, unit_cols: int = DEFAULT_UNIT_COLS
+) -> FusedShape:
     """The kernel's shapes for the Core of `w` (arrays, or their shapes from `jax.eval_shape`)
     run on `batch` sequences: D from the adapter, the MLP width from the mlp proj. ValueError
     for shapes the kernel refuses (`FusedShape`)."""
@@ -70,7 +73,7 @@ def interleave_halves(x: jax.Array) -> jax.Array:
 
 
 def pack_weights(
-    w: StepWeights, *, heads: int, batch: int, rope_base: float, unit_cols: int = 128
+    w: StepWeights, *, heads: int, batch: int, rope_base: float, unit_cols: int = DEFAULT_UNIT_COLS
 ) -> FusedWeights:
     """Pads every product to the kernel's shapes with the norms' gains folded into its rows
     (rms_norm(z, g) @ W = (z @ (g W)) rsqrt(mean(z²) + eps)): the adapter's state rows by the
