@@ -88,7 +88,7 @@ def build_fused_core(
     l2_units, l2_blocks = schedule.l2_units, schedule.l2_blocks
     phases, cols, layers = shape.phases, shape.unit_cols, shape.layers
     n_phases, splits = len(phases), splits_for(shape.heads, workers)
-    steps_per_iteration = n_phases + layers
+    steps_per_iteration = shape.steps_per_iteration
     chunks_d = shape.k_d // UNIT  # 64-row chunks of a d-vector
     bf16, f32 = jnp.bfloat16, jnp.float32
 

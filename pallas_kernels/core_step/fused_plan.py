@@ -154,6 +154,11 @@ class FusedShape:
         return c0, head * self.head_dim - c0
 
     @property
+    def steps_per_iteration(self) -> int:
+        """Steps between grid barriers per iteration: one per product, one attention per layer."""
+        return len(self.phases) + self.layers
+
+    @property
     def buffer_rows(self) -> int:
         """Rows of each `act` buffer: the widest product output, the qkv output with the
         padding around it."""
@@ -247,7 +252,7 @@ def most_workers(shape: FusedShape, schedule: Schedule) -> int:
 def profile_ranges(shape: FusedShape, iterations: int) -> int:
     """Ranges the on-device profiler keeps room for: each step's and each barrier's, and a few
     more."""
-    return iterations * 2 * (len(shape.phases) + shape.layers) + 8
+    return iterations * 2 * shape.steps_per_iteration + 8
 
 
 def check_fused(
@@ -281,15 +286,14 @@ def check_fused(
             f"({ring}) and the L2 lookahead ({schedule.l2_reach}) must be shorter ({fits})"
         )
     need = smem_bytes(shape, schedule, x_stages, lag)
-    if profiled_iterations:
-        profiler = PROFILE_RANGE_BYTES * profile_ranges(shape, profiled_iterations)
-        if need + profiler > SMEM_LIMIT:
-            raise ValueError(
-                f"schedule {schedule}: {need} bytes of smem and {profiler} for the profiler's "
-                f"records of {profiled_iterations} iterations > {SMEM_LIMIT}"
-            )
     if need > SMEM_LIMIT:
         raise ValueError(f"schedule {schedule}: {need} bytes of smem > {SMEM_LIMIT}")
+    profiler = PROFILE_RANGE_BYTES * profile_ranges(shape, profiled_iterations)
+    if profiled_iterations and need + profiler > SMEM_LIMIT:
+        raise ValueError(
+            f"schedule {schedule}: {need} bytes of smem and {profiler} for the profiler's "
+            f"records of {profiled_iterations} iterations > {SMEM_LIMIT}"
+        )
 
 
 def scratch_types(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int):
