@@ -92,14 +92,21 @@ def define_flags() -> None:
     flags.DEFINE_string("json_out", "out/core_fused.json", "Results JSON.")
 
 
-def floor_bytes(batch: int, context: int) -> tuple[int, int]:
-    """(weight bytes, cache bytes) one iteration must read."""
+def fused_shape(batch: int):
+    """The kernel's `FusedShape` of huginn-0125 at `batch` in --unit_cols units (ValueError for
+    a width the kernel does not take)."""
     from pallas_kernels.core_step.fused_plan import FusedShape
-    from pallas_kernels.core_step.plan import stream_bytes
 
     d, heads, f, layers = SHAPE
-    shape = FusedShape(d, heads, d // heads, f, layers, batch, FLAGS.unit_cols)
-    return stream_bytes(shape.phases), batch * layers * 2 * context * d * 2
+    return FusedShape(d, heads, d // heads, f, layers, batch, FLAGS.unit_cols)
+
+
+def floor_bytes(batch: int, context: int) -> tuple[int, int]:
+    """(weight bytes, cache bytes) one iteration must read."""
+    from pallas_kernels.core_step.plan import stream_bytes
+
+    d, _, _, layers = SHAPE
+    return stream_bytes(fused_shape(batch).phases), batch * layers * 2 * context * d * 2
 
 
 def decode_inputs(batch: int, slot_len: int):
@@ -362,19 +369,20 @@ def main(argv: list[str]) -> None:
     if FLAGS.iterations < 1 or FLAGS.reps < 1 or FLAGS.jobs < 1:
         raise UserError("--iterations, --reps and --jobs must be >= 1")
     schedules = [parse_schedule(text) for text in FLAGS.schedules]
-    from pallas_kernels.core_step.fused_plan import FusedShape, check_fused
-    from pallas_kernels.core_step.plan import UNIT_COLS
+    from pallas_kernels.core_step.fused_plan import check_fused
+    from pallas_kernels.core_step.plan import check_unit_cols
 
-    if FLAGS.unit_cols not in UNIT_COLS:
-        raise UserError(f"--unit_cols={FLAGS.unit_cols} must be one of {UNIT_COLS}")
-
-    d, heads, f, layers = SHAPE
+    try:
+        check_unit_cols(FLAGS.unit_cols)
+    except ValueError as e:
+        raise UserError(f"--unit_cols: {e}") from None
     profiled = [(1, FLAGS.iterations)] if FLAGS.profile else []  # `profile` runs batch 1
     for batch, profiled_iterations in [(b, 0) for b in batches] + profiled:
         for sch in schedules:
             try:
-                shape = FusedShape(d, heads, d // heads, f, layers, batch, FLAGS.unit_cols)
-                check_fused(shape, WORKERS, sch, profiled_iterations=profiled_iterations)
+                check_fused(
+                    fused_shape(batch), WORKERS, sch, profiled_iterations=profiled_iterations
+                )
             except ValueError as e:
                 what = " (--profile)" if profiled_iterations else ""
                 raise UserError(f"schedule {sch}, --batch={batch}{what}: {e}") from None

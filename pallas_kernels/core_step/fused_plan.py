@@ -288,12 +288,13 @@ def check_fused(
     need = smem_bytes(shape, schedule, x_stages, lag)
     if need > SMEM_LIMIT:
         raise ValueError(f"schedule {schedule}: {need} bytes of smem > {SMEM_LIMIT}")
-    profiler = PROFILE_RANGE_BYTES * profile_ranges(shape, profiled_iterations)
-    if profiled_iterations and need + profiler > SMEM_LIMIT:
-        raise ValueError(
-            f"schedule {schedule}: {need} bytes of smem and {profiler} for the profiler's "
-            f"records of {profiled_iterations} iterations > {SMEM_LIMIT}"
-        )
+    if profiled_iterations:
+        profiler = PROFILE_RANGE_BYTES * profile_ranges(shape, profiled_iterations)
+        if need + profiler > SMEM_LIMIT:
+            raise ValueError(
+                f"schedule {schedule}: {need} bytes of smem and {profiler} for the profiler's "
+                f"records of {profiled_iterations} iterations > {SMEM_LIMIT}"
+            )
 
 
 def scratch_types(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int):
