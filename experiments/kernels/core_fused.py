@@ -14,7 +14,8 @@ head_dim in bf16) at the measured read ceiling (results/<device>/ceilings.json),
 The "stream" row runs the same products alone (`weight_stream`, the same units, 128 KiB of
 them in flight): what the fusion of the rest costs is the difference. The first row of each
 batch is checked against `step_program.core_iteration` (float32). --profile: Mosaic GPU's
-on-device profiler records each step and barrier (SM cycles per iteration, median over the
+on-device profiler records each step, barrier and part of the attention (its RoPE, its
+cached blocks, the combine of a head's splits: SM cycles per iteration, median over the
 workers, and their p10-p90), batch 1, the last context, per schedule (its records take shared
 memory: a schedule that leaves too little is refused before any work). --unit_cols: the
 weight units' width, which the ring counts (`fused_plan.Schedule`'s defaults are for 256).
@@ -22,8 +23,8 @@ A schedule RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTI
 units in flight per worker and cached blocks in flight in the attention (the shared memory
 bounds the two together), the weight unit that many units further on prefetched into L2, each
 attention item's first blocks prefetched into L2, the cached positions per attention block,
-64 or 128, and the next product's units after the ring's prefetched into L2 as each product
-but a qkv ends, and as a qkv ends (`fused_plan.Schedule`).
+64 or 128, and the next product's units after the ring's prefetched into L2 at the barrier
+after each product but a qkv, and after a qkv (`fused_plan.Schedule`).
 --jobs=N: each (batch, schedule) in a process of its own, N at a time, so that their
 compilations overlap; the processes take turns on the GPU (a file lock around their work
 there, shared with other programs given the same --gpu_lock; the compilations run outside
@@ -32,12 +33,9 @@ it), and the table is theirs together. Needs an sm_90 GPU.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import os
-import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -52,6 +50,7 @@ from absl import flags  # noqa: E402
 
 from experiments import cli, program  # noqa: E402
 from experiments.cli import UserError  # noqa: E402
+from experiments.kernels import scopes  # noqa: E402
 from experiments.measure import ceilings as ceilings_lib  # noqa: E402
 from experiments.measure.device_time import cupti_us  # noqa: E402
 from experiments.measure.gpu_lock import held  # noqa: E402
@@ -73,8 +72,8 @@ def define_flags() -> None:
         "RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION]]]]], a list: "
         "weight units in flight per worker, cached blocks in flight, weight units prefetched "
         "into L2 beyond the ring, cached blocks per attention item prefetched into L2, cached "
-        "positions per block (64 or 128), the next product's units prefetched into L2 as a "
-        "product (not a qkv) ends, and as a qkv ends (default: the kernel's default).",
+        "positions per block (64 or 128), the next product's units prefetched into L2 at the "
+        "barrier after a product (not a qkv), and after a qkv (default: the kernel's default).",
     )  # fmt: skip
     flags.DEFINE_integer(
         "unit_cols", DEFAULT_UNIT_COLS,
@@ -224,28 +223,11 @@ def profile(w, context: int, schedule) -> dict:
     decode, args = compiled_decode(w, 1, slot_positions(context), schedule, profile_dir=directory)
     with held(FLAGS.gpu_lock):
         jax.block_until_ready(decode(*args, jnp.int32(context)))
-    trace = json.loads(max(Path(directory).glob("*.json"), key=os.path.getmtime).read_text())
-    per_worker: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
-    opened: dict[int, list] = collections.defaultdict(list)
-    for e in trace["traceEvents"]:
-        if e.get("ph") == "B":
-            opened[e["tid"]].append((e["name"], e["ts"]))
-        elif e.get("ph") == "E":
-            name, start = opened[e["tid"]].pop()
-            kind = re.sub(r"\d+$", "", name.split("/")[-1])
-            per_worker[e["tid"]][kind] += (e["ts"] - start) * 1e3 / its  # ns = cycles
-    out = {}
-    for kind in sorted({n for c in per_worker.values() for n in c}):
-        vals = sorted(c.get(kind, 0.0) for c in per_worker.values())
-        out[kind] = dict(
-            median=statistics.median(vals),
-            p10=vals[len(vals) // 10],
-            p90=vals[9 * len(vals) // 10],
-        )
+    trace = scopes.read_newest(directory)
     return dict(
         context=context, schedule=str(schedule), unit_cols=FLAGS.unit_cols,
-        workers=len(per_worker),
-        cycles_per_iteration=out,
+        workers=len({e["tid"] for e in trace["traceEvents"] if e.get("ph") == "B"}),
+        cycles_per_iteration=scopes.scope_cycles(trace, per=its),
     )  # fmt: skip
 
 
@@ -263,7 +245,7 @@ def format_table(rows: list[dict], profiles: list[dict]) -> str:
     from pallas_kernels.core_step.fused_plan import Schedule
 
     head = (
-        f"{'batch':>5}  {'impl':<8}{'unit':>6}{'sched':>10}{'context':>8}{'ms/iter':>9}"
+        f"{'batch':>5}  {'impl':<8}{'unit':>6}{'schedule':>18}{'context':>8}{'ms/iter':>9}"
         f"{'floor ms':>10}{'% floor':>9}  err"
     )
     lines = [head, "-" * len(head)]
@@ -276,7 +258,7 @@ def format_table(rows: list[dict], profiles: list[dict]) -> str:
         sched = str(Schedule(*(r[f] for f in fields))) if "kv_stages" in r else r["ring"]
         unit = f"{r['unit_cols']:>6}"
         lines.append(
-            f"{r['batch']:>5}  {r['impl']:<8}{unit}{sched:>10}{r['context']:>8}{cells}  {err}"
+            f"{r['batch']:>5}  {r['impl']:<8}{unit}{sched:>18}{r['context']:>8}{cells}  {err}"
         )
     for prof in profiles:
         lines.append(

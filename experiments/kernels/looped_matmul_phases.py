@@ -18,16 +18,10 @@ import json
 import statistics
 from pathlib import Path
 
+from experiments.kernels.scopes import newest_trace
 from pallas_kernels.looped_matmul.splitk_plan import PHASES
 
 __all__ = ["PHASES", "newest_trace", "phase_cycles", "phase_table"]
-
-
-def newest_trace(profile_dir: str | Path) -> Path:
-    found = sorted(Path(profile_dir).glob("*.json"), key=lambda p: p.stat().st_mtime)
-    if not found:
-        raise FileNotFoundError(f"no profiler trace (*.json) in {profile_dir}")
-    return found[-1]
 
 
 def phase_cycles(trace: dict) -> dict[str, list[float]]:

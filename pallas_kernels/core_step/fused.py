@@ -72,10 +72,11 @@ def build_fused_core(
     attention; `l2_units` > 0
     also prefetches into L2 the unit that many further on, `l2_blocks` > 0 each attention
     item's first blocks, `l2_barrier` and `l2_attention` the next product's units after the
-    ring's as a product ends (all slower on the H200 than without: docs/core_step.md).
+    ring's once the worker has arrived at the barrier after a product (all slower on the H200
+    than without: docs/core_step.md).
     Interpret mode: one worker (no global semaphores; prefetches are no-ops). `profile_dir`:
-    Mosaic GPU's on-device profiler records every step's and barrier's entry and exit (SM
-    clock) there."""
+    Mosaic GPU's on-device profiler records every step's, barrier's and attention part's
+    (`fused_plan.ATTENTION_PARTS`) entry and exit (SM clock) there."""
     if interpret is not None and workers != 1:
         raise ValueError("interpret mode runs one worker only (no grid barrier)")
     if interpret is None and (shape.head_dim % 16 or (shape.d - shape.kp) % 16):
@@ -358,9 +359,10 @@ def build_fused_core(
                     pl.when(it < iterations - 1)(lambda: zero_rows(buf, off, phases[nxt].n))
 
         def prefetch_next(it, p):
-            """As product p ends, the next product's units after those in the ring go into L2
-            (`l2_attention` after a qkv, `l2_barrier` after the others): HBM streams them while
-            the barrier and the attention hold the ring."""
+            """Once product p is done (at the worker's arrival at the barrier after it), the next
+            product's units after those in the ring go into L2 (`l2_attention` after a qkv,
+            `l2_barrier` after the others): HBM streams them while the barrier and the
+            attention hold the ring."""
             kind, _ = kind_of(phases[p].name)
             n = schedule.l2_attention if kind == "qkv" else schedule.l2_barrier
             q = (p + 1) % n_phases
@@ -374,14 +376,18 @@ def build_fused_core(
             elif n:
                 pl.when(it < iterations - 1)(go)
 
-        def cross(it, step):
+        def cross(it, step, while_waiting=lambda: None):
+            """The grid barrier after step `step`; `while_waiting()` between the worker's
+            arrival and its wait."""
             if not k.reduce:
+                while_waiting()
                 return
             epoch = 2 + it * steps_per_iteration + step
 
             def go():
                 with jax.named_scope("barrier"):
                     barrier.arrive()
+                    while_waiting()
                     barrier.wait(epoch)
 
             if step == steps_per_iteration - 1:
@@ -420,9 +426,8 @@ def build_fused_core(
             for p in range(n_phases):
                 with jax.named_scope(phases[p].name):
                     product(it, p)
-                prefetch_next(it, p)
                 plgpu.wait_smem_to_gmem(0)
-                cross(it, step)
+                cross(it, step, lambda p=p: prefetch_next(it, p))
                 step += 1
                 kind, j = kind_of(phases[p].name)
                 if kind == "qkv":
@@ -442,7 +447,7 @@ def build_fused_core(
     )
     params = plgpu.CompilerParams()
     if profile_dir:
-        ranges = profile_ranges(shape, iterations)
+        ranges = profile_ranges(shape, workers, iterations)
         params = plgpu.CompilerParams(profile_space=ranges, profile_dir=profile_dir)
     return plgpu.kernel(
         body,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -54,7 +55,8 @@ def _head_item(k, it, j, item) -> None:
     delta = h * hd - c0
     rows = plgpu.broadcasted_iota(jnp.int32, (kp, N_PAD), 0, layout=WGMMA)
     valid = jnp.logical_and(rows >= delta, rows < delta + hd)
-    q, k_new, v_new = scoped(k.rope_types, lambda s: _rope(k, it, j, c0, valid, s))
+    with jax.named_scope("rope"):
+        q, k_new, v_new = scoped(k.rope_types, lambda s: _rope(k, it, j, c0, valid, s))
     scoped(k.block_types, lambda s: _attend(k, it, j, item, c0, valid, q, k_new, v_new, s))
 
 
@@ -116,7 +118,8 @@ def _attend(k, it, j, item, c0, valid, q, k_new, v_new, s) -> None:
         for w in range(2):
             plgpu.copy_smem_to_gmem(s["pout"].at[pl.ds(w * kp, kp)], k.kv_new.at[it, j, w, h])
 
-    m_all, l_all, acc_all = _own_blocks(k, it, j, q, c0, split, s)
+    with jax.named_scope("blocks"):
+        m_all, l_all, acc_all = _own_blocks(k, it, j, q, c0, split, s)
 
     def merge(m_all, l_all, acc_all, m_o, l_o, acc_o):
         m_new = jnp.maximum(m_all, m_o)
@@ -133,11 +136,7 @@ def _attend(k, it, j, item, c0, valid, q, k_new, v_new, s) -> None:
         plgpu.wait_smem_to_gmem(0)
         plgpu.semaphore_signal(k.flags.at[h], 1, memory_scope="gpu")
 
-    if k.splits > 1:
-        pl.when(split > 0)(partial_out)
-
-    @pl.when(split == 0)
-    def _combine():
+    def first_split():
         s_new = bcast_rows(jnp.sum(q * k_new, axis=0), kp)
         merged = merge(m_all, l_all, acc_all, s_new, jnp.ones_like(s_new), v_new)
         if k.splits > 1:
@@ -157,6 +156,10 @@ def _attend(k, it, j, item, c0, valid, q, k_new, v_new, s) -> None:
         dst = k.act.at[Buffers.of("att", j), pl.ds(c0, kp), :]
         k.add_into(s["pout"].at[pl.ds(0, kp)], dst, kp)
 
+    with jax.named_scope("combine"):
+        if k.splits > 1:
+            pl.when(split > 0)(partial_out)
+        pl.when(split == 0)(first_split)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the scope's bytes are reused next
 
 

@@ -38,9 +38,9 @@ class Schedule:
     """How the kernel keeps its reads in flight (`fused.build_fused_core`): `ring` weight units
     per worker into shared memory, the unit `l2_units` further on into L2, `kv_stages` cached
     blocks of `kv_block` positions in the attention (one block per softmax step), each
-    attention item's first `l2_blocks` blocks into L2 ahead of it; as each product ends, the
-    next product's `l2_barrier` units after the ring's into L2 (`l2_attention` after a qkv,
-    whose barrier the attention follows). Written
+    attention item's first `l2_blocks` blocks into L2 ahead of it; once a worker has arrived
+    at the barrier after a product, the next product's `l2_barrier` units after the ring's into
+    L2 (`l2_attention` after a qkv, whose barrier the attention follows). Written
     RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION]]]]] (`parse`,
     `str`). The defaults are the kernel's, for its default [64, 256] weight units: the shared
     memory bounds ring x unit width and kv_stages x kv_block together (3:3 and 4:2 fit at
@@ -249,10 +249,15 @@ def most_workers(shape: FusedShape, schedule: Schedule) -> int:
     return min(p.units(shape.unit_cols) // (reach + 1) for p in shape.phases)
 
 
-def profile_ranges(shape: FusedShape, iterations: int) -> int:
-    """Ranges the on-device profiler keeps room for: each step's and each barrier's, and a few
-    more."""
-    return iterations * 2 * shape.steps_per_iteration + 8
+ATTENTION_PARTS = ("rope", "blocks", "combine")  # the attention step's profiled parts
+
+
+def profile_ranges(shape: FusedShape, workers: int, iterations: int) -> int:
+    """Ranges the on-device profiler keeps room for: each step's and each barrier's, the parts
+    (`ATTENTION_PARTS`) of each of a worker's attention items, and a few more."""
+    items = -(-shape.heads * splits_for(shape.heads, workers) // workers)
+    per_iteration = 2 * shape.steps_per_iteration + len(ATTENTION_PARTS) * items * shape.layers
+    return iterations * per_iteration + 8
 
 
 def check_fused(
@@ -289,7 +294,7 @@ def check_fused(
     if need > SMEM_LIMIT:
         raise ValueError(f"schedule {schedule}: {need} bytes of smem > {SMEM_LIMIT}")
     if profiled_iterations:
-        profiler = PROFILE_RANGE_BYTES * profile_ranges(shape, profiled_iterations)
+        profiler = PROFILE_RANGE_BYTES * profile_ranges(shape, workers, profiled_iterations)
         if need + profiler > SMEM_LIMIT:
             raise ValueError(
                 f"schedule {schedule}: {need} bytes of smem and {profiler} for the profiler's "

@@ -111,11 +111,13 @@ def build_weight_stream(
     x_stages: int = 4,
     lag: int = 1,
     interpret: Any = None,
+    profile_dir: str = "",
 ):
     """Returns f(x0 [k0, n_pad] f32, *weights [k, n] bf16) -> y [phases, n_max, n_pad] f32,
     the last iteration's result in y[-1, :phases[-1].n]. Weight tiles are [64, unit_cols];
     ring=None: `default_ring(unit_cols)`. Interpret mode: one worker only (it has no global
-    semaphores for the grid barrier)."""
+    semaphores for the grid barrier). `profile_dir`: Mosaic GPU's on-device profiler records
+    each phase's (named as it) and each barrier's entry and exit (SM clock) there."""
     if interpret is not None and workers != 1:
         raise ValueError("interpret mode runs one worker only (no grid barrier)")
     ring = default_ring(unit_cols) if ring is None else ring
@@ -234,18 +236,19 @@ def build_weight_stream(
                 pl.run_scoped(compute, plgpu.ACC((cols, n_pad), f32))
 
             plgpu.wait_smem_to_gmem(0)  # sums and zeroing complete before the barrier
-            if reduce:
-                epoch = 1 + it * n_phases + p + 1
-                last = p == n_phases - 1
 
-                def cross():
+        def cross(it, p):
+            epoch = 1 + it * n_phases + p + 1
+
+            def go():
+                with jax.named_scope("barrier"):
                     barrier.arrive()
                     barrier.wait(epoch)
 
-                if last:
-                    pl.when(it < iterations - 1)(cross)
-                else:
-                    cross()
+            if p == n_phases - 1:
+                pl.when(it < iterations - 1)(go)
+            else:
+                go()
 
         # Prologue: the ring's first fill, phase 0's output zeroed, one barrier.
         for g in range(ring):
@@ -263,6 +266,8 @@ def build_weight_stream(
             for p in range(n_phases):
                 with jax.named_scope(phases[p].name):
                     phase(it, p)
+                if reduce:
+                    cross(it, p)
 
     scratch = dict(
         ring_ref=plgpu.SMEM((ring, UNIT, cols), bf16, transforms=SWIZZLE_128),
@@ -273,13 +278,18 @@ def build_weight_stream(
         out=plgpu.SMEM((cols, n_pad), f32),
         zero=plgpu.SMEM((cols, n_pad), f32),
     )
+    params = plgpu.CompilerParams()
+    if profile_dir:  # two ranges per phase (its own and its barrier's), and a few more
+        params = plgpu.CompilerParams(
+            profile_space=2 * iterations * n_phases + 8, profile_dir=profile_dir
+        )
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((n_phases, n_max, n_pad), f32),
         scratch_types=scratch,
         grid=(workers,),
         grid_names=("b",),
-        compiler_params=plgpu.CompilerParams(),
+        compiler_params=params,
         interpret=interpret,
     )
 
@@ -295,6 +305,7 @@ def build_weight_stream(
         "x_stages",
         "lag",
         "interpret",
+        "profile_dir",
     ),
 )
 def weight_stream(
@@ -309,10 +320,11 @@ def weight_stream(
     x_stages: int = 4,
     lag: int = 1,
     interpret: Any = None,
+    profile_dir: str = "",
 ) -> jax.Array:
     """x0 [M, k0] (the state rows, then the external rows) -> [M, n_last] f32 after
     `iterations` iterations of the phases. weights[p]: [k, n] bf16 of phases[p], n a multiple
-    of unit_cols (`core_phases(..., unit_cols)`)."""
+    of unit_cols (`core_phases(..., unit_cols)`); `profile_dir`: `build_weight_stream`'s."""
     m, _ = x0.shape
     n_pad = n_pad_rows(m)
     f = build_weight_stream(
@@ -325,6 +337,7 @@ def weight_stream(
         x_stages=x_stages,
         lag=lag,
         interpret=interpret,
+        profile_dir=profile_dir,
     )
     x0_t = jnp.pad(x0.T.astype(jnp.float32), ((0, 0), (0, n_pad - m)))
     y = f(x0_t, *weights)

@@ -1,0 +1,49 @@
+"""The on-device profiler's scopes summed per worker (`experiments.kernels.scopes`), on made-up
+traces (CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from experiments.kernels.scopes import read_newest, scope_cycles
+
+
+def ranges(tid: int, spans: list[tuple[str, float, float]]) -> list[dict]:
+    """B/E events as Mosaic's profiler dump writes them ("ts" = cycles / 1e3); spans given as
+    (name, start, end) cycles, in the order their events come."""
+    events = []
+    for name, start, end in spans:
+        events.append({"name": name, "ph": "B", "ts": start / 1e3, "tid": tid, "pid": 1})
+        events.append({"name": name, "ph": "E", "ts": end / 1e3, "tid": tid, "pid": 1})
+    return sorted(events, key=lambda e: (e["ts"], e["ph"] == "B"))
+
+
+def test_sums_each_kind_per_worker_then_takes_the_median():
+    # worker 1: qkv0 (100), its barrier (50), qkv1 (300) holding a nested "rope" (40)
+    one = ranges(1, [("qkv0", 0, 100), ("barrier", 100, 150), ("qkv1", 150, 450)])
+    one += ranges(1, [("attn/rope", 200, 240)])
+    two = ranges(2, [("qkv0", 0, 200), ("barrier", 200, 210)])
+    three = ranges(3, [("qkv0", 0, 600)])
+    got = scope_cycles({"traceEvents": one + two + three}, per=2)
+    assert set(got) == {"qkv", "barrier", "rope"}
+    assert got["qkv"]["median"] == pytest.approx(200)  # 400 / 2, 200 / 2, 600 / 2
+    assert got["barrier"]["median"] == pytest.approx(5)  # 25, 5, 0 (worker 3 has none)
+    assert got["rope"]["median"] == 0 and got["rope"]["p90"] == pytest.approx(20)
+
+
+def test_refuses_unbalanced_ranges():
+    events = ranges(1, [("qkv0", 0, 10)])
+    events[1] = dict(events[1], name="barrier")
+    with pytest.raises(ValueError, match="unbalanced"):
+        scope_cycles({"traceEvents": events})
+
+
+def test_reads_the_newest_trace(tmp_path):
+    (tmp_path / "a.json").write_text(json.dumps({"traceEvents": ranges(1, [("old", 0, 1)])}))
+    newest = {"traceEvents": ranges(1, [("new", 0, 1)])}
+    (tmp_path / "b.json").write_text(json.dumps(newest))
+    assert read_newest(tmp_path) == newest
+    with pytest.raises(FileNotFoundError):
+        read_newest(tmp_path / "missing")
