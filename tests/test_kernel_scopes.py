@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from experiments.kernels.scopes import read_newest, scope_cycles
+from experiments.kernels.scopes import read_newest, recording_workers, scope_cycles
 
 
 def ranges(tid: int, spans: list[tuple[str, float, float]]) -> list[dict]:
@@ -26,7 +26,9 @@ def test_sums_each_kind_per_worker_then_takes_the_median():
     one += ranges(1, [("attn/rope", 200, 240)])
     two = ranges(2, [("qkv0", 0, 200), ("barrier", 200, 210)])
     three = ranges(3, [("qkv0", 0, 600)])
-    got = scope_cycles({"traceEvents": one + two + three}, per=2)
+    trace = {"traceEvents": one + two + three}
+    assert recording_workers(trace) == 3
+    got = scope_cycles(trace, per=2)
     assert set(got) == {"qkv", "barrier", "rope"}
     assert got["qkv"]["median"] == pytest.approx(200)  # 400 / 2, 200 / 2, 600 / 2
     assert got["barrier"]["median"] == pytest.approx(5)  # 25, 5, 0 (worker 3 has none)

@@ -226,7 +226,7 @@ def profile(w, context: int, schedule) -> dict:
     trace = scopes.read_newest(directory)
     return dict(
         context=context, schedule=str(schedule), unit_cols=FLAGS.unit_cols,
-        workers=len({e["tid"] for e in trace["traceEvents"] if e.get("ph") == "B"}),
+        workers=scopes.recording_workers(trace),
         cycles_per_iteration=scopes.scope_cycles(trace, per=its),
     )  # fmt: skip
 

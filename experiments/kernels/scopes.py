@@ -30,6 +30,11 @@ def read_newest(profile_dir: str | Path) -> dict:
     return json.loads(newest_trace(profile_dir).read_text())
 
 
+def recording_workers(trace: dict) -> int:
+    """How many workers (warpgroups) recorded any scope."""
+    return len({e["tid"] for e in trace["traceEvents"] if e.get("ph") == "B"})
+
+
 def scope_cycles(trace: dict, per: float = 1.0) -> dict[str, dict]:
     """{kind: {median, p10, p90}} of each worker's cycles in the scopes of that kind / `per`,
     over the workers that recorded any scope."""

@@ -4,7 +4,7 @@
 
 Each size s is one [s, s] bf16 product chained to itself (`weight_stream`, 132 workers, a grid
 barrier after every iteration), --iterations per call: at 4096 its 32 MiB of weights stay in
-the H200's 50 MB L2 from one iteration to the next, at 16384 (512 MiB) every unit comes from
+the H200's 60 MiB L2 from one iteration to the next, at 16384 (512 MiB) every unit comes from
 HBM. Per size: the device time per iteration (CUPTI, median of --reps) and its rate, then from
 Mosaic GPU's on-device profiler (one more call) the cycles a worker spends per unit in the
 product's loop (its units' scope over the units it owns, median over the workers) and in the
@@ -110,10 +110,9 @@ def format_table(rows: list[dict]) -> str:
         barrier = f"{r['barrier_cycles']:9.0f}" if r["barrier_cycles"] is not None else f"{'-':>9}"
         mib = r["weight_bytes"] / 2**20
         lines.append(f"{r['size']:>6}{mib:6.0f}{rate}{r['cycles_per_unit']:13.0f}{barrier}")
-    first = rows[0] if rows else None
-    if first:
+    if rows:
         lines.append(
-            f"[64, {first['unit_cols']}] units, ring {first['ring']}, {WORKERS} workers; "
+            f"[64, {rows[0]['unit_cols']}] units, ring {rows[0]['ring']}, {WORKERS} workers; "
             "cycles per unit: the product's scope / the units a worker owns (median)"
         )
     return "\n".join(lines)
