@@ -14,10 +14,11 @@ head_dim in bf16) at the measured read ceiling (results/<device>/ceilings.json),
 The "stream" row runs the same products alone (`weight_stream`, the same units, 128 KiB of
 them in flight): what the fusion of the rest costs is the difference. The first row of each
 batch is checked against `step_program.core_iteration` (float32). --profile: Mosaic GPU's
-on-device profiler records each step, barrier and part of the attention (its RoPE, its
-cached blocks, the combine of a head's splits: SM cycles per iteration, median over the
-workers, and their p10-p90), batch 1, the last context, per schedule (its records take shared
-memory: a schedule that leaves too little is refused before any work). --unit_cols: the
+on-device profiler records each step, barrier (also by the step it follows: after_qkv, ...)
+and part of the attention (its RoPE, its cached blocks, the combine of a head's splits: SM
+cycles per iteration, median over the workers, and their p10-p90), batch 1, the last context,
+per schedule (its records take shared memory: a schedule that leaves too little is refused
+before any work). --unit_cols: the
 weight units' width, which the ring counts (`fused_plan.Schedule`'s defaults are for 256).
 A schedule RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION]]]]]: weight
 units in flight per worker and cached blocks in flight in the attention (the shared memory

@@ -75,8 +75,9 @@ def build_fused_core(
     ring's once the worker has arrived at the barrier after a product (all slower on the H200
     than without: docs/core_step.md).
     Interpret mode: one worker (no global semaphores; prefetches are no-ops). `profile_dir`:
-    Mosaic GPU's on-device profiler records every step's, barrier's and attention part's
-    (`fused_plan.ATTENTION_PARTS`) entry and exit (SM clock) there."""
+    Mosaic GPU's on-device profiler records every step's, barrier's (also by the kind of step
+    it follows: after_qkv, after_attn, ...) and attention part's (`fused_plan.ATTENTION_PARTS`)
+    entry and exit (SM clock) there."""
     if interpret is not None and workers != 1:
         raise ValueError("interpret mode runs one worker only (no grid barrier)")
     if interpret is None and (shape.head_dim % 16 or (shape.d - shape.kp) % 16):
@@ -376,16 +377,17 @@ def build_fused_core(
             elif n:
                 pl.when(it < iterations - 1)(go)
 
-        def cross(it, step, while_waiting=lambda: None):
-            """The grid barrier after step `step`; `while_waiting()` between the worker's
-            arrival and its wait."""
+        def cross(it, step, after: str, while_waiting=lambda: None):
+            """The grid barrier after step `step`, a step of kind `after` (its profiled range is
+            also "after_" + that kind); `while_waiting()` between the worker's arrival and its
+            wait."""
             if not k.reduce:
                 while_waiting()
                 return
             epoch = 2 + it * steps_per_iteration + step
 
             def go():
-                with jax.named_scope("barrier"):
+                with jax.named_scope("barrier"), jax.named_scope(f"after_{after}"):
                     barrier.arrive()
                     while_waiting()
                     barrier.wait(epoch)
@@ -427,14 +429,14 @@ def build_fused_core(
                 with jax.named_scope(phases[p].name):
                     product(it, p)
                 plgpu.wait_smem_to_gmem(0)
-                cross(it, step, lambda p=p: prefetch_next(it, p))
-                step += 1
                 kind, j = kind_of(phases[p].name)
+                cross(it, step, kind, lambda p=p: prefetch_next(it, p))
+                step += 1
                 if kind == "qkv":
                     with jax.named_scope(f"attn{j}"):
                         attention_step(k, it, j)
                     plgpu.wait_smem_to_gmem(0)
-                    cross(it, step)
+                    cross(it, step, "attn")
                     step += 1
 
     scratch, product_types, rope_types, block_types = scratch_types(shape, schedule, x_stages, lag)

@@ -253,10 +253,11 @@ ATTENTION_PARTS = ("rope", "blocks", "combine")  # the attention step's profiled
 
 
 def profile_ranges(shape: FusedShape, workers: int, iterations: int) -> int:
-    """Ranges the on-device profiler keeps room for: each step's and each barrier's, the parts
-    (`ATTENTION_PARTS`) of each of a worker's attention items, and a few more."""
+    """Ranges the on-device profiler keeps room for: each step's, each barrier's twice (as a
+    barrier and by the kind of step it follows), the parts (`ATTENTION_PARTS`) of each of a
+    worker's attention items, and a few more."""
     items = -(-shape.heads * splits_for(shape.heads, workers) // workers)
-    per_iteration = 2 * shape.steps_per_iteration + len(ATTENTION_PARTS) * items * shape.layers
+    per_iteration = 3 * shape.steps_per_iteration + len(ATTENTION_PARTS) * items * shape.layers
     return iterations * per_iteration + 8
 
 
