@@ -18,12 +18,6 @@ from pallas_kernels.looped_matmul.barrier import POLLS
 TABLE_D = (6144, 3520, 2048, 12288)  # the 72 MiB target first
 TABLE_M = (1, 8, 64)
 TABLE_STEPS = 8
-# PyTorch CUDA-graph replay of the unfused chain, M=1, 8 steps (us, measured on the H200;
-# docs/looped_matmul.md, "Targets").
-TORCH_GRAPH_US = {2048: 42.5, 3520: 72.1, 6144: 183.0, 12288: 575.0}
-# Targets for M=1, 8 steps (us): 2.5x and 3x faster than PyTorch at 24 and 72 MiB; 288 MiB: no
-# slower than XLA (docs/looped_matmul.md, "Targets").
-TARGET_US = {3520: 72.1 / 2.5, 6144: 183.0 / 3}
 # The barrier probe: blocks (one per SM) and the epochs of its long run (per barrier =
 # (t[BARRIER_EPOCHS] - t[1]) / (BARRIER_EPOCHS - 1)).
 BARRIER_EPOCHS = 65

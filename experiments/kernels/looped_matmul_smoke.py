@@ -43,8 +43,6 @@ from experiments.kernels.looped_matmul_cases import (
     SUITES,
     TABLE_D,
     TABLE_M,
-    TARGET_US,
-    TORCH_GRAPH_US,
 )
 from experiments.measure.device_time import cupti_us, wall_us
 
@@ -249,7 +247,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     print("\n=== looped matmul, 8 steps, device time per chain (us; CUPTI, else wall) ===")
     print(
         f"{'d':>6} {'W MiB':>6} {'M':>3} | {'resident':>9} {'splitk':>9} {'XLA':>8} "
-        f"{'split/XLA':>9} {'torch(M=1)':>10} {'target':>7} | status res/split"
+        f"{'split/XLA':>9} | status res/split"
     )
     for d in TABLE_D:
         for m in TABLE_M:
@@ -257,14 +255,10 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             xla = _time(spl, "xla") or _time(res, "xla")
             k = _time(spl, "kernel")
             ratio = f"{k / xla:.2f}" if k and xla else "-"
-            torch_us = TORCH_GRAPH_US.get(d) if m == 1 else None
-            target = TARGET_US.get(d) if m == 1 else None
-            if d == 12288 and m == 1:
-                target = xla
             print(
                 f"{d:>6} {d * d * 2 / 2**20:>6.0f} {m:>3} | {_fmt(_time(res, 'kernel')):>9} "
-                f"{_fmt(k):>9} {_fmt(xla):>8} {ratio:>9} {_fmt(torch_us):>10} "
-                f"{_fmt(target):>7} | {res.get('status', '?')}/{spl.get('status', '?')}"
+                f"{_fmt(k):>9} {_fmt(xla):>8} {ratio:>9} | "
+                f"{res.get('status', '?')}/{spl.get('status', '?')}"
             )
     extra = [r for r in rows if r["case"] not in {f"{v}_d{d}_m{m}" for v in ("resident", "splitk")
              for d in TABLE_D for m in TABLE_M}]  # fmt: skip
