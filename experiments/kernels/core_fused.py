@@ -18,8 +18,8 @@ on-device profiler records each step, barrier (also by the step it follows: afte
 and part of the attention (its RoPE, its cached blocks, the combine of a head's splits: SM
 cycles per iteration, median over the workers, and their p10-p90), batch 1, the last context,
 per schedule (its records take shared memory: a schedule that leaves too little is refused
-before any work). --unit_cols: the
-weight units' width, which the ring counts (`fused_plan.Schedule`'s defaults are for 256).
+before any work). --unit_cols: the weight units' width, which the ring counts
+(`fused_plan.Schedule`'s defaults are for 256).
 A schedule RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION]]]]]: weight
 units in flight per worker and cached blocks in flight in the attention (the shared memory
 bounds the two together), the weight unit that many units further on prefetched into L2, each
@@ -191,13 +191,9 @@ def timed(row: dict, fn, ceiling, weight_bytes: int, cache_bytes: int, *args) ->
     return row
 
 
-def stream_ring() -> int:
-    """The bare stream's ring: 128 KiB of weight units in flight (8 at [64, 128])."""
-    return 8 * 128 // FLAGS.unit_cols
-
-
 def stream_row(batch: int, ceiling) -> dict:
     from pallas_kernels.core_step import core_phases, stream_bytes, weight_stream
+    from pallas_kernels.core_step.stream import default_ring
 
     d, _, f, layers = SHAPE
     phases = core_phases(d, f, 3 * d, layers, unit_cols=FLAGS.unit_cols)
@@ -205,14 +201,15 @@ def stream_row(batch: int, ceiling) -> dict:
         weights = tuple(jnp.full((p.k, p.n), 0.01, jnp.bfloat16) for p in phases)
         x0 = jax.block_until_ready(jnp.ones((batch, phases[0].k), jnp.float32))
 
-    def fn(x, w):
+    def fn(x, w):  # the default ring: 128 KiB of units in flight
         return weight_stream(
             x, w, phases=phases, iterations=FLAGS.iterations, workers=WORKERS,
-            unit_cols=FLAGS.unit_cols, ring=stream_ring(),
+            unit_cols=FLAGS.unit_cols,
         )  # fmt: skip
 
     compiled = jax.jit(fn).lower(x0, weights).compile()
-    row = dict(impl="stream", batch=batch, context=0, ring=stream_ring(), unit_cols=FLAGS.unit_cols)
+    ring = default_ring(FLAGS.unit_cols)
+    row = dict(impl="stream", batch=batch, context=0, ring=ring, unit_cols=FLAGS.unit_cols)
     with held(FLAGS.gpu_lock):
         return timed(row, compiled, ceiling, stream_bytes(phases), 0, x0, weights)
 
