@@ -152,10 +152,11 @@ GPU_CASES = [
 ]
 
 
-@gpu
-@requires_gpu
-@pytest.mark.parametrize("dims,workers,batch,iterations,pos,slot_len,schedule", GPU_CASES)
-def test_matches_the_step_program_gpu(dims, workers, batch, iterations, pos, slot_len, schedule):
+def check_against_the_step_program(
+    dims, workers, batch, iterations, pos, slot_len, schedule, interpret=None
+):
+    """The kernel on random weights of `dims` (d, heads, MLP width, layers) against
+    `core_iteration`: the state and the new k and v rows within RTOL."""
     d, heads, f, layers = dims
     w = random_step_weights(*dims)
     keys = jax.random.split(jax.random.key(6), 4)
@@ -167,7 +168,7 @@ def test_matches_the_step_program_gpu(dims, workers, batch, iterations, pos, slo
     fw = pack_weights(w, heads=heads, batch=batch, rope_base=10000.0, unit_cols=cols)
     got = fused_core_decode(
         fw, Pending(state), embedded, k, v, slots, jnp.int32(pos),
-        iterations=iterations, workers=workers, schedule=sched,
+        iterations=iterations, workers=workers, schedule=sched, interpret=interpret,
     )  # fmt: skip
     cos, sin = rope_row(pos, d // heads, 10000.0)
     pending, e_part, k_rows, v_rows = Pending(state), None, [], []
@@ -183,6 +184,26 @@ def test_matches_the_step_program_gpu(dims, workers, batch, iterations, pos, slo
     got = (got[0].value(w.eps), got[1], got[2])
     for g, r in zip(got, want, strict=True):
         assert rel_fro(np.asarray(g, np.float32), np.asarray(r, np.float32)) <= RTOL
+
+
+@gpu
+@requires_gpu
+@pytest.mark.parametrize("dims,workers,batch,iterations,pos,slot_len,schedule", GPU_CASES)
+def test_matches_the_step_program_gpu(dims, workers, batch, iterations, pos, slot_len, schedule):
+    check_against_the_step_program(dims, workers, batch, iterations, pos, slot_len, schedule)
+
+
+def test_interpret_key_blocks_of_the_heads_own_columns():
+    """Heads of 32 in windows of 64 (d 128): the key blocks are the heads' own 32 columns
+    (`FusedShape.key_cols`), the last head's key window passes d and its value window starts
+    32 columns before it. One worker in interpret mode, two sequences, a partial last block."""
+    dims = (128, 4, 160, 2)
+    shape = FusedShape(128, 4, 32, 160, 2, 2, 64)
+    assert shape.key_cols == 32 and shape.key_window(3) == (96, 0)
+    assert shape.head_window(3) == (64, 32) and shape.table_rows == 160
+    check_against_the_step_program(
+        dims, 1, 2, 1, 100, 128, (64, Schedule(2, 2)), interpret=plgpu.InterpretGPUParams()
+    )
 
 
 def test_gpu_configurations_fit():
@@ -238,8 +259,8 @@ def test_lowers_for_cuda_with_every_sm(batch):
 
     args = [
         sd((3,), jnp.int32), sd((shape.k_d, 8), jnp.float32), sd((shape.k_d, 8), jnp.float32),
-        sd((1, shape.k_d, 8), jnp.float32), sd((3, 5280, 8), jnp.float32),
-        sd((1, 2, 5280, 8), jnp.float32), cache, cache, tiled(shape.phases[0]),
+        sd((1, shape.k_d, 8), jnp.float32), sd((3, shape.table_rows, 8), jnp.float32),
+        sd((1, 2, shape.table_rows, 8), jnp.float32), cache, cache, tiled(shape.phases[0]),
         *(tiled(p) for p in shape.phases),
     ]  # fmt: skip
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -296,12 +317,12 @@ def test_refuses_what_it_cannot_run():
     huginn = FusedShape(5280, 55, 96, 17920, 1, 1)
     with pytest.raises(ValueError, match="L2 lookahead"):  # 13 units of the adapter per worker
         check_fused(huginn, 132, Schedule(ring=3, l2_units=10))
-    # the on-device profiler's records of 8 iterations of 4 layers take 9.5 KiB: 3:3 leaves 3.9
+    # the on-device profiler's records of 8 iterations of 4 layers take 9.5 KiB, of 16 19 KiB:
+    # 3:3 leaves 15.9 (key blocks of 96 columns)
     four_layers = FusedShape(5280, 55, 96, 17920, 4, 1)
-    check_fused(four_layers, 132, Schedule(3, 3))
-    check_fused(four_layers, 132, Schedule(3, 2), profiled_iterations=8)
-    with pytest.raises(ValueError, match="for the profiler's records of 8 iterations"):
-        check_fused(four_layers, 132, Schedule(3, 3), profiled_iterations=8)
+    check_fused(four_layers, 132, Schedule(3, 3), profiled_iterations=8)
+    with pytest.raises(ValueError, match="for the profiler's records of 16 iterations"):
+        check_fused(four_layers, 132, Schedule(3, 3), profiled_iterations=16)
     with pytest.raises(ValueError, match="multiple of the schedule's blocks \\(128\\)"):
         w = step_weights(core())
         w = StepWeights(w.adapter, w.layers[:LAYERS], head_dim=w.head_dim, eps=w.eps)

@@ -1,7 +1,9 @@
 """The attention step of the fused Core kernel (`fused.py`), between a layer's qkv and proj.
 
 Each (head, block of its cached positions) is one worker's item; the worker reads the head's q,
-k, v rows from the complete qkv output (a window of kp rows, `FusedShape.head_window`):
+k, v rows from the complete qkv output, each a window of kp rows: q and k that of the cached key
+blocks (`FusedShape.key_window`: the head's own columns where they are whole tiles, as
+huginn-0125's 96 are), v that of the cached value blocks (`FusedShape.head_window`):
 - scale by the layer input's two norms (rx r1, from the scalar tile), RoPE by rows shifted by
   one (x cos + x[r + 1] (-sin) + x[r - 1] sin, the tables per column), the qk bias's RoPE added
   after the scale (RoPE is linear), q times 1 / sqrt(head_dim);
@@ -52,12 +54,18 @@ def attention_step(k, it, j) -> None:
 def _head_item(k, it, j, item) -> None:
     kp, hd = k.shape.kp, k.shape.head_dim
     h, _, c0 = _window(k, item)
-    delta = h * hd - c0
+    ck = _key_start(k, h, c0)
     rows = plgpu.broadcasted_iota(jnp.int32, (kp, N_PAD), 0, layout=WGMMA)
-    valid = jnp.logical_and(rows >= delta, rows < delta + hd)
+
+    def head_rows(delta):  # the head's rows of a window that starts delta columns before it
+        return jnp.logical_and(rows >= delta, rows < delta + hd)
+
+    valid, kvalid = head_rows(h * hd - c0), head_rows(h * hd - ck)
     with jax.named_scope("rope"):
-        q, k_new, v_new = scoped(k.rope_types, lambda s: _rope(k, it, j, c0, valid, s))
-    scoped(k.block_types, lambda s: _attend(k, it, j, item, c0, valid, q, k_new, v_new, s))
+        q, k_new, v_new = scoped(
+            k.rope_types, lambda s: _rope(k, it, j, (ck, c0), (kvalid, valid), s)
+        )
+    scoped(k.block_types, lambda s: _attend(k, it, j, item, (ck, c0), valid, q, k_new, v_new, s))
 
 
 def _scale(k, it, j):
@@ -70,19 +78,21 @@ def _scale(k, it, j):
     return bcast_rows(rx * r1, k.shape.kp)
 
 
-def _rope(k, it, j, c0, valid, s):
-    """(q, k_new, v_new) [kp, 8] of the head's window at column c0, RoPE'd and scaled: the
+def _rope(k, it, j, starts, masks, s):
+    """(q, k_new, v_new) [kp, 8], RoPE'd and scaled: q and k_new of the key window (first
+    column ck), v_new of the value window (c0); `starts` (ck, c0), `masks` their head rows. The
     scalar tile, the windows and the tables are copied at once, then waited for."""
     shape = k.shape
     kp, hd, d = shape.kp, shape.head_dim, shape.d
+    (ck, c0), (kvalid, valid) = starts, masks
     win = kp + 2 * SHIFT
     qkv = Buffers.of("qkv", j)
     k.load_scalars(wait=False)
-    for w, base in enumerate((0, d, 2 * d)):
-        plgpu.copy_gmem_to_smem(k.act.at[qkv, pl.ds(base + c0, win), :], s["win"].at[w], s["abar"])
+    for w, start in enumerate((ck, d + ck, 2 * d + c0)):
+        plgpu.copy_gmem_to_smem(k.act.at[qkv, pl.ds(start, win), :], s["win"].at[w], s["abar"])
     tabs, biases = s["tab"].at[pl.ds(0, 3)], s["tab"].at[pl.ds(3, 2)]
-    plgpu.copy_gmem_to_smem(k.tables.at[:, pl.ds(c0, kp), :], tabs, s["abar"])
-    plgpu.copy_gmem_to_smem(k.rope_bias.at[j, :, pl.ds(c0, kp), :], biases, s["abar"])
+    plgpu.copy_gmem_to_smem(k.tables.at[:, pl.ds(ck, kp), :], tabs, s["abar"])
+    plgpu.copy_gmem_to_smem(k.rope_bias.at[j, :, pl.ds(ck, kp), :], biases, s["abar"])
     plgpu.barrier_wait(k.s["scbar"])
     scale = _scale(k, it, j)
     plgpu.barrier_wait(s["abar"])
@@ -96,15 +106,16 @@ def _rope(k, it, j, c0, valid, s):
     def rope(w):
         return window(w, 0) * tab(0) + window(w, 1) * tab(1) + window(w, -1) * tab(2)
 
-    q = jnp.where(valid, (scale * rope(0) + tab(3)) * (1.0 / math.sqrt(hd)), 0.0)
-    k_new = jnp.where(valid, round_bf16(scale * rope(1) + tab(4)), 0.0)
+    q = jnp.where(kvalid, (scale * rope(0) + tab(3)) * (1.0 / math.sqrt(hd)), 0.0)
+    k_new = jnp.where(kvalid, round_bf16(scale * rope(1) + tab(4)), 0.0)
     v_new = jnp.where(valid, round_bf16(scale * window(2, 0)), 0.0)
     return q, k_new, v_new
 
 
-def _attend(k, it, j, item, c0, valid, q, k_new, v_new, s) -> None:
+def _attend(k, it, j, item, starts, valid, q, k_new, v_new, s) -> None:
     """The item's blocks, then its partials out (a later split) or the head's combine (the
-    first split); `s`: the blocks' scope with the kernel-wide buffers."""
+    first split); `starts`: the first columns (ck, c0) of the key and value windows; `s`: the
+    blocks' scope with the kernel-wide buffers."""
     s = {**k.s, **s}
     shape = k.shape
     kp = shape.kp
@@ -119,7 +130,7 @@ def _attend(k, it, j, item, c0, valid, q, k_new, v_new, s) -> None:
             plgpu.copy_smem_to_gmem(s["pout"].at[pl.ds(w * kp, kp)], k.kv_new.at[it, j, w, h])
 
     with jax.named_scope("blocks"):
-        m_all, l_all, acc_all = _own_blocks(k, it, j, q, c0, split, s)
+        m_all, l_all, acc_all = _own_blocks(k, it, j, q, starts, split, s)
 
     def merge(m_all, l_all, acc_all, m_o, l_o, acc_o):
         m_new = jnp.maximum(m_all, m_o)
@@ -153,7 +164,7 @@ def _attend(k, it, j, item, c0, valid, q, k_new, v_new, s) -> None:
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         s["pout"].at[pl.ds(0, kp)][...] = out
         plgpu.commit_smem()
-        dst = k.act.at[Buffers.of("att", j), pl.ds(c0, kp), :]
+        dst = k.act.at[Buffers.of("att", j), pl.ds(starts[1], kp), :]
         k.add_into(s["pout"].at[pl.ds(0, kp)], dst, kp)
 
     with jax.named_scope("combine"):
@@ -181,16 +192,30 @@ class _Pairs:
         b = f // self.own
         return b, self.lo + f - b * self.own
 
-    def source(self, cache, f, c0, kp):
-        """Pair f's window of `cache`: kp columns from c0 of its block's cached positions."""
+    def source(self, cache, f, c0, cols):
+        """Pair f's window of `cache`: `cols` columns from c0 of its block's cached positions."""
         b, blk = self.pair(f)
-        return cache.at[self.slot, b, pl.ds(blk * self.block, self.block), pl.ds(c0, kp)]
+        return cache.at[self.slot, b, pl.ds(blk * self.block, self.block), pl.ds(c0, cols)]
+
+    def sources(self, k, f, ck, c0):
+        """Pair f's key block (`key_cols` from ck) and value block (kp columns from c0)."""
+        return (
+            self.source(k.k_cache, f, ck, k.shape.key_cols),
+            self.source(k.v_cache, f, c0, k.shape.kp),
+        )
 
 
 def _window(k, item):
-    """(head, split, c0) of an item: c0 the first column of the head's window (head_window)."""
+    """(head, split, c0) of an item: c0 the first column of the head's value window
+    (head_window)."""
     h = item // k.splits
     return h, lax.rem(item, k.splits), jnp.minimum(h * k.shape.head_dim, k.shape.d - k.shape.kp)
+
+
+def _key_start(k, h, c0):
+    """The first column of head h's key window (`FusedShape.key_window`), c0 its value
+    window's."""
+    return h * k.shape.head_dim if k.shape.key_cols == k.shape.head_dim else c0
 
 
 def prefetch_blocks(k, it, j, count: int) -> None:
@@ -198,11 +223,10 @@ def prefetch_blocks(k, it, j, count: int) -> None:
     v) of each of the worker's items into L2, ahead of their copies."""
 
     def prefetch(item):
-        _, split, c0 = _window(k, item)
+        h, split, c0 = _window(k, item)
         pairs = _Pairs(k, it, j, split)
         for f in range(count):
-            for cache in (k.k_cache, k.v_cache):
-                src = pairs.source(cache, f, c0, k.shape.kp)
+            for src in pairs.sources(k, f, _key_start(k, h, c0), c0):
                 plgpu.async_prefetch(src, predicate=f < pairs.total)
 
     for rr in range(-(-k.items // k.workers)):
@@ -210,14 +234,17 @@ def prefetch_blocks(k, it, j, count: int) -> None:
         pl.when(item < k.items)(lambda item=item: prefetch(item))
 
 
-def _own_blocks(k, it, j, q, c0, split, s):
+def _own_blocks(k, it, j, q, starts, split, s):
     """This split's (sequence, block) pairs (`_Pairs`), one pass over them with `kv_stages`
     copies in flight, an online softmax per sequence: (max, sum, weighted values), each [kp, 8]
     (column b the sequence b's; the [8] ones broadcast over the rows). The scores are those of
     every q column against sequence b's keys, of which column b is kept (q rounded to bf16 for
     the wgmma). The softmax's sums are kept per row of a block and summed over the rows once,
-    after the pass: a block's step reduces across its rows (over the warps) for the max only."""
+    after the pass: a block's step reduces across its rows (over the warps) for the max only.
+    `starts`: the first columns (ck, c0) of the key and value windows; q is in the key
+    window's rows, whose first `key_cols` the key blocks hold."""
     kp, stages, block, f32 = k.shape.kp, k.kv_stages, k.kv_block, jnp.float32
+    ck, c0 = starts
     pairs = _Pairs(k, it, j, split)
     lo, hi, total = pairs.lo, pairs.hi, pairs.total
     colidx = plgpu.broadcasted_iota(jnp.int32, (kp, N_PAD), 1, layout=WGMMA)
@@ -225,12 +252,13 @@ def _own_blocks(k, it, j, q, c0, split, s):
     rows = plgpu.broadcasted_iota(jnp.int32, (block, N_PAD), 0, layout=WGMMA)
     s["btq"].T[...] = q.astype(jnp.bfloat16)
     plgpu.commit_smem()
+    q_keys = s["btq"].at[:, pl.ds(0, k.shape.key_cols)].T
 
     def copy_block(f):
         """Pair f's k and v into stage f mod kv_stages."""
         st = lax.rem(f, stages)
-        for cache, buf in ((k.k_cache, s["kblk"]), (k.v_cache, s["vblk"])):
-            plgpu.copy_gmem_to_smem(pairs.source(cache, f, c0, kp), buf.at[st], s["kvbar"].at[st])
+        for src, buf in zip(pairs.sources(k, f, ck, c0), (s["kblk"], s["vblk"]), strict=True):
+            plgpu.copy_gmem_to_smem(src, buf.at[st], s["kvbar"].at[st])
 
     for f in range(stages - 1):
         pl.when(f < total)(lambda f=f: copy_block(f))
@@ -246,7 +274,7 @@ def _own_blocks(k, it, j, q, c0, split, s):
         m, ll, acc = m * keep + MASKED * (1.0 - keep), ll * keep, acc * keep
 
         def scores_of(acc_ref):
-            plgpu.wgmma(acc_ref, s["kblk"].at[st], s["btq"].T)
+            plgpu.wgmma(acc_ref, s["kblk"].at[st], q_keys)
             return acc_ref[...]
 
         sc = pl.run_scoped(scores_of, plgpu.ACC((block, N_PAD), f32))

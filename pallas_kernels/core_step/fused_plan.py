@@ -148,10 +148,40 @@ class FusedShape:
     def head_window(self, head: int) -> tuple[int, int]:
         """(c0, delta): head `head`'s kp-row window starts at column c0 of its section (the
         last heads' windows end at d), and the head's rows are [delta, delta + head_dim) of it.
-        A wider window than the head reads kp / head_dim of its cache bytes: copies of the
-        head's columns alone would leave tiles that are not contiguous."""
+        The values' cached blocks are read as these windows: the weighted values' wgmma takes
+        the block as its A operand, whose rows (the head's columns) come in 64s."""
         c0 = min(head * self.head_dim, self.d - self.kp)
         return c0, head * self.head_dim - c0
+
+    @property
+    def attention_tile(self) -> int:
+        """Columns of a tile of the attention's shared-memory operands: the widest swizzle's
+        (64, 32 or 16 columns) that divides every head window's first column (h * head_dim, or
+        d - kp for the last heads), so that a window is whole tiles."""
+        step = math.gcd(self.head_dim, self.d - self.kp)
+        return next((c for c in (64, 32) if step % c == 0), 16)
+
+    @property
+    def key_cols(self) -> int:
+        """Columns of a cached key block as the kernel reads it: the head's own (head_dim)
+        where they are whole tiles, else its kp-row window. The scores' wgmma takes the block
+        as its A operand, whose columns (k) come in tiles: huginn-0125's 96 columns are three
+        tiles of 32, a quarter fewer bytes than the window of 128."""
+        return self.head_dim if self.head_dim % self.attention_tile == 0 else self.kp
+
+    def key_window(self, head: int) -> tuple[int, int]:
+        """(c0, delta) of the window that q, k and the cached keys share: the head's own
+        columns (delta 0) where `key_cols` is head_dim, else `head_window`. Its kp rows may
+        pass d by kp - head_dim (the RoPE tables have `table_rows`)."""
+        if self.key_cols == self.head_dim:
+            return head * self.head_dim, 0
+        return self.head_window(head)
+
+    @property
+    def table_rows(self) -> int:
+        """Rows of the RoPE tables and the qk bias: d, and the kp - head_dim that the last
+        head's key window reads past it."""
+        return self.d + self.kp - self.head_dim
 
     @property
     def steps_per_iteration(self) -> int:
@@ -343,7 +373,7 @@ def scratch_types(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int
         abar=plgpu.Barrier(num_arrivals=5),
     )
     blocks = dict(
-        kblk=plgpu.SMEM((kv_stages, kv_block, kp), bf16, transforms=attention),
+        kblk=plgpu.SMEM((kv_stages, kv_block, shape.key_cols), bf16, transforms=attention),
         vblk=plgpu.SMEM((kv_stages, kv_block, kp), bf16, transforms=attention),
         kvbar=plgpu.Barrier(num_arrivals=2, num_barriers=kv_stages),
         btq=plgpu.SMEM((N_PAD, kp), bf16, transforms=attention),
@@ -355,13 +385,11 @@ def scratch_types(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int
 
 def attention_transforms(shape: FusedShape) -> tuple:
     """The shared-memory tiling and swizzle of the attention's wgmma operands (a wgmma's
-    operands share a swizzle): the widest swizzle whose tile of columns divides every head
-    window's first column (h * head_dim, or d - kp for the last heads), so that a window is
-    whole tiles: 128 bytes (64 columns) where those are multiples of 64, 64 bytes where of 32
-    (huginn-0125: head_dim 96), else 32 bytes (16 columns: the kernel needs multiples of 16)."""
-    step = math.gcd(shape.head_dim, shape.d - shape.kp)
-    swizzle = next((b for b in (128, 64) if step % (b // 2) == 0), 32)
-    return plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle)
+    operands share a swizzle): tiles of `FusedShape.attention_tile` bf16 columns, 128 bytes
+    (64 columns), 64 bytes (32, huginn-0125: head_dim 96) or 32 (16: the kernel needs
+    multiples of 16)."""
+    cols = shape.attention_tile
+    return plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(2 * cols)
 
 
 def scoped(types: dict, fn):

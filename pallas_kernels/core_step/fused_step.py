@@ -198,8 +198,9 @@ def fused_core_decode(
     tables = rope_tables(pos, shape.head_dim, d, fw.rope_base)
     rope_bias = _rope_columns(fw.qk_bias, tables)  # linear: rope(q s + b) = s rope(q) + rope(b)
 
-    def per_column(x):  # [..., d] -> [..., d, 8]
-        return jnp.broadcast_to(x.astype(f32)[..., None], (*x.shape, N_PAD))
+    def per_column(x):  # [..., d] -> [..., table_rows, 8]: the last key window's rows past d
+        x = jnp.pad(x.astype(f32), [(0, 0)] * (x.ndim - 1) + [(0, shape.table_rows - d)])
+        return jnp.broadcast_to(x[..., None], (*x.shape, N_PAD))
 
     meta = jnp.concatenate([jnp.asarray(pos, jnp.int32)[None], slots.reshape(-1).astype(jnp.int32)])
     kernel = build_fused_core(
@@ -220,11 +221,13 @@ def fused_core_decode(
         *fw.products,
     )
     z = act[Buffers.of("m", shape.layers - 1), :d, :b].T  # the last mlp output + its residual
-    # kv_new [it, L, 2, H, kp, 8] -> the head's rows -> [2, it, L, B, H, K]
-    rows = np.stack(
-        [np.arange(shape.head_dim) + shape.head_window(h)[1] for h in range(shape.heads)]
-    )
-    picked = jnp.take_along_axis(kv_new, rows[None, None, None, :, :, None], axis=4)
+    # kv_new [it, L, 2, H, kp, 8] -> the head's rows (k of its key window, v of its value
+    # window) -> [2, it, L, B, H, K]
+    rows = np.stack([
+        [np.arange(shape.head_dim) + window(h)[1] for h in range(shape.heads)]
+        for window in (shape.key_window, shape.head_window)
+    ])  # fmt: skip
+    picked = jnp.take_along_axis(kv_new, rows[None, None, :, :, :, None], axis=4)
     new = jnp.moveaxis(picked[..., :b], -1, 3).transpose(2, 0, 1, 3, 4, 5)
     return Pending(z, fw.last_norm), new[0].astype(k_cache.dtype), new[1].astype(v_cache.dtype)
 
