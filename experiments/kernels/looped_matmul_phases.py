@@ -21,7 +21,7 @@ from pathlib import Path
 from experiments.kernels.scopes import newest_trace
 from pallas_kernels.looped_matmul.splitk_plan import PHASES
 
-__all__ = ["PHASES", "newest_trace", "phase_cycles", "phase_table"]
+__all__ = ["PHASES", "phase_cycles", "phase_table"]
 
 
 def phase_cycles(trace: dict) -> dict[str, list[float]]:

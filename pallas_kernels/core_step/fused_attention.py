@@ -53,8 +53,7 @@ def attention_step(k, it, j) -> None:
 
 def _head_item(k, it, j, item) -> None:
     kp, hd = k.shape.kp, k.shape.head_dim
-    h, _, c0 = _window(k, item)
-    ck = _key_start(k, h, c0)
+    h, _, (ck, c0) = _window(k, item)
     rows = plgpu.broadcasted_iota(jnp.int32, (kp, N_PAD), 0, layout=WGMMA)
 
     def head_rows(delta):  # the head's rows of a window that starts delta columns before it
@@ -206,16 +205,11 @@ class _Pairs:
 
 
 def _window(k, item):
-    """(head, split, c0) of an item: c0 the first column of the head's value window
-    (head_window)."""
+    """(head, split, (ck, c0)) of an item: ck and c0 the first columns of the head's key window
+    (`FusedShape.key_window`) and value window (`head_window`)."""
     h = item // k.splits
-    return h, lax.rem(item, k.splits), jnp.minimum(h * k.shape.head_dim, k.shape.d - k.shape.kp)
-
-
-def _key_start(k, h, c0):
-    """The first column of head h's key window (`FusedShape.key_window`), c0 its value
-    window's."""
-    return h * k.shape.head_dim if k.shape.key_cols == k.shape.head_dim else c0
+    starts = k.shape.key_window(h, jnp.minimum)[0], k.shape.head_window(h, jnp.minimum)[0]
+    return h, lax.rem(item, k.splits), starts
 
 
 def prefetch_blocks(k, it, j, count: int) -> None:
@@ -223,10 +217,10 @@ def prefetch_blocks(k, it, j, count: int) -> None:
     v) of each of the worker's items into L2, ahead of their copies."""
 
     def prefetch(item):
-        h, split, c0 = _window(k, item)
+        _, split, starts = _window(k, item)
         pairs = _Pairs(k, it, j, split)
         for f in range(count):
-            for src in pairs.sources(k, f, _key_start(k, h, c0), c0):
+            for src in pairs.sources(k, f, *starts):
                 plgpu.async_prefetch(src, predicate=f < pairs.total)
 
     for rr in range(-(-k.items // k.workers)):

@@ -145,12 +145,13 @@ class FusedShape:
             ]
         return tuple(out)
 
-    def head_window(self, head: int) -> tuple[int, int]:
+    def head_window(self, head, minimum=min) -> tuple:
         """(c0, delta): head `head`'s kp-row window starts at column c0 of its section (the
         last heads' windows end at d), and the head's rows are [delta, delta + head_dim) of it.
         The values' cached blocks are read as these windows: the weighted values' wgmma takes
-        the block as its A operand, whose rows (the head's columns) come in 64s."""
-        c0 = min(head * self.head_dim, self.d - self.kp)
+        the block as its A operand, whose rows (the head's columns) come in 64s. `minimum`:
+        jnp.minimum where `head` is traced (in the kernel)."""
+        c0 = minimum(head * self.head_dim, self.d - self.kp)
         return c0, head * self.head_dim - c0
 
     @property
@@ -169,13 +170,13 @@ class FusedShape:
         tiles of 32, a quarter fewer bytes than the window of 128."""
         return self.head_dim if self.head_dim % self.attention_tile == 0 else self.kp
 
-    def key_window(self, head: int) -> tuple[int, int]:
+    def key_window(self, head, minimum=min) -> tuple:
         """(c0, delta) of the window that q, k and the cached keys share: the head's own
         columns (delta 0) where `key_cols` is head_dim, else `head_window`. Its kp rows may
         pass d by kp - head_dim (the RoPE tables have `table_rows`)."""
         if self.key_cols == self.head_dim:
             return head * self.head_dim, 0
-        return self.head_window(head)
+        return self.head_window(head, minimum)
 
     @property
     def table_rows(self) -> int:
