@@ -103,8 +103,9 @@ def build_fused_core(
             reduce=workers > 1, worker=worker, meta=meta, pos=meta[0], act=act, scal=scal,
             parts=parts, kv_new=kv_new, tables=tables, rope_bias=rope_bias, k_cache=k_cache,
             v_cache=v_cache, s=dict(zip(SCRATCH_NAMES, refs[n_phases + 4 :], strict=True)),
-            rope_types=rope_types, block_types=block_types, kv_stages=kv_stages,
-            kv_block=schedule.kv_block,
+            rope_types=rope_types, block_types=block_types, combine_types=combine_types,
+            kv_stages=kv_stages, kv_block=schedule.kv_block, flash=bool(schedule.flash),
+            interpret=interpret is not None,
             flags=pl.get_global(plgpu.SemaphoreType.REGULAR((shape.heads,)))
             if splits > 1 else None,
         )  # fmt: skip
@@ -439,7 +440,9 @@ def build_fused_core(
                     cross(it, step, "attn")
                     step += 1
 
-    scratch, product_types, rope_types, block_types = scratch_types(shape, schedule, x_stages, lag)
+    scratch, product_types, rope_types, block_types, combine_types = scratch_types(
+        shape, schedule, x_stages, lag
+    )
     SCRATCH_NAMES, kp = tuple(scratch), shape.kp
     out_type = (
         jax.ShapeDtypeStruct((Buffers.count(layers), shape.buffer_rows, N_PAD), f32),

@@ -15,8 +15,12 @@ huginn-0125's 96 are), v that of the cached value blocks (`FusedShape.head_windo
   and, once the others' flags count their partials, combines them and adds the head's rows into
   the attention output; it also writes the new k and v rows for the caller's cache write.
 
-The windows and tables, then the blocks, each take a scope of shared memory
-(`fused_plan.scratch_types`) that the products' scopes reuse.
+The blocks' products come in two orientations: the columns' (`_own_blocks`: the head's columns
+as the wgmmas' rows, the batch's sequences as their 8 columns) and, with `Schedule.flash`, the
+flash-attention one (`_flash_blocks`: the batch's queries as the rows, the value blocks the
+head's own columns, in the key window), whose results `_columns` turns into the first's form
+for the combine. The windows and tables, the blocks, and the combine each take a scope of
+shared memory (`fused_plan.scratch_types`) that the products' scopes reuse.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.core_step.fused_plan import (
+    FLASH_ROWS,
     N_PAD,
     SCALAR_ROWS,
     SHIFT,
@@ -53,7 +58,7 @@ def attention_step(k, it, j) -> None:
 
 def _head_item(k, it, j, item) -> None:
     kp, hd = k.shape.kp, k.shape.head_dim
-    h, _, (ck, c0) = _window(k, item)
+    h, split, (ck, c0) = _window(k, item)
     rows = plgpu.broadcasted_iota(jnp.int32, (kp, N_PAD), 0, layout=WGMMA)
 
     def head_rows(delta):  # the head's rows of a window that starts delta columns before it
@@ -64,7 +69,14 @@ def _head_item(k, it, j, item) -> None:
         q, k_new, v_new = scoped(
             k.rope_types, lambda s: _rope(k, it, j, (ck, c0), (kvalid, valid), s)
         )
-    scoped(k.block_types, lambda s: _attend(k, it, j, item, (ck, c0), valid, q, k_new, v_new, s))
+    with jax.named_scope("blocks"):
+        own = _flash_blocks if k.flash else _own_blocks
+        parts = scoped(k.block_types, lambda s: own(k, it, j, q, (ck, c0), split, s))
+    with jax.named_scope("combine"):
+        scoped(
+            k.combine_types,
+            lambda s: _combine(k, it, j, item, c0, valid, (q, k_new, v_new), parts, s),
+        )
 
 
 def _scale(k, it, j):
@@ -111,14 +123,16 @@ def _rope(k, it, j, starts, masks, s):
     return q, k_new, v_new
 
 
-def _attend(k, it, j, item, starts, valid, q, k_new, v_new, s) -> None:
-    """The item's blocks, then its partials out (a later split) or the head's combine (the
-    first split); `starts`: the first columns (ck, c0) of the key and value windows; `s`: the
-    blocks' scope with the kernel-wide buffers."""
+def _combine(k, it, j, item, c0, valid, new, parts, s) -> None:
+    """The new k and v rows out (a head's first split), then the item's partials out (a later
+    split) or the head's combine (the first split): its splits' partials and the new position
+    merged, the head's rows added into the attention output. `c0`: the first column of the
+    value window, whose rows the output holds; `new`: (q, k_new, v_new); `parts`: the item's
+    (max, sum, weighted values) from its blocks; `s`: the combine's scope."""
     s = {**k.s, **s}
-    shape = k.shape
-    kp = shape.kp
+    kp = k.shape.kp
     h, split, _ = _window(k, item)
+    q, k_new, v_new = new
 
     @pl.when(split == 0)
     def _store_new_rows():
@@ -128,8 +142,7 @@ def _attend(k, it, j, item, starts, valid, q, k_new, v_new, s) -> None:
         for w in range(2):
             plgpu.copy_smem_to_gmem(s["pout"].at[pl.ds(w * kp, kp)], k.kv_new.at[it, j, w, h])
 
-    with jax.named_scope("blocks"):
-        m_all, l_all, acc_all = _own_blocks(k, it, j, q, starts, split, s)
+    m_all, l_all, acc_all = _columns(k, *parts, s) if k.flash else parts
 
     def merge(m_all, l_all, acc_all, m_o, l_o, acc_o):
         m_new = jnp.maximum(m_all, m_o)
@@ -150,7 +163,7 @@ def _attend(k, it, j, item, starts, valid, q, k_new, v_new, s) -> None:
         s_new = bcast_rows(jnp.sum(q * k_new, axis=0), kp)
         merged = merge(m_all, l_all, acc_all, s_new, jnp.ones_like(s_new), v_new)
         if k.splits > 1:
-            target = jnp.asarray((it * shape.layers + j + 1) * (k.splits - 1), jnp.int32)
+            target = jnp.asarray((it * k.shape.layers + j + 1) * (k.splits - 1), jnp.int32)
             plgpu.semaphore_wait(k.flags.at[h], target, decrement=False, memory_scope="gpu")
             for other in range(1, k.splits):
                 plgpu.copy_gmem_to_smem(k.parts.at[h * k.splits + other], s["pin"], s["pbar"])
@@ -163,13 +176,12 @@ def _attend(k, it, j, item, starts, valid, q, k_new, v_new, s) -> None:
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         s["pout"].at[pl.ds(0, kp)][...] = out
         plgpu.commit_smem()
-        dst = k.act.at[Buffers.of("att", j), pl.ds(starts[1], kp), :]
+        dst = k.act.at[Buffers.of("att", j), pl.ds(c0, kp), :]
         k.add_into(s["pout"].at[pl.ds(0, kp)], dst, kp)
 
-    with jax.named_scope("combine"):
-        if k.splits > 1:
-            pl.when(split > 0)(partial_out)
-        pl.when(split == 0)(first_split)
+    if k.splits > 1:
+        pl.when(split > 0)(partial_out)
+    pl.when(split == 0)(first_split)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the scope's bytes are reused next
 
 
@@ -197,19 +209,22 @@ class _Pairs:
         return cache.at[self.slot, b, pl.ds(blk * self.block, self.block), pl.ds(c0, cols)]
 
     def sources(self, k, f, ck, c0):
-        """Pair f's key block (`key_cols` from ck) and value block (kp columns from c0)."""
+        """Pair f's key block (`key_cols` from ck) and value block (kp columns from c0; with
+        `Schedule.flash`, c0 is ck and the block `key_cols` wide)."""
         return (
             self.source(k.k_cache, f, ck, k.shape.key_cols),
-            self.source(k.v_cache, f, c0, k.shape.kp),
+            self.source(k.v_cache, f, c0, k.shape.key_cols if k.flash else k.shape.kp),
         )
 
 
 def _window(k, item):
     """(head, split, (ck, c0)) of an item: ck and c0 the first columns of the head's key window
-    (`FusedShape.key_window`) and value window (`head_window`)."""
+    (`FusedShape.key_window`) and value window (`head_window`; the key window with
+    `Schedule.flash`, whose weighted values take the value block as their B operand)."""
     h = item // k.splits
-    starts = k.shape.key_window(h, jnp.minimum)[0], k.shape.head_window(h, jnp.minimum)[0]
-    return h, lax.rem(item, k.splits), starts
+    ck = k.shape.key_window(h, jnp.minimum)[0]
+    c0 = ck if k.flash else k.shape.head_window(h, jnp.minimum)[0]
+    return h, lax.rem(item, k.splits), (ck, c0)
 
 
 def prefetch_blocks(k, it, j, count: int) -> None:
@@ -298,3 +313,106 @@ def _own_blocks(k, it, j, q, starts, split, s):
     init = (m0, tile(block, 0.0), tile(kp, 0.0), tile(kp, MASKED), tile(block, 0.0), tile(kp, 0.0))
     _, _, _, m_all, l_rows, acc_all = lax.fori_loop(0, total, step, init)
     return m_all, bcast_rows(jnp.sum(l_rows, axis=0), kp), acc_all
+
+
+def _flash_blocks(k, it, j, q, starts, split, s):
+    """`_own_blocks` in the flash-attention orientation: the batch's queries are the rows of
+    both wgmmas (q in the first rows of a [64, kp] A operand; the rows past the batch are never
+    written and always masked), the scores [64, block] take the key block as a transposed B
+    operand, the softmax runs along each row (within a warp), and the weighted values take P
+    (bf16) as the A operand from registers (from shared memory in interpret mode, whose wgmma
+    takes no register operand) and the value block, the head's `key_cols`, as B. Row b keeps
+    sequence b's (max, sum, weighted values) across all of the split's pairs; returns them as
+    ([64], [64], [64, key_cols]) for `_columns`."""
+    kc, stages, block, f32 = k.shape.key_cols, k.kv_stages, k.kv_block, jnp.float32
+    ck, c0 = starts
+    pairs = _Pairs(k, it, j, split)
+    total = pairs.total
+    rows = plgpu.broadcasted_iota(jnp.int32, (FLASH_ROWS, block), 0, layout=WGMMA)
+    cols = plgpu.broadcasted_iota(jnp.int32, (FLASH_ROWS, block), 1, layout=WGMMA)
+    s["btq"].at[pl.ds(0, N_PAD)].T[...] = q.astype(jnp.bfloat16)
+    plgpu.commit_smem()
+    queries = s["btq"].at[:, pl.ds(0, kc)]
+
+    def copy_block(f):
+        """Pair f's k and v into stage f mod kv_stages."""
+        st = lax.rem(f, stages)
+        for src, buf in zip(pairs.sources(k, f, ck, c0), (s["kblk"], s["vblk"]), strict=True):
+            plgpu.copy_gmem_to_smem(src, buf.at[st], s["kvbar"].at[st])
+
+    for f in range(stages - 1):
+        pl.when(f < total)(lambda f=f: copy_block(f))
+
+    def by_row(vec, width):  # [64] (one value per row) -> [64, width]
+        return lax.broadcast_in_dim(vec, (FLASH_ROWS, width), [0])
+
+    def step(f, carry):
+        m, ll, acc = carry
+        b, blk = pairs.pair(f)
+        st = lax.rem(f, stages)
+        plgpu.barrier_wait(s["kvbar"].at[st])
+        ahead = f + stages - 1  # its stage was read by the step before, whose wgmmas are done
+        pl.when(ahead < total)(lambda: copy_block(ahead))
+
+        def scores_of(acc_ref):
+            plgpu.wgmma(acc_ref, queries, s["kblk"].at[st].T)
+            return acc_ref[...]
+
+        sc = pl.run_scoped(scores_of, plgpu.ACC((FLASH_ROWS, block), f32))
+        live = jnp.logical_and(rows == b, cols + blk * block < k.pos)
+        sc = jnp.where(live, sc, MASKED)
+        m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+        alpha = jnp.exp(m - m_new)
+        pr = jnp.where(live, jnp.exp(sc - by_row(m_new, block)), 0.0)
+        ll = ll * alpha + jnp.sum(pr, axis=1)
+        weights = pr.astype(jnp.bfloat16)
+        if k.interpret:
+            s["pb"][...] = weights
+            plgpu.commit_smem()
+            weights = s["pb"]
+
+        def pv(acc_ref):
+            plgpu.wgmma(acc_ref, weights, s["vblk"].at[st])
+            return acc_ref[...]
+
+        acc = acc * by_row(alpha, kc) + pl.run_scoped(pv, plgpu.ACC((FLASH_ROWS, kc), f32))
+        return m_new, ll, acc
+
+    row_vec = WGMMA.reduce(1)
+    m0 = plgpu.layout_cast(jnp.full((FLASH_ROWS,), MASKED, f32), row_vec)
+    l0 = plgpu.layout_cast(jnp.zeros((FLASH_ROWS,), f32), row_vec)
+    acc0 = plgpu.layout_cast(jnp.zeros((FLASH_ROWS, kc), f32), WGMMA)
+    return lax.fori_loop(0, total, step, (m0, l0, acc0))
+
+
+def _columns(k, m, ll, acc, s):
+    """`_flash_blocks`' (max, sum, weighted values) of rows b as `_own_blocks` gives them: [kp,
+    8] tiles of column b. The [64] vectors by their diagonal; the weighted values through two
+    wgmmas of their bf16 high and low parts (transposed A operands, columns past `key_cols`
+    zero) against an identity [64, 8]: exact but for the low part's rounding (2^-16 of the
+    value)."""
+    kp, kc, f32, bf16 = k.shape.kp, k.shape.key_cols, jnp.float32, jnp.bfloat16
+    rows = plgpu.broadcasted_iota(jnp.int32, (FLASH_ROWS, N_PAD), 0, layout=WGMMA)
+    cols = plgpu.broadcasted_iota(jnp.int32, (FLASH_ROWS, N_PAD), 1, layout=WGMMA)
+    diagonal = rows == cols
+
+    def by_column(vec):  # [64] -> [kp, 8], column b holding vec[b]
+        tile = lax.broadcast_in_dim(vec, (FLASH_ROWS, N_PAD), [0])
+        return bcast_rows(jnp.sum(jnp.where(diagonal, tile, 0.0), axis=0), kp)
+
+    s["eye"].T[...] = jnp.where(diagonal, 1.0, 0.0).astype(bf16)
+    high = acc.astype(bf16)
+    for part, value in enumerate((high, (acc - high.astype(f32)).astype(bf16))):
+        s["xt"].at[part, :, pl.ds(0, kc)][...] = value
+        if kc < kp:
+            s["xt"].at[part, :, pl.ds(kc, kp - kc)][...] = plgpu.layout_cast(
+                jnp.zeros((FLASH_ROWS, kp - kc), bf16), WGMMA
+            )
+    plgpu.commit_smem()
+
+    def transposed(acc_ref):
+        for part in range(2):
+            plgpu.wgmma(acc_ref, s["xt"].at[part].T, s["eye"].T)
+        return acc_ref[...]
+
+    return by_column(m), by_column(ll), pl.run_scoped(transposed, plgpu.ACC((kp, N_PAD), f32))
