@@ -208,6 +208,21 @@ class _Pairs:
         b, blk = self.pair(f)
         return cache.at[self.slot, b, pl.ds(blk * self.block, self.block), pl.ds(c0, cols)]
 
+    def start_copies(self, k, starts, s):
+        """Issues the copies of the first kv_stages - 1 pairs; returns copy_block(f), which
+        copies pair f's k and v blocks (`sources`, from the windows' `starts`) into stage f mod
+        kv_stages of the blocks' scope `s`."""
+
+        def copy_block(f):
+            st = lax.rem(f, k.kv_stages)
+            blocks = (s["kblk"], s["vblk"])
+            for src, buf in zip(self.sources(k, f, *starts), blocks, strict=True):
+                plgpu.copy_gmem_to_smem(src, buf.at[st], s["kvbar"].at[st])
+
+        for f in range(k.kv_stages - 1):
+            pl.when(f < self.total)(lambda f=f: copy_block(f))
+        return copy_block
+
     def sources(self, k, f, ck, c0):
         """Pair f's key block (`key_cols` from ck) and value block (kp columns from c0; with
         `Schedule.flash`, c0 is ck and the block `key_cols` wide)."""
@@ -253,7 +268,6 @@ def _own_blocks(k, it, j, q, starts, split, s):
     `starts`: the first columns (ck, c0) of the key and value windows; q is in the key
     window's rows, whose first `key_cols` the key blocks hold."""
     kp, stages, block, f32 = k.shape.kp, k.kv_stages, k.kv_block, jnp.float32
-    ck, c0 = starts
     pairs = _Pairs(k, it, j, split)
     lo, hi, total = pairs.lo, pairs.hi, pairs.total
     colidx = plgpu.broadcasted_iota(jnp.int32, (kp, N_PAD), 1, layout=WGMMA)
@@ -263,14 +277,7 @@ def _own_blocks(k, it, j, q, starts, split, s):
     plgpu.commit_smem()
     q_keys = s["btq"].at[:, pl.ds(0, k.shape.key_cols)].T
 
-    def copy_block(f):
-        """Pair f's k and v into stage f mod kv_stages."""
-        st = lax.rem(f, stages)
-        for src, buf in zip(pairs.sources(k, f, ck, c0), (s["kblk"], s["vblk"]), strict=True):
-            plgpu.copy_gmem_to_smem(src, buf.at[st], s["kvbar"].at[st])
-
-    for f in range(stages - 1):
-        pl.when(f < total)(lambda f=f: copy_block(f))
+    copy_block = pairs.start_copies(k, starts, s)
 
     def step(f, carry):
         m, ll, acc, m_all, l_all, acc_all = carry  # ll, l_all: [block, 8] sums per row
@@ -325,7 +332,6 @@ def _flash_blocks(k, it, j, q, starts, split, s):
     sequence b's (max, sum, weighted values) across all of the split's pairs; returns them as
     ([64], [64], [64, key_cols]) for `_columns`."""
     kc, stages, block, f32 = k.shape.key_cols, k.kv_stages, k.kv_block, jnp.float32
-    ck, c0 = starts
     pairs = _Pairs(k, it, j, split)
     total = pairs.total
     rows = plgpu.broadcasted_iota(jnp.int32, (FLASH_ROWS, block), 0, layout=WGMMA)
@@ -334,14 +340,7 @@ def _flash_blocks(k, it, j, q, starts, split, s):
     plgpu.commit_smem()
     queries = s["btq"].at[:, pl.ds(0, kc)]
 
-    def copy_block(f):
-        """Pair f's k and v into stage f mod kv_stages."""
-        st = lax.rem(f, stages)
-        for src, buf in zip(pairs.sources(k, f, ck, c0), (s["kblk"], s["vblk"]), strict=True):
-            plgpu.copy_gmem_to_smem(src, buf.at[st], s["kvbar"].at[st])
-
-    for f in range(stages - 1):
-        pl.when(f < total)(lambda f=f: copy_block(f))
+    copy_block = pairs.start_copies(k, starts, s)
 
     def by_row(vec, width):  # [64] (one value per row) -> [64, width]
         return lax.broadcast_in_dim(vec, (FLASH_ROWS, width), [0])
