@@ -75,7 +75,7 @@ def _head_item(k, it, j, item) -> None:
     with jax.named_scope("combine"):
         scoped(
             k.combine_types,
-            lambda s: _combine(k, it, j, item, c0, valid, (q, k_new, v_new), parts, s),
+            lambda s: _combine(k, it, j, (h, split, item), c0, valid, (q, k_new, v_new), parts, s),
         )
 
 
@@ -123,15 +123,16 @@ def _rope(k, it, j, starts, masks, s):
     return q, k_new, v_new
 
 
-def _combine(k, it, j, item, c0, valid, new, parts, s) -> None:
+def _combine(k, it, j, of, c0, valid, new, parts, s) -> None:
     """The new k and v rows out (a head's first split), then the item's partials out (a later
     split) or the head's combine (the first split): its splits' partials and the new position
-    merged, the head's rows added into the attention output. `c0`: the first column of the
-    value window, whose rows the output holds; `new`: (q, k_new, v_new); `parts`: the item's
-    (max, sum, weighted values) from its blocks; `s`: the combine's scope."""
+    merged, the head's rows added into the attention output. `of`: (head, split, item); `c0`:
+    the first column of the value window, whose rows the output holds; `new`: (q, k_new,
+    v_new); `parts`: the item's (max, sum, weighted values) from its blocks; `s`: the
+    combine's scope."""
     s = {**k.s, **s}
     kp = k.shape.kp
-    h, split, _ = _window(k, item)
+    h, split, item = of
     q, k_new, v_new = new
 
     @pl.when(split == 0)
@@ -208,20 +209,31 @@ class _Pairs:
         b, blk = self.pair(f)
         return cache.at[self.slot, b, pl.ds(blk * self.block, self.block), pl.ds(c0, cols)]
 
-    def start_copies(self, k, starts, s):
-        """Issues the copies of the first kv_stages - 1 pairs; returns copy_block(f), which
-        copies pair f's k and v blocks (`sources`, from the windows' `starts`) into stage f mod
-        kv_stages of the blocks' scope `s`."""
+    def stream(self, k, starts, s):
+        """Issues the copies of the first kv_stages - 1 pairs' k and v blocks (`sources`, from
+        the windows' `starts`), each into stage f mod kv_stages of the blocks' scope `s`;
+        returns take(f), which waits for pair f's stage, issues the copy kv_stages - 1 pairs
+        ahead (into the stage the step before read, whose wgmmas are done) and returns the
+        stage."""
+        stages = k.kv_stages
 
         def copy_block(f):
-            st = lax.rem(f, k.kv_stages)
+            st = lax.rem(f, stages)
             blocks = (s["kblk"], s["vblk"])
             for src, buf in zip(self.sources(k, f, *starts), blocks, strict=True):
                 plgpu.copy_gmem_to_smem(src, buf.at[st], s["kvbar"].at[st])
 
-        for f in range(k.kv_stages - 1):
+        for f in range(stages - 1):
             pl.when(f < self.total)(lambda f=f: copy_block(f))
-        return copy_block
+
+        def take(f):
+            st = lax.rem(f, stages)
+            plgpu.barrier_wait(s["kvbar"].at[st])
+            ahead = f + stages - 1
+            pl.when(ahead < self.total)(lambda: copy_block(ahead))
+            return st
+
+        return take
 
     def sources(self, k, f, ck, c0):
         """Pair f's key block (`key_cols` from ck) and value block (kp columns from c0; with
@@ -267,7 +279,7 @@ def _own_blocks(k, it, j, q, starts, split, s):
     after the pass: a block's step reduces across its rows (over the warps) for the max only.
     `starts`: the first columns (ck, c0) of the key and value windows; q is in the key
     window's rows, whose first `key_cols` the key blocks hold."""
-    kp, stages, block, f32 = k.shape.kp, k.kv_stages, k.kv_block, jnp.float32
+    kp, block, f32 = k.shape.kp, k.kv_block, jnp.float32
     pairs = _Pairs(k, it, j, split)
     lo, hi, total = pairs.lo, pairs.hi, pairs.total
     colidx = plgpu.broadcasted_iota(jnp.int32, (kp, N_PAD), 1, layout=WGMMA)
@@ -277,15 +289,12 @@ def _own_blocks(k, it, j, q, starts, split, s):
     plgpu.commit_smem()
     q_keys = s["btq"].at[:, pl.ds(0, k.shape.key_cols)].T
 
-    copy_block = pairs.start_copies(k, starts, s)
+    take = pairs.stream(k, starts, s)
 
     def step(f, carry):
         m, ll, acc, m_all, l_all, acc_all = carry  # ll, l_all: [block, 8] sums per row
         b, blk = pairs.pair(f)
-        st = lax.rem(f, stages)
-        plgpu.barrier_wait(s["kvbar"].at[st])
-        ahead = f + stages - 1  # its stage was read by the step before, whose wgmmas are done
-        pl.when(ahead < total)(lambda: copy_block(ahead))
+        st = take(f)
         keep = (blk != lo).astype(f32)  # 0 at a sequence's first block: start afresh
         m, ll, acc = m * keep + MASKED * (1.0 - keep), ll * keep, acc * keep
 
@@ -331,7 +340,7 @@ def _flash_blocks(k, it, j, q, starts, split, s):
     takes no register operand) and the value block, the head's `key_cols`, as B. Row b keeps
     sequence b's (max, sum, weighted values) across all of the split's pairs; returns them as
     ([64], [64], [64, key_cols]) for `_columns`."""
-    kc, stages, block, f32 = k.shape.key_cols, k.kv_stages, k.kv_block, jnp.float32
+    kc, block, f32 = k.shape.key_cols, k.kv_block, jnp.float32
     pairs = _Pairs(k, it, j, split)
     total = pairs.total
     rows = plgpu.broadcasted_iota(jnp.int32, (FLASH_ROWS, block), 0, layout=WGMMA)
@@ -340,7 +349,7 @@ def _flash_blocks(k, it, j, q, starts, split, s):
     plgpu.commit_smem()
     queries = s["btq"].at[:, pl.ds(0, kc)]
 
-    copy_block = pairs.start_copies(k, starts, s)
+    take = pairs.stream(k, starts, s)
 
     def by_row(vec, width):  # [64] (one value per row) -> [64, width]
         return lax.broadcast_in_dim(vec, (FLASH_ROWS, width), [0])
@@ -348,10 +357,7 @@ def _flash_blocks(k, it, j, q, starts, split, s):
     def step(f, carry):
         m, ll, acc = carry
         b, blk = pairs.pair(f)
-        st = lax.rem(f, stages)
-        plgpu.barrier_wait(s["kvbar"].at[st])
-        ahead = f + stages - 1  # its stage was read by the step before, whose wgmmas are done
-        pl.when(ahead < total)(lambda: copy_block(ahead))
+        st = take(f)
 
         def scores_of(acc_ref):
             plgpu.wgmma(acc_ref, queries, s["kblk"].at[st].T)
