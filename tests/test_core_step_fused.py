@@ -99,8 +99,7 @@ def kernel_run(w, batch, iterations, pos, *, workers, interpret, schedule, slot=
 # kv_stages 3 over 2 sequences x 2 blocks: the copies run ahead across a sequence's end; the L2
 # prefetches (no-ops when interpreted) are traced where they reach into the next product, per
 # unit or as each product ends (the last one's into the next iteration's adapter); blocks of 128
-# positions over 2 sequences x 2 blocks, the last one partly masked; the flash orientation over 2
-# sequences x 2 blocks (the tiny preset's value blocks are its windows of 64 columns)
+# positions over 2 sequences x 2 blocks, the last one partly masked
 @pytest.mark.parametrize(
     "batch,iterations,pos,schedule,slot",
     [
@@ -108,7 +107,6 @@ def kernel_run(w, batch, iterations, pos, *, workers, interpret, schedule, slot=
         (2, 1, SLOT - 1, Schedule(ring=2, kv_stages=3, l2_units=1, l2_blocks=2), SLOT),
         (1, 2, 5, Schedule(ring=2, kv_stages=2, l2_barrier=1, l2_attention=1), SLOT),
         (2, 1, 200, Schedule(ring=2, kv_stages=2, kv_block=128), 2 * SLOT),
-        (2, 2, SLOT - 1, Schedule(ring=2, kv_stages=3, flash=1), SLOT),
     ],
 )
 def test_interpret_one_worker_matches_the_step_program(batch, iterations, pos, schedule, slot):
@@ -141,7 +139,7 @@ HUGINN = (5280, 55, 17920, 4)
 # huginn-0125 the kernel's default units and schedule at batch 1 and 8, and [64, 128] units with
 # the longest ring and L2 lookahead that fit; on the small shape [64, 64] units, so that every
 # worker owns more units than the ring, with 3 cached blocks in flight; each shape also with
-# blocks of 128 positions and in the flash orientation
+# blocks of 128 positions
 SMALL_SCHEDULE = (64, Schedule(3, 3, 0, 0))
 GPU_CASES = [
     (SMALL, 16, 1, 2, 130, 192, SMALL_SCHEDULE),
@@ -151,9 +149,6 @@ GPU_CASES = [
     (HUGINN, 132, 8, 1, 200, 256, (256, Schedule())),
     (HUGINN, 132, 8, 1, 200, 256, (128, Schedule(8, 2, 16, 8))),
     (HUGINN, 132, 1, 2, 1000, 1024, (128, Schedule(4, 2, kv_block=128))),
-    (SMALL, 16, 8, 1, 200, 256, (64, Schedule(3, 3, flash=1))),
-    (HUGINN, 132, 1, 2, 1000, 1024, (256, Schedule(flash=1))),
-    (HUGINN, 132, 8, 1, 200, 256, (256, Schedule(flash=1))),
 ]
 
 
@@ -198,21 +193,17 @@ def test_matches_the_step_program_gpu(dims, workers, batch, iterations, pos, slo
     check_against_the_step_program(dims, workers, batch, iterations, pos, slot_len, schedule)
 
 
-@pytest.mark.parametrize("flash", [0, 1])
-def test_interpret_key_blocks_of_the_heads_own_columns(flash):
+def test_interpret_key_blocks_of_the_heads_own_columns():
     """Heads of 32 in windows of 64 (d 128): the key blocks are the heads' own 32 columns
     (`FusedShape.key_cols`), the last head's key window passes d and its value window starts
-    32 columns before it (in the flash orientation the value blocks are the heads' own columns
-    too, in the key window). One worker in interpret mode, two sequences, a partial last
-    block."""
+    32 columns before it. One worker in interpret mode, two sequences, a partial last block."""
     dims = (128, 4, 160, 2)
     shape = FusedShape(128, 4, 32, 160, 2, 2, 64)
     assert shape.key_cols == 32 and shape.key_window(3) == (96, 0)
     assert shape.head_window(3) == (64, 32) and shape.table_rows == 160
     check_against_the_step_program(
-        dims, 1, 2, 1, 100, 128, (64, Schedule(2, 2, flash=flash)),
-        interpret=plgpu.InterpretGPUParams(),
-    )  # fmt: skip
+        dims, 1, 2, 1, 100, 128, (64, Schedule(2, 2)), interpret=plgpu.InterpretGPUParams()
+    )
 
 
 def test_gpu_configurations_fit():
@@ -253,15 +244,12 @@ def test_most_workers_keeps_every_sm_of_an_h200_for_huginn_0125(batch):
         check_fused(shape, most + 1, Schedule())
 
 
-# the batch is a loop bound: 1 lowers the same code
-@pytest.mark.parametrize("batch,schedule", [(8, Schedule()), (8, Schedule(flash=1))])
-def test_lowers_for_cuda_with_every_sm(batch, schedule):
+@pytest.mark.parametrize("batch", [8])  # the batch is a loop bound: 1 lowers the same code
+def test_lowers_for_cuda_with_every_sm(batch):
     """Traces and lowers the kernel for sm_90 at huginn-0125's shapes (one Core layer, to keep
-    the test short): catches API misuse, unprovable tile alignment and smem overflow (in the
-    flash orientation also P as a wgmma operand from registers, which interpret mode cannot
-    run)."""
+    the test short): catches API misuse, unprovable tile alignment and smem overflow."""
     shape = FusedShape(5280, 55, 96, 17920, 1, batch)
-    f = build_fused_core(shape, 2, workers=132, eps=1e-6, schedule=schedule)
+    f = build_fused_core(shape, 2, workers=132, eps=1e-6)  # the default schedule
     sd = jax.ShapeDtypeStruct
     cache = sd((2, batch, 1024, 5280), jnp.bfloat16)
     cols = shape.unit_cols
@@ -298,15 +286,11 @@ def test_schedule_is_written_as_parsed():
     assert str(Schedule.parse("6:3:0:0:64")) == "6:3"
     assert Schedule.parse("6:3:0:0:64:4:16") == Schedule(6, 3, l2_barrier=4, l2_attention=16)
     assert str(Schedule(6, 3, l2_attention=16)) == "6:3:0:0:64:0:16"
-    assert Schedule.parse("3:3:0:0:64:0:0:1") == Schedule(flash=1)
-    assert str(Schedule(flash=1)) == "3:3:0:0:64:0:0:1"
-    for bad in ("6", "6:3:1:2:64:4:5:1:6", "6:x"):
+    for bad in ("6", "6:3:1:2:64:4:5:6", "3:3:0:0:64:0:0:1", "6:x"):
         with pytest.raises(ValueError, match="is not RING:KV_STAGES"):
             Schedule.parse(bad)
     with pytest.raises(ValueError, match="kv_block=96 must be one of"):
         Schedule.parse("6:3:0:0:96")
-    with pytest.raises(ValueError, match="flash=2 must be 0 or 1"):
-        Schedule.parse("3:3:0:0:64:0:0:2")
 
 
 def test_profiler_records_each_attention_item_parts():
@@ -334,14 +318,11 @@ def test_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="L2 lookahead"):  # 13 units of the adapter per worker
         check_fused(huginn, 132, Schedule(ring=3, l2_units=10))
     # the on-device profiler's records of 16 iterations of 4 layers take 18.9 KiB, of 24 28.3
-    # KiB: 3:3 leaves 23.9 (key blocks of 96 columns), in the flash orientation 14.9
+    # KiB: 3:3 leaves 23.9 (key blocks of 96 columns)
     four_layers = FusedShape(5280, 55, 96, 17920, 4, 1)
     check_fused(four_layers, 132, Schedule(3, 3), profiled_iterations=16)
     with pytest.raises(ValueError, match="for the profiler's records of 24 iterations"):
         check_fused(four_layers, 132, Schedule(3, 3), profiled_iterations=24)
-    check_fused(four_layers, 132, Schedule(flash=1), profiled_iterations=8)
-    with pytest.raises(ValueError, match="for the profiler's records of 16 iterations"):
-        check_fused(four_layers, 132, Schedule(flash=1), profiled_iterations=16)
     with pytest.raises(ValueError, match="multiple of the schedule's blocks \\(128\\)"):
         w = step_weights(core())
         w = StepWeights(w.adapter, w.layers[:LAYERS], head_dim=w.head_dim, eps=w.eps)

@@ -20,13 +20,12 @@ cycles per iteration, median over the workers, and their p10-p90), batch 1, the 
 per schedule (its records take shared memory: a schedule that leaves too little is refused
 before any work). --unit_cols: the weight units' width, which the ring counts
 (`fused_plan.Schedule`'s defaults are for 256).
-A schedule RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION[:FLASH]]]]]]:
-weight units in flight per worker and cached blocks in flight in the attention (the shared
-memory bounds the two together), the weight unit that many units further on prefetched into L2,
-each attention item's first blocks prefetched into L2, the cached positions per attention block,
-64 or 128, the next product's units after the ring's prefetched into L2 at the barrier after
-each product but a qkv, and after a qkv, and 1 for the attention in the flash-attention
-orientation (`fused_plan.Schedule`).
+A schedule RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION]]]]]: weight
+units in flight per worker and cached blocks in flight in the attention (the shared memory
+bounds the two together), the weight unit that many units further on prefetched into L2, each
+attention item's first blocks prefetched into L2, the cached positions per attention block,
+64 or 128, and the next product's units after the ring's prefetched into L2 at the barrier
+after each product but a qkv, and after a qkv (`fused_plan.Schedule`).
 --jobs=N: each (batch, schedule) in a process of its own, N at a time, so that their
 compilations overlap; the processes take turns on the GPU (a file lock around their work
 there, shared with other programs given the same --gpu_lock; the compilations run outside
@@ -71,12 +70,11 @@ def define_flags() -> None:
     flags.DEFINE_integer("iterations", 8, "Core iterations per call.")
     flags.DEFINE_list(
         "schedules", [str(Schedule())],
-        "RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION[:FLASH]]]]]], "
-        "a list: weight units in flight per worker, cached blocks in flight, weight units "
-        "prefetched into L2 beyond the ring, cached blocks per attention item prefetched into "
-        "L2, cached positions per block (64 or 128), the next product's units prefetched into "
-        "L2 at the barrier after a product (not a qkv), and after a qkv, 1 for the attention in "
-        "the flash-attention orientation (default: the kernel's default).",
+        "RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION]]]]], a list: "
+        "weight units in flight per worker, cached blocks in flight, weight units prefetched "
+        "into L2 beyond the ring, cached blocks per attention item prefetched into L2, cached "
+        "positions per block (64 or 128), the next product's units prefetched into L2 at the "
+        "barrier after a product (not a qkv), and after a qkv (default: the kernel's default).",
     )  # fmt: skip
     flags.DEFINE_integer(
         "unit_cols", DEFAULT_UNIT_COLS,

@@ -104,8 +104,7 @@ def build_fused_core(
             parts=parts, kv_new=kv_new, tables=tables, rope_bias=rope_bias, k_cache=k_cache,
             v_cache=v_cache, s=dict(zip(SCRATCH_NAMES, refs[n_phases + 4 :], strict=True)),
             rope_types=rope_types, block_types=block_types, combine_types=combine_types,
-            kv_stages=kv_stages, kv_block=schedule.kv_block, flash=bool(schedule.flash),
-            interpret=interpret is not None,
+            kv_stages=kv_stages, kv_block=schedule.kv_block,
             flags=pl.get_global(plgpu.SemaphoreType.REGULAR((shape.heads,)))
             if splits > 1 else None,
         )  # fmt: skip

@@ -15,12 +15,8 @@ huginn-0125's 96 are), v that of the cached value blocks (`FusedShape.head_windo
   and, once the others' flags count their partials, combines them and adds the head's rows into
   the attention output; it also writes the new k and v rows for the caller's cache write.
 
-The blocks' products come in two orientations: the columns' (`_own_blocks`: the head's columns
-as the wgmmas' rows, the batch's sequences as their 8 columns) and, with `Schedule.flash`, the
-flash-attention one (`_flash_blocks`: the batch's queries as the rows, the value blocks the
-head's own columns, in the key window), whose results `_columns` turns into the first's form
-for the combine. The windows and tables, the blocks, and the combine each take a scope of
-shared memory (`fused_plan.scratch_types`) that the products' scopes reuse.
+The windows and tables, the blocks, and the combine each take a scope of shared memory
+(`fused_plan.scratch_types`) that the products' scopes reuse.
 """
 
 from __future__ import annotations
@@ -34,7 +30,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.core_step.fused_plan import (
-    FLASH_ROWS,
     N_PAD,
     SCALAR_ROWS,
     SHIFT,
@@ -70,8 +65,7 @@ def _head_item(k, it, j, item) -> None:
             k.rope_types, lambda s: _rope(k, it, j, (ck, c0), (kvalid, valid), s)
         )
     with jax.named_scope("blocks"):
-        own = _flash_blocks if k.flash else _own_blocks
-        parts = scoped(k.block_types, lambda s: own(k, it, j, q, (ck, c0), split, s))
+        parts = scoped(k.block_types, lambda s: _own_blocks(k, it, j, q, (ck, c0), split, s))
     with jax.named_scope("combine"):
         scoped(
             k.combine_types,
@@ -143,7 +137,7 @@ def _combine(k, it, j, of, c0, valid, new, parts, s) -> None:
         for w in range(2):
             plgpu.copy_smem_to_gmem(s["pout"].at[pl.ds(w * kp, kp)], k.kv_new.at[it, j, w, h])
 
-    m_all, l_all, acc_all = _columns(k, *parts, s) if k.flash else parts
+    m_all, l_all, acc_all = parts
 
     def merge(m_all, l_all, acc_all, m_o, l_o, acc_o):
         m_new = jnp.maximum(m_all, m_o)
@@ -236,22 +230,19 @@ class _Pairs:
         return take
 
     def sources(self, k, f, ck, c0):
-        """Pair f's key block (`key_cols` from ck) and value block (kp columns from c0; with
-        `Schedule.flash`, c0 is ck and the block `key_cols` wide)."""
+        """Pair f's key block (`key_cols` from ck) and value block (kp columns from c0)."""
         return (
             self.source(k.k_cache, f, ck, k.shape.key_cols),
-            self.source(k.v_cache, f, c0, k.shape.key_cols if k.flash else k.shape.kp),
+            self.source(k.v_cache, f, c0, k.shape.kp),
         )
 
 
 def _window(k, item):
     """(head, split, (ck, c0)) of an item: ck and c0 the first columns of the head's key window
-    (`FusedShape.key_window`) and value window (`head_window`; the key window with
-    `Schedule.flash`, whose weighted values take the value block as their B operand)."""
+    (`FusedShape.key_window`) and value window (`head_window`)."""
     h = item // k.splits
-    ck = k.shape.key_window(h, jnp.minimum)[0]
-    c0 = ck if k.flash else k.shape.head_window(h, jnp.minimum)[0]
-    return h, lax.rem(item, k.splits), (ck, c0)
+    starts = k.shape.key_window(h, jnp.minimum)[0], k.shape.head_window(h, jnp.minimum)[0]
+    return h, lax.rem(item, k.splits), starts
 
 
 def prefetch_blocks(k, it, j, count: int) -> None:
@@ -329,95 +320,3 @@ def _own_blocks(k, it, j, q, starts, split, s):
     init = (m0, tile(block, 0.0), tile(kp, 0.0), tile(kp, MASKED), tile(block, 0.0), tile(kp, 0.0))
     _, _, _, m_all, l_rows, acc_all = lax.fori_loop(0, total, step, init)
     return m_all, bcast_rows(jnp.sum(l_rows, axis=0), kp), acc_all
-
-
-def _flash_blocks(k, it, j, q, starts, split, s):
-    """`_own_blocks` in the flash-attention orientation: the batch's queries are the rows of
-    both wgmmas (q in the first rows of a [64, kp] A operand; the rows past the batch are never
-    written and always masked), the scores [64, block] take the key block as a transposed B
-    operand, the softmax runs along each row (within a warp), and the weighted values take P
-    (bf16) as the A operand from registers (from shared memory in interpret mode, whose wgmma
-    takes no register operand) and the value block, the head's `key_cols`, as B. Row b keeps
-    sequence b's (max, sum, weighted values) across all of the split's pairs; returns them as
-    ([64], [64], [64, key_cols]) for `_columns`."""
-    kc, block, f32 = k.shape.key_cols, k.kv_block, jnp.float32
-    pairs = _Pairs(k, it, j, split)
-    total = pairs.total
-    rows = plgpu.broadcasted_iota(jnp.int32, (FLASH_ROWS, block), 0, layout=WGMMA)
-    cols = plgpu.broadcasted_iota(jnp.int32, (FLASH_ROWS, block), 1, layout=WGMMA)
-    s["btq"].at[pl.ds(0, N_PAD)].T[...] = q.astype(jnp.bfloat16)
-    plgpu.commit_smem()
-    queries = s["btq"].at[:, pl.ds(0, kc)]
-
-    take = pairs.stream(k, starts, s)
-
-    def by_row(vec, width):  # [64] (one value per row) -> [64, width]
-        return lax.broadcast_in_dim(vec, (FLASH_ROWS, width), [0])
-
-    def step(f, carry):
-        m, ll, acc = carry
-        b, blk = pairs.pair(f)
-        st = take(f)
-
-        def scores_of(acc_ref):
-            plgpu.wgmma(acc_ref, queries, s["kblk"].at[st].T)
-            return acc_ref[...]
-
-        sc = pl.run_scoped(scores_of, plgpu.ACC((FLASH_ROWS, block), f32))
-        live = jnp.logical_and(rows == b, cols + blk * block < k.pos)
-        sc = jnp.where(live, sc, MASKED)
-        m_new = jnp.maximum(m, jnp.max(sc, axis=1))
-        alpha = jnp.exp(m - m_new)
-        pr = jnp.where(live, jnp.exp(sc - by_row(m_new, block)), 0.0)
-        ll = ll * alpha + jnp.sum(pr, axis=1)
-        weights = pr.astype(jnp.bfloat16)
-        if k.interpret:
-            s["pb"][...] = weights
-            plgpu.commit_smem()
-            weights = s["pb"]
-
-        def pv(acc_ref):
-            plgpu.wgmma(acc_ref, weights, s["vblk"].at[st])
-            return acc_ref[...]
-
-        acc = acc * by_row(alpha, kc) + pl.run_scoped(pv, plgpu.ACC((FLASH_ROWS, kc), f32))
-        return m_new, ll, acc
-
-    row_vec = WGMMA.reduce(1)
-    m0 = plgpu.layout_cast(jnp.full((FLASH_ROWS,), MASKED, f32), row_vec)
-    l0 = plgpu.layout_cast(jnp.zeros((FLASH_ROWS,), f32), row_vec)
-    acc0 = plgpu.layout_cast(jnp.zeros((FLASH_ROWS, kc), f32), WGMMA)
-    return lax.fori_loop(0, total, step, (m0, l0, acc0))
-
-
-def _columns(k, m, ll, acc, s):
-    """`_flash_blocks`' (max, sum, weighted values) of rows b as `_own_blocks` gives them: [kp,
-    8] tiles of column b. The [64] vectors by their diagonal; the weighted values through two
-    wgmmas of their bf16 high and low parts (transposed A operands, columns past `key_cols`
-    zero) against an identity [64, 8]: exact but for the low part's rounding (2^-16 of the
-    value)."""
-    kp, kc, f32, bf16 = k.shape.kp, k.shape.key_cols, jnp.float32, jnp.bfloat16
-    rows = plgpu.broadcasted_iota(jnp.int32, (FLASH_ROWS, N_PAD), 0, layout=WGMMA)
-    cols = plgpu.broadcasted_iota(jnp.int32, (FLASH_ROWS, N_PAD), 1, layout=WGMMA)
-    diagonal = rows == cols
-
-    def by_column(vec):  # [64] -> [kp, 8], column b holding vec[b]
-        tile = lax.broadcast_in_dim(vec, (FLASH_ROWS, N_PAD), [0])
-        return bcast_rows(jnp.sum(jnp.where(diagonal, tile, 0.0), axis=0), kp)
-
-    s["eye"].T[...] = jnp.where(diagonal, 1.0, 0.0).astype(bf16)
-    high = acc.astype(bf16)
-    for part, value in enumerate((high, (acc - high.astype(f32)).astype(bf16))):
-        s["xt"].at[part, :, pl.ds(0, kc)][...] = value
-        if kc < kp:
-            s["xt"].at[part, :, pl.ds(kc, kp - kc)][...] = plgpu.layout_cast(
-                jnp.zeros((FLASH_ROWS, kp - kc), bf16), WGMMA
-            )
-    plgpu.commit_smem()
-
-    def transposed(acc_ref):
-        for part in range(2):
-            plgpu.wgmma(acc_ref, s["xt"].at[part].T, s["eye"].T)
-        return acc_ref[...]
-
-    return by_column(m), by_column(ll), pl.run_scoped(transposed, plgpu.ACC((kp, N_PAD), f32))

@@ -25,7 +25,6 @@ N_PAD = 8  # batch columns of every activation tile: the wgmma N
 MAX_BATCH = N_PAD
 BLOCK = 64  # cached positions per attention block, by default
 KV_BLOCKS = (64, 128)  # the blocks the attention can step by (Schedule.kv_block)
-FLASH_ROWS = 64  # a wgmma's rows: the batch's queries, padded, in the flash orientation
 SHIFT = 8  # rows of padding around the qkv output (RoPE reads row r - 1 and r + 1)
 SCALAR_ROWS = 64
 BUFFER_KINDS = ("qkv", "att", "o", "fc", "m")
@@ -41,13 +40,12 @@ class Schedule:
     blocks of `kv_block` positions in the attention (one block per softmax step), each
     attention item's first `l2_blocks` blocks into L2 ahead of it; once a worker has arrived
     at the barrier after a product, the next product's `l2_barrier` units after the ring's into
-    L2 (`l2_attention` after a qkv, whose barrier the attention follows); `flash` 1: the
-    attention's products in the flash-attention orientation (`fused_attention.py`). Written
-    RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION[:FLASH]]]]]]
-    (`parse`, `str`). The defaults are the kernel's, for its default [64, 256] weight units:
-    the shared memory bounds ring x unit width and kv_stages x kv_block together (3:3 and 4:2
-    fit at [64, 256] units and blocks of 64, 6:3 and 8:2 at [64, 128]; docs/core_step.md: how
-    they compare), and the L2 prefetches were slower than none."""
+    L2 (`l2_attention` after a qkv, whose barrier the attention follows). Written
+    RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION]]]]] (`parse`,
+    `str`). The defaults are the kernel's, for its default [64, 256] weight units: the shared
+    memory bounds ring x unit width and kv_stages x kv_block together (3:3 and 4:2 fit at
+    [64, 256] units and blocks of 64, 6:3 and 8:2 at [64, 128]; docs/core_step.md: how they
+    compare), and the L2 prefetches were slower than none."""
 
     ring: int = 3
     kv_stages: int = 3
@@ -56,7 +54,6 @@ class Schedule:
     kv_block: int = BLOCK
     l2_barrier: int = 0
     l2_attention: int = 0
-    flash: int = 0
 
     @property
     def l2_reach(self) -> int:
@@ -66,18 +63,16 @@ class Schedule:
     def __post_init__(self):
         if self.kv_block not in KV_BLOCKS:
             raise ValueError(f"kv_block={self.kv_block} must be one of {KV_BLOCKS}")
-        if self.flash not in (0, 1):
-            raise ValueError(f"flash={self.flash} must be 0 or 1")
 
     @classmethod
     def parse(cls, text: str) -> Schedule:
-        """6:3, 6:3:16:8, 4:2:0:0:128, 6:3:0:0:64:4:16 or 3:3:0:0:64:0:0:1 (the fields left
-        out take their defaults); ValueError otherwise."""
+        """6:3, 6:3:16:8, 4:2:0:0:128 or 6:3:0:0:64:4:16 (the fields left out take their
+        defaults); ValueError otherwise."""
         parts = text.split(":")
-        if not 2 <= len(parts) <= 8 or not all(p.isdigit() for p in parts):
+        if not 2 <= len(parts) <= 7 or not all(p.isdigit() for p in parts):
             raise ValueError(
                 f"{text!r} is not RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK"
-                "[:L2_BARRIER[:L2_ATTENTION[:FLASH]]]]]] (6:3:16:8)"
+                "[:L2_BARRIER[:L2_ATTENTION]]]]] (6:3:16:8)"
             )
         return cls(*(int(p) for p in parts))
 
@@ -343,9 +338,7 @@ def scratch_types(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int
     """The kernel's shared memory and barriers, by name, as five dicts: the kernel-wide ones
     (the weight ring, zeros, scalar tiles, partials in), then those of four scopes that take
     the same bytes in turn: a product's, the attention's RoPE (its windows and tables), its
-    blocks and its combine (`smem_bytes` counts them). With `Schedule.flash` the blocks hold q
-    and P as [64, ...] wgmma A operands (the batch's queries in their first rows; P is read
-    from shared memory in interpret mode only) and the value blocks the head's `key_cols`."""
+    blocks and its combine (`smem_bytes` counts them)."""
     attention = attention_transforms(shape)
     bf16, f32, cols = jnp.bfloat16, jnp.float32, shape.unit_cols
     ring, kv_stages, kv_block = schedule.ring, schedule.kv_stages, schedule.kv_block
@@ -380,21 +373,14 @@ def scratch_types(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int
         tab=plgpu.SMEM((5, kp, N_PAD), f32),
         abar=plgpu.Barrier(num_arrivals=5),
     )
-    kc, q_rows = shape.key_cols, (FLASH_ROWS if schedule.flash else N_PAD)
     blocks = dict(
-        kblk=plgpu.SMEM((kv_stages, kv_block, kc), bf16, transforms=attention),
-        vblk=plgpu.SMEM((kv_stages, kv_block, kc if schedule.flash else kp), bf16,
-                        transforms=attention),
+        kblk=plgpu.SMEM((kv_stages, kv_block, shape.key_cols), bf16, transforms=attention),
+        vblk=plgpu.SMEM((kv_stages, kv_block, kp), bf16, transforms=attention),
         kvbar=plgpu.Barrier(num_arrivals=2, num_barriers=kv_stages),
-        btq=plgpu.SMEM((q_rows, kp), bf16, transforms=attention),
-        pb=plgpu.SMEM((q_rows, kv_block), bf16, transforms=attention),
-    )  # fmt: skip
+        btq=plgpu.SMEM((N_PAD, kp), bf16, transforms=attention),
+        pb=plgpu.SMEM((N_PAD, kv_block), bf16, transforms=attention),
+    )
     combine = dict(pout=plgpu.SMEM((2 * kp, N_PAD), f32))
-    if schedule.flash:  # the weighted values' bf16 parts, turned into columns by an identity
-        combine.update(
-            xt=plgpu.SMEM((2, FLASH_ROWS, kp), bf16, transforms=attention),
-            eye=plgpu.SMEM((N_PAD, FLASH_ROWS), bf16, transforms=attention),
-        )
     return kernel_wide, product, rope, blocks, combine
 
 

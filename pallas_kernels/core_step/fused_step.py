@@ -222,11 +222,10 @@ def fused_core_decode(
     )
     z = act[Buffers.of("m", shape.layers - 1), :d, :b].T  # the last mlp output + its residual
     # kv_new [it, L, 2, H, kp, 8] -> the head's rows (k of its key window, v of its value
-    # window: the key window with the flash orientation) -> [2, it, L, B, H, K]
-    value_window = shape.key_window if schedule.flash else shape.head_window
+    # window) -> [2, it, L, B, H, K]
     rows = np.stack([
         [np.arange(shape.head_dim) + window(h)[1] for h in range(shape.heads)]
-        for window in (shape.key_window, value_window)
+        for window in (shape.key_window, shape.head_window)
     ])  # fmt: skip
     picked = jnp.take_along_axis(kv_new, rows[None, None, :, :, :, None], axis=4)
     new = jnp.moveaxis(picked[..., :b], -1, 3).transpose(2, 0, 1, 3, 4, 5)
