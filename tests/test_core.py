@@ -203,16 +203,21 @@ def test_agreement_checks_fail_beyond_tolerance():
     assert checks["torch_eager"]["rel_err"] == pytest.approx(2 * tol, rel=1e-5)
 
 
-def test_record_and_table_carry_the_back_to_back_time():
+def test_record_and_table_carry_the_back_to_back_and_host_times():
     """The back-to-back median in ms per iteration and its samples beside the waited call's; the
-    table's b2b/iter column shows it, "-" in a record without it (--back_to_back=0)."""
+    table's b2b/iter column shows it, "-" in a record without it (--back_to_back=0). The waited
+    call's host part (its median time until it returned) in host/iter."""
     case = cases.Case("decode", batch=1, context=4, iterations=4)
     cost = report.cost_of(CFG, case, 4)
-    waited = timing.Samples(seconds=[4e-3, 6e-3, 5e-3], warmup=1, per_call=4)
+    waited = timing.Samples(
+        seconds=[4e-3, 6e-3, 5e-3], warmup=1, per_call=4, returned=[1e-3, 3e-4, 2e-4]
+    )
     b2b = timing.Samples(seconds=[2e-3, 3e-3, 2.5e-3], warmup=1, per_call=4)
     rec = report.record(case, "xla", waited, cost, None, b2b)
     plain = report.record(case, "torch_graph", waited, cost, None)
     assert rec["ms_per_iteration"] == pytest.approx(5.0)
+    assert rec["host_ms_per_iteration"] == pytest.approx(0.3)
+    assert timing.Samples.from_dict(rec["samples"]) == waited
     assert rec["back_to_back_ms_per_iteration"] == pytest.approx(2.5)
     assert timing.Samples.from_dict(rec["back_to_back_samples"]) == b2b
     assert rec["tflops"] == plain["tflops"]  # the rates stay the waited call's
@@ -220,6 +225,8 @@ def test_record_and_table_carry_the_back_to_back_time():
     head, _, with_b2b, without = report.format_table([rec, plain]).splitlines()[:4]
     end = head.index("b2b/iter") + len("b2b/iter")  # right-aligned under its header
     assert with_b2b[:end].endswith(" 2.5 ms") and without[:end].endswith(" -")
+    end = head.index("host/iter") + len("host/iter")
+    assert with_b2b[:end].endswith(" 300 µs") and without[:end].endswith(" 300 µs")
     one = {**rec, "iterations": 1, "ms_per_iteration": 10.0, "back_to_back_ms_per_iteration": 2.0}
     assert report.scaling_lines([one, rec]) == [
         "xla decode B=1 ctx=4: r=4 costs 0.500 x r x (r=1), back to back 1.250"

@@ -51,6 +51,8 @@ def test_time_fn_times_call_and_sync_divided_by_per_call(clock):
     samples = timing.time_fn(fn, warmup=2, repeats=5, sync=sync, per_call=4)
     assert events == ["call", "sync"] * 7
     assert samples.seconds == [0.375, 0.625, 0.875, 1.125, 1.375]
+    assert samples.returned == [0.25, 0.5, 0.75, 1.0, 1.25]  # the calls, without the syncs
+    assert samples.returned_median == 0.75
     assert samples.per_call == 4 and samples.warmup == 2
     assert samples.median == 0.875
     assert samples.p10 == pytest.approx(0.475) and samples.p90 == pytest.approx(1.275)
@@ -79,6 +81,7 @@ def test_time_fn_waits_on_what_fn_returns_inside_the_timed_interval(clock, monke
     samples = timing.time_fn(fn, warmup=1, repeats=3)
     assert waited == [0, 1, 2, 3]
     assert samples.seconds == [3.0, 3.0, 3.0]
+    assert samples.returned == [1.0, 1.0, 1.0]  # returned before its wait
 
 
 def test_time_fn_measures_real_time():

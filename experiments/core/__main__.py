@@ -40,8 +40,9 @@ random, never zeros); prefill = `context` new positions from position 0. Impleme
 (`--impls=torch` means all five; experiments.torch_ref.core_runner; torch_compile, torch_graph
 and torch_reference need CUDA.) Each torch impl's Core code is also checked once per process
 against the conformance checkpoint (experiments.torch_ref.conformance); a failure ends the run.
-Timing: `measure.timing.time_fn`, each call waited for, and `time_back_to_back`, calls
-dispatched without a wait (--back_to_back), caches not flushed; each call restarts from the same
+Timing: `measure.timing.time_fn`, each call waited for (with the time until it returned, the
+host's part: host/iter), and `time_back_to_back`, calls dispatched without a wait
+(--back_to_back), caches not flushed; each call restarts from the same
 state and history, as in the study. Implementations whose output states disagree beyond the
 tolerance (report.check_tolerance) end the run with exit status 2 after the results are written.
 On a CPU the flags not given take the smaller values of CPU_DEFAULTS (one line says which, and

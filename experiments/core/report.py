@@ -15,6 +15,7 @@ from experiments.measure import trace as trace_lib
 from huginn_jax import costs
 
 B2B_KEY = "back_to_back_ms_per_iteration"  # a record's median of `timing.time_back_to_back`
+HOST_KEY = "host_ms_per_iteration"  # a waited call's median time until it returned
 
 
 def cost_of(cfg, case: Case, dtype_bytes: int) -> dict:
@@ -59,8 +60,9 @@ def record(
 ) -> dict:
     """One timed (case, impl): ms per iteration, its samples, the rates over the cost model's
     bytes and FLOPs, and with ceilings the % of the HBM floor and of the bf16 GEMM rate. The
-    rates are the waited call's; `back_to_back` (`timing.time_back_to_back`) adds its median and
-    samples beside them."""
+    rates are the waited call's, and so is the host's part (`HOST_KEY`: until the call returned,
+    `Samples.returned`); `back_to_back` (`timing.time_back_to_back`) adds its median and samples
+    beside them."""
     t = samples.median  # seconds per iteration
     rec = {
         **dataclasses.asdict(case),
@@ -76,6 +78,8 @@ def record(
         floor = (cost["weight_bytes"] + cost["kv_read_bytes"]) / ceilings.read_bytes_per_s
         rec["pct_hbm_floor"] = 100 * floor / t
         rec["pct_bf16_gemm"] = 100 * (cost["flops"] / t) / ceilings.bf16_flops_per_s
+    if samples.returned is not None:
+        rec[HOST_KEY] = samples.returned_median * 1e3
     if back_to_back is not None:
         rec[B2B_KEY] = back_to_back.median * 1e3
         rec["back_to_back_samples"] = back_to_back.to_dict()
@@ -166,6 +170,8 @@ TABLE_LEGEND = """\
 time/iter median time per Core iteration (a call's wall time / r), p10-p90 of the calls
 b2b/iter  median time per iteration of calls dispatched back to back, one wait per --back_to_back
           calls (the host's dispatch overlapped with the device's work)
+host/iter median time per iteration until a waited call returned, before its wait: the host's
+          tracing checks, argument handling and launches (a CUDA graph's replay: its launch)
 vs best   the other framework's fastest time/iter in the same case / this row's (> 1: ahead)
 GB/s w+kv (Core weights + KV cache read) per iteration / time/iter
 %floor    (weights + KV read) at the measured read-only streaming rate / time/iter
@@ -179,11 +185,15 @@ def _optional(value: float | None, spec: str) -> str:
     return "-" if value is None or value != value else format(value, spec)  # None, NaN: "-"
 
 
+def _ms_as_us(ms: float | None) -> str:
+    return timing.format_us(None if ms is None else ms * 1e3)
+
+
 def format_table(records: list[dict]) -> str:
     """One row per record, then the legend; "-" where a value was not measured."""
     head = (
         f"{'mode':<8}{'B':>4}{'ctx':>6}{'r':>4} {'impl':<16}{'time/iter':>10}{'p10-p90':>17}"
-        f"{'b2b/iter':>10}"
+        f"{'b2b/iter':>10}{'host/iter':>10}"
         f"{'vs best':>8}{'GB/s w+kv':>10}{'%floor':>7}{'TFLOP/s':>9}{'%gemm':>6}{'HBM/pred':>9}"
     )
     lines = [head, "-" * len(head)]
@@ -193,11 +203,10 @@ def format_table(records: list[dict]) -> str:
         spread = timing.format_us_range(s["p10_us"], s["p90_us"])
         hbm = r.get("hbm") or {}
         ratio = hbm.get("read_over_prediction")
-        b2b = r.get(B2B_KEY)
         lines.append(
             f"{r['mode']:<8}{r['batch']:>4}{r['context']:>6}{it:>4} {r['impl']:<16}"
             f"{timing.format_us(r['ms_per_iteration'] * 1e3):>10}{spread:>17}"
-            f"{timing.format_us(None if b2b is None else b2b * 1e3):>10}"
+            f"{_ms_as_us(r.get(B2B_KEY)):>10}{_ms_as_us(r.get(HOST_KEY)):>10}"
             f"{compare.format_vs_best(r.get('vs_best')):>8}"
             f"{_optional(r['weights_kv_gbps'], '.0f'):>10}"
             f"{_optional(r.get('pct_hbm_floor'), '.1f'):>7}{_optional(r['tflops'], '.1f'):>9}"

@@ -6,7 +6,9 @@ it covers (`per_call` per call, e.g. chains), and the summary is the median with
 min-max spread. Waiting means `jax.block_until_ready` on what `fn` returns, or a `sync` callable
 such as `torch.cuda.synchronize`.
 - `time_fn`, the waited call: one call, from the call until its results are ready. It includes
-  the host's dispatch of the call and the wait.
+  the host's dispatch of the call and the wait; it also records when the call returned (the
+  host's part: tracing checks, argument handling and launches, which a waited call pays before
+  the device starts unless it launches as it goes).
 - `time_back_to_back`: `calls` calls dispatched one after another, then one wait. Each call's
   dispatch overlaps the device's work of the calls before it (as in a decode loop that dispatches
   the next step before reading the last), so when the host is faster than the device it
@@ -26,11 +28,14 @@ from typing import Any
 
 @dataclasses.dataclass(frozen=True)
 class Samples:
-    """Per-repeat wall times in seconds per unit (one unit = `per_call`-th of a call)."""
+    """Per-repeat wall times in seconds per unit (one unit = `per_call`-th of a call);
+    `returned`: for each repeat, the time until the call returned, before the wait (`time_fn`
+    only), in the same unit."""
 
     seconds: list[float]
     warmup: int
     per_call: int = 1
+    returned: list[float] | None = None
 
     @property
     def median(self) -> float:
@@ -62,18 +67,33 @@ class Samples:
             "max_us": max(self.seconds) * 1e6,
         }
 
+    @property
+    def returned_median(self) -> float | None:
+        """Median time until the call returned, seconds per unit; None where not recorded."""
+        return None if self.returned is None else statistics.median(self.returned)
+
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d = {
             "seconds": list(self.seconds),
             "warmup": self.warmup,
             "repeats": len(self.seconds),
             "per_call": self.per_call,
             **self.summary_us(),
         }
+        if self.returned is not None:
+            d["returned_seconds"] = list(self.returned)
+            d["returned_median_us"] = self.returned_median * 1e6
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Samples:
-        return cls(seconds=list(d["seconds"]), warmup=int(d["warmup"]), per_call=d["per_call"])
+        returned = d.get("returned_seconds")
+        return cls(
+            seconds=list(d["seconds"]),
+            warmup=int(d["warmup"]),
+            per_call=d["per_call"],
+            returned=None if returned is None else list(returned),
+        )
 
 
 def wait(out: Any, sync: Callable[[], None] | None = None) -> None:
@@ -95,7 +115,8 @@ def time_fn(
     sync: Callable[[], None] | None = None,
     per_call: int = 1,
 ) -> Samples:
-    """Times `fn()`; returns seconds per unit for each of `repeats` calls after `warmup` calls.
+    """Times `fn()`; returns seconds per unit for each of `repeats` calls after `warmup` calls,
+    with the time until each call returned (`Samples.returned`).
 
     `sync`: called after `fn()` to wait for the device (e.g. `torch.cuda.synchronize`); when None,
     the JAX arrays `fn` returns are waited on with `jax.block_until_ready`.
@@ -107,17 +128,17 @@ def time_fn(
             f"need warmup >= 0, repeats >= 1, per_call >= 1; got {warmup=} {repeats=} {per_call=}"
         )
 
-    def call_and_wait() -> None:
-        wait(fn(), sync)
-
     for _ in range(warmup):
-        call_and_wait()
-    seconds = []
+        wait(fn(), sync)
+    seconds, returned = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        call_and_wait()
+        out = fn()
+        t1 = time.perf_counter()
+        wait(out, sync)
         seconds.append((time.perf_counter() - t0) / per_call)
-    return Samples(seconds=seconds, warmup=warmup, per_call=per_call)
+        returned.append((t1 - t0) / per_call)
+    return Samples(seconds=seconds, warmup=warmup, per_call=per_call, returned=returned)
 
 
 def time_back_to_back(
