@@ -186,6 +186,7 @@ class _Pairs:
     of them; pair f is block lo + f mod own of sequence f // own, in cache slot `slot`."""
 
     def __init__(self, k, it, j, split):
+        self.k = k
         self.block = k.kv_block
         nb = (k.pos + self.block - 1) // self.block
         self.lo, self.hi = nb * split // k.splits, nb * (split + 1) // k.splits
@@ -203,18 +204,18 @@ class _Pairs:
         b, blk = self.pair(f)
         return cache.at[self.slot, b, pl.ds(blk * self.block, self.block), pl.ds(c0, cols)]
 
-    def stream(self, k, starts, s):
+    def stream(self, starts, s):
         """Issues the copies of the first kv_stages - 1 pairs' k and v blocks (`sources`, from
         the windows' `starts`), each into stage f mod kv_stages of the blocks' scope `s`;
         returns take(f), which waits for pair f's stage, issues the copy kv_stages - 1 pairs
         ahead (into the stage the step before read, whose wgmmas are done) and returns the
         stage."""
-        stages = k.kv_stages
+        stages = self.k.kv_stages
 
         def copy_block(f):
             st = lax.rem(f, stages)
             blocks = (s["kblk"], s["vblk"])
-            for src, buf in zip(self.sources(k, f, *starts), blocks, strict=True):
+            for src, buf in zip(self.sources(f, *starts), blocks, strict=True):
                 plgpu.copy_gmem_to_smem(src, buf.at[st], s["kvbar"].at[st])
 
         for f in range(stages - 1):
@@ -229,8 +230,9 @@ class _Pairs:
 
         return take
 
-    def sources(self, k, f, ck, c0):
+    def sources(self, f, ck, c0):
         """Pair f's key block (`key_cols` from ck) and value block (kp columns from c0)."""
+        k = self.k
         return (
             self.source(k.k_cache, f, ck, k.shape.key_cols),
             self.source(k.v_cache, f, c0, k.shape.kp),
@@ -253,7 +255,7 @@ def prefetch_blocks(k, it, j, count: int) -> None:
         _, split, starts = _window(k, item)
         pairs = _Pairs(k, it, j, split)
         for f in range(count):
-            for src in pairs.sources(k, f, *starts):
+            for src in pairs.sources(f, *starts):
                 plgpu.async_prefetch(src, predicate=f < pairs.total)
 
     for rr in range(-(-k.items // k.workers)):
@@ -280,7 +282,7 @@ def _own_blocks(k, it, j, q, starts, split, s):
     plgpu.commit_smem()
     q_keys = s["btq"].at[:, pl.ds(0, k.shape.key_cols)].T
 
-    take = pairs.stream(k, starts, s)
+    take = pairs.stream(starts, s)
 
     def step(f, carry):
         m, ll, acc, m_all, l_all, acc_all = carry  # ll, l_all: [block, 8] sums per row
