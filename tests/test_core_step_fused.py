@@ -122,6 +122,18 @@ def test_interpret_one_worker_matches_the_step_program(batch, iterations, pos, s
         assert rel_fro(np.asarray(g, np.float32), np.asarray(r, np.float32)) <= RTOL
 
 
+def test_packed_weights_are_one_array_per_kind_of_product():
+    """One array per kind (one TMA descriptor each, whatever the layers): the adapter's two
+    versions, then every layer's qkv, proj, fc and mlp proj, as the kernel's shapes say."""
+    w = bf16_weights(step_weights(core()))
+    fw = pack_weights(w, heads=CFG.n_heads, batch=1, rope_base=CFG.rope_base, unit_cols=64)
+    assert tuple(p.shape for p in fw.products) == fw.shape.weight_shapes()
+    assert [p.shape[0] for p in fw.products] == [2] + [len(w.layers)] * 4
+    raw = np.asarray(fw.products[0][1], np.float32).transpose(1, 0, 2).reshape(fw.shape.k_d, -1)
+    d = w.adapter.shape[1]
+    np.testing.assert_array_equal(raw[:d, :d], np.asarray(w.adapter[:d], np.float32))
+
+
 def test_new_rows_land_in_their_slots():
     _, _, k, v, slots = inputs(2, 2)
     k_new = jnp.ones((2, LAYERS, 2, CFG.n_heads, CFG.head_dim), k.dtype)
@@ -252,16 +264,11 @@ def test_lowers_for_cuda_with_every_sm(batch):
     f = build_fused_core(shape, 2, workers=132, eps=1e-6)  # the default schedule
     sd = jax.ShapeDtypeStruct
     cache = sd((2, batch, 1024, 5280), jnp.bfloat16)
-    cols = shape.unit_cols
-
-    def tiled(p):  # `fused_step.tile_columns`
-        return sd((p.n // cols, p.k, cols), jnp.bfloat16)
-
     args = [
         sd((3,), jnp.int32), sd((shape.k_d, 8), jnp.float32), sd((shape.k_d, 8), jnp.float32),
         sd((1, shape.k_d, 8), jnp.float32), sd((3, shape.table_rows, 8), jnp.float32),
-        sd((1, 2, shape.table_rows, 8), jnp.float32), cache, cache, tiled(shape.phases[0]),
-        *(tiled(p) for p in shape.phases),
+        sd((1, 2, shape.table_rows, 8), jnp.float32), cache, cache,
+        *(sd(w, jnp.bfloat16) for w in shape.weight_shapes()),
     ]  # fmt: skip
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text

@@ -33,16 +33,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.core_step.fused_attention import attention_step, prefetch_blocks
-from pallas_kernels.core_step.fused_inputs import KernelContext, kind_of, scaled, sources
+from pallas_kernels.core_step.fused_inputs import KernelContext, scaled, sources
 from pallas_kernels.core_step.fused_plan import (
     DEFAULT_SCHEDULE,
     N_PAD,
+    PRODUCT_KINDS,
     SCALAR_ROWS,
     SHIFT,
     Buffers,
     FusedShape,
     Schedule,
     check_fused,
+    kind_of,
     profile_ranges,
     scoped,
     scratch_types,
@@ -65,15 +67,15 @@ def build_fused_core(
     interpret: Any = None,
     profile_dir: str = "",
 ):
-    """Returns f(meta, state0, e_part, gains, tables, rope_bias, k_cache, v_cache, adapter_raw,
-    *weights) -> (act, scalars, partials, kv_new); `fused_step.py` builds the inputs and reads
-    the outputs. `schedule` (`fused_plan.Schedule`): `ring` weight units in flight per worker
-    into shared memory, `kv_stages` cached blocks of `kv_block` positions in flight in the
-    attention; `l2_units` > 0
-    also prefetches into L2 the unit that many further on, `l2_blocks` > 0 each attention
-    item's first blocks, `l2_barrier` and `l2_attention` the next product's units after the
-    ring's once the worker has arrived at the barrier after a product (all slower on the H200
-    than without: docs/core_step.md).
+    """Returns f(meta, state0, e_part, gains, tables, rope_bias, k_cache, v_cache, *weights)
+    -> (act, scalars, partials, kv_new), weights one array per kind of product
+    (`FusedShape.weight_shapes`); `fused_step.py` builds the inputs and reads the outputs.
+    `schedule` (`fused_plan.Schedule`): `ring` weight units in flight per worker into shared
+    memory, `kv_stages` cached blocks of `kv_block` positions in flight in the attention;
+    `l2_units` > 0 also prefetches into L2 the unit that many further on, `l2_blocks` > 0
+    each attention item's first blocks, `l2_barrier` and `l2_attention` the next product's
+    units after the ring's once the worker has arrived at the barrier after a product (all
+    slower on the H200 than without: docs/core_step.md).
     Interpret mode: one worker (no global semaphores; prefetches are no-ops). `profile_dir`:
     Mosaic GPU's on-device profiler records every step's, barrier's (also by the kind of step
     it follows: after_qkv, after_attn, ...) and attention part's (`fused_plan.ATTENTION_PARTS`)
@@ -89,20 +91,21 @@ def build_fused_core(
     ring, kv_stages = schedule.ring, schedule.kv_stages
     l2_units, l2_blocks = schedule.l2_units, schedule.l2_blocks
     phases, cols, layers = shape.phases, shape.unit_cols, shape.layers
-    n_phases, splits = len(phases), splits_for(shape.heads, workers)
+    n_phases, n_kinds = len(phases), len(PRODUCT_KINDS)
+    splits = splits_for(shape.heads, workers)
     steps_per_iteration = shape.steps_per_iteration
     chunks_d = shape.k_d // UNIT  # 64-row chunks of a d-vector
     bf16, f32 = jnp.bfloat16, jnp.float32
 
-    def body(meta, state, e_part, gains, tables, rope_bias, k_cache, v_cache, adapter_raw, *refs):
-        w_refs = refs[:n_phases]
-        act, scal, parts, kv_new = refs[n_phases : n_phases + 4]
+    def body(meta, state, e_part, gains, tables, rope_bias, k_cache, v_cache, *refs):
+        w_refs = dict(zip(PRODUCT_KINDS, refs[:n_kinds], strict=True))
+        act, scal, parts, kv_new = refs[n_kinds : n_kinds + 4]
         worker = lax.axis_index("b")
         k = KernelContext(
             shape=shape, eps=eps, workers=workers, splits=splits, items=shape.heads * splits,
             reduce=workers > 1, worker=worker, meta=meta, pos=meta[0], act=act, scal=scal,
             parts=parts, kv_new=kv_new, tables=tables, rope_bias=rope_bias, k_cache=k_cache,
-            v_cache=v_cache, s=dict(zip(SCRATCH_NAMES, refs[n_phases + 4 :], strict=True)),
+            v_cache=v_cache, s=dict(zip(SCRATCH_NAMES, refs[n_kinds + 4 :], strict=True)),
             rope_types=rope_types, block_types=block_types, combine_types=combine_types,
             kv_stages=kv_stages, kv_block=schedule.kv_block,
             flags=pl.get_global(plgpu.SemaphoreType.REGULAR((shape.heads,)))
@@ -122,12 +125,10 @@ def build_fused_core(
             u = first[q] + j
             t = u // phases[q].k_chunks
             kc = u - t * phases[q].k_chunks
-            box = t, pl.ds(kc * UNIT, UNIT), slice(None)  # weights [tiles, k, cols]
-            if q == 0:
-                pl.when(raw)(lambda: send(adapter_raw.at[box]))
-                pl.when(jnp.logical_not(raw))(lambda: send(w_refs[0].at[box]))
-            else:
-                send(w_refs[q].at[box])
+            kind, layer = kind_of(phases[q].name)
+            if kind == "adapter":  # [with norm_4 folded in, raw]
+                layer = jnp.asarray(raw, jnp.int32)
+            send(w_refs[kind].at[layer, t, pl.ds(kc * UNIT, UNIT), :])
 
         def issue_weight(q, j, c, raw):
             """TMA of unit j of phase q into ring slot c % ring."""

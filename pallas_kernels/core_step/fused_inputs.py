@@ -14,6 +14,7 @@ from pallas_kernels.core_step.fused_plan import (
     Buffers,
     FusedShape,
     ScalarRows,
+    kind_of,
 )
 from pallas_kernels.core_step.plan import UNIT
 from pallas_kernels.core_step.tiles import WGMMA, bcast_rows
@@ -57,12 +58,6 @@ class KernelContext:
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(tmp, dst)
         plgpu.wait_smem_to_gmem(0)
-
-
-def kind_of(name: str) -> tuple[str, int]:
-    """("qkv", 2) of "qkv2"; ("adapter", -1)."""
-    kind = name.rstrip("0123456789")
-    return kind, int(name[len(kind) :]) if kind != name else -1
 
 
 def sources(shape: FusedShape, p: int):

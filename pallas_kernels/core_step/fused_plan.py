@@ -28,9 +28,16 @@ KV_BLOCKS = (64, 128)  # the blocks the attention can step by (Schedule.kv_block
 SHIFT = 8  # rows of padding around the qkv output (RoPE reads row r - 1 and r + 1)
 SCALAR_ROWS = 64
 BUFFER_KINDS = ("qkv", "att", "o", "fc", "m")
+PRODUCT_KINDS = ("adapter", "qkv", "proj", "fc", "mlp_proj")  # the phases' names less the layer
 DEFAULT_UNIT_COLS = 256  # output columns of the kernel's [64, unit_cols] weight units
 REDUCTION_SCRATCH = 2048  # bytes Mosaic GPU adds for reductions across warps
 PROFILE_RANGE_BYTES = 16  # shared memory per range of Mosaic GPU's on-device profiler
+
+
+def kind_of(name: str) -> tuple[str, int]:
+    """("qkv", 2) of the phase "qkv2"; ("adapter", -1)."""
+    kind = name.rstrip("0123456789")
+    return kind, int(name[len(kind) :]) if kind != name else -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +151,17 @@ class FusedShape:
                 Phase(f"mlp_proj{j}", self.k_i, self.n_d),
             ]
         return tuple(out)
+
+    def weight_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """The kernel's weight inputs, one per kind of product (`PRODUCT_KINDS`), each
+        [layers, n / cols, k, cols] (`fused_step.tile_columns` per layer): the adapter's two
+        versions in place of layers. One array per kind, not per product, is one TMA descriptor
+        per kind: every descriptor is built on the host at each call."""
+        first = {kind_of(p.name)[0]: p for p in reversed(self.phases)}
+        return tuple(
+            (2 if kind == "adapter" else self.layers, p.n // self.unit_cols, p.k, self.unit_cols)
+            for kind, p in ((kind, first[kind]) for kind in PRODUCT_KINDS)
+        )
 
     def head_window(self, head, minimum=min) -> tuple:
         """(c0, delta): head `head`'s kp-row window starts at column c0 of its section (the

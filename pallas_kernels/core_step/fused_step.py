@@ -37,9 +37,9 @@ from pallas_kernels.core_step.step_program import LayerWeights, Pending, StepWei
 class FusedWeights:
     """A Core's weights as the kernel reads them (`pack_weights`)."""
 
-    products: tuple[jax.Array, ...]  # per phase, [n / cols, k, cols] bf16 (`tile_columns`),
-    # zero-padded, gains folded in
-    adapter_raw: jax.Array  # Wa[:D] padded and tiled: the first iteration's (state not normed)
+    products: tuple[jax.Array, ...]  # per kind of product (`fused_plan.PRODUCT_KINDS`), the
+    # layers' [n / cols, k, cols] bf16 (`tile_columns`) stacked, zero-padded, gains folded in;
+    # the adapter's Wa[:D] twice: norm_4 folded in, then as it is (the first iteration's)
     embedded_half: jax.Array  # Wa[D:] [D, D], the adapter's embedded rows
     gains: jax.Array  # [L, k_d, 8] f32: per layer, norm_4 of the layer before (1), norm_2
     qk_bias: jax.Array  # [L, 2, D] f32 (zeros without a bias)
@@ -87,8 +87,9 @@ def pack_weights(
     ones = jnp.ones((d,), jnp.float32)
     adapter = w.adapter[:d].astype(jnp.float32)
     kn = _kn(next(phases))
-    products = [_pad2(w.layers[-1].norm_4[:, None] * adapter, *kn)]
-    tiles = []
+    cols = shape.unit_cols
+    adapters = [_pad2(w.layers[-1].norm_4[:, None] * adapter, *kn), _pad2(adapter, *kn)]
+    per_layer, tiles = [], []
     for j, lw in enumerate(w.layers):
         g4_prev = ones if j == 0 else w.layers[j - 1].norm_4
         fc = interleave_halves(
@@ -103,17 +104,17 @@ def pack_weights(
             (lw.norm_2 * lw.norm_3)[:, None] * fc,
             lw.mlp_proj,
         )
-        products += [_pad2(weight, *_kn(next(phases))) for weight in folded]
+        per_layer.append([tile_columns(_pad2(x, *_kn(next(phases))), cols) for x in folded])
         tiles.append(jnp.stack([g4_prev, lw.norm_2], axis=-1))
     gains = jnp.stack(tiles).astype(jnp.float32)
     gains = jnp.pad(gains, ((0, 0), (0, shape.k_d - d), (0, N_PAD - 2)))
     bias = [
         jnp.zeros((2, d)) if lw.qk_bias is None else lw.qk_bias.reshape(2, d) for lw in w.layers
     ]
-    cols = shape.unit_cols
+    products = [jnp.stack([tile_columns(x, cols) for x in adapters])]
+    products += [jnp.stack(kind) for kind in zip(*per_layer, strict=True)]
     return FusedWeights(
-        products=tuple(tile_columns(x, cols) for x in products),
-        adapter_raw=tile_columns(_pad2(adapter, *kn), cols),
+        products=tuple(products),
         embedded_half=w.adapter[d:],
         gains=gains,
         qk_bias=jnp.stack(bias).astype(jnp.float32),
@@ -217,7 +218,6 @@ def fused_core_decode(
         per_column(rope_bias),
         k_cache.reshape(flat),
         v_cache.reshape(flat),
-        fw.adapter_raw,
         *fw.products,
     )
     z = act[Buffers.of("m", shape.layers - 1), :d, :b].T  # the last mlp output + its residual
