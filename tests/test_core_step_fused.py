@@ -303,6 +303,40 @@ def test_lowers_for_cuda_with_every_sm(batch):
     assert "mosaic_gpu" in text
 
 
+def test_tma_descriptors_do_not_grow_with_the_layers(monkeypatch):
+    """Mosaic GPU builds every TMA descriptor on the host at each call (a few µs each): one
+    weight array per kind of product keeps their number the same at 1 layer and at 2."""
+    from jax.experimental.mosaic.gpu import launch_context
+
+    made = []
+    build = launch_context.LaunchContext._get_tma_desc
+
+    def counting(self, *args):
+        before = len(self.tma_descriptors)
+        desc = build(self, *args)
+        made.append(len(self.tma_descriptors) > before)
+        return desc
+
+    monkeypatch.setattr(launch_context.LaunchContext, "_get_tma_desc", counting)
+    sd = jax.ShapeDtypeStruct
+    counts = []
+    for layers in (1, 2):
+        made.clear()
+        shape = FusedShape(512, 8, 64, 1024, layers, 1, 64)
+        f = build_fused_core(shape, 2, workers=16, eps=1e-6, schedule=Schedule(3, 3))
+        cache = sd((2 * layers, 1, 128, 512), jnp.bfloat16)
+        args = [
+            sd((1 + 2 * layers,), jnp.int32), sd((shape.k_d, 8), jnp.float32),
+            sd((shape.k_d, 8), jnp.float32), sd((layers, shape.k_d, 8), jnp.float32),
+            sd((3, shape.table_rows, 8), jnp.float32),
+            sd((layers, 2, shape.table_rows, 8), jnp.float32), cache, cache,
+            *(sd(w, jnp.bfloat16) for w in shape.weight_shapes()),
+        ]  # fmt: skip
+        jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+        counts.append(sum(made))
+    assert counts[0] == counts[1] and 0 < counts[0] <= 20
+
+
 def test_fc_halves_interleave_by_chunks():
     """The fc's columns [gate | up] become gate chunk 0, up chunk 0, gate chunk 1, ...: the
     MLP proj's input chunk c is the fc output's rows [128 c, 128 c + 128)."""
