@@ -122,35 +122,6 @@ def test_interpret_one_worker_matches_the_step_program(batch, iterations, pos, s
         assert rel_fro(np.asarray(g, np.float32), np.asarray(r, np.float32)) <= RTOL
 
 
-@pytest.mark.parametrize("splits,pos", [(2, 100), (3, 100), (3, 0)])
-def test_interpret_splits_combine_in_proj_input(monkeypatch, splits, pos):
-    """Each head's cached positions in `splits` splits (one worker takes them in turn), proj's
-    input combining the splits' outputs, against the same kernel with one split: only the
-    order of the sums and the softmax weights' rounding (to bf16, against each split's own
-    max) differ, 1e-5 of the state here, where weights off by a square root in the combine
-    give 1e-3. With 2 blocks and 3 splits, the first split holds the new position only; at
-    position 0 every split but the first sees nothing."""
-    import pallas_kernels.core_step.fused as fused
-    import pallas_kernels.core_step.fused_plan as fused_plan
-
-    w = bf16_weights(step_weights(core()))
-    w = StepWeights(w.adapter, w.layers[:LAYERS], head_dim=w.head_dim, eps=w.eps)
-    run = functools.partial(
-        kernel_run, w, 1, 1, pos, workers=1, interpret=plgpu.InterpretGPUParams(),
-        schedule=Schedule(ring=2, kv_stages=2),
-    )  # fmt: skip
-    one = run()
-    for module in (fused, fused_plan):
-        monkeypatch.setattr(module, "splits_for", lambda heads, workers: splits)
-    jax.clear_caches()  # `fused_core_decode`'s trace of one split
-    try:
-        got = run()
-    finally:
-        jax.clear_caches()
-    for g, r in zip(got, one, strict=True):
-        assert rel_fro(np.asarray(g, np.float32), np.asarray(r, np.float32)) <= 2e-4
-
-
 def test_packed_weights_are_one_array_per_kind_of_product():
     """One array per kind (one TMA descriptor each, whatever the layers): the adapter's two
     versions, then every layer's qkv, proj, fc and mlp proj, as the kernel's shapes say."""

@@ -15,7 +15,7 @@ The "stream" row runs the same products alone (`weight_stream`, the same units, 
 them in flight): what the fusion of the rest costs is the difference. The first row of each
 batch is checked against `step_program.core_iteration` (float32). --profile: Mosaic GPU's
 on-device profiler records each step, barrier (also by the step it follows: after_qkv, ...)
-and part of the attention (its RoPE, its cached blocks, its split's output: SM
+and part of the attention (its RoPE, its cached blocks, the combine of a head's splits: SM
 cycles per iteration, median over the workers, and their p10-p90), batch 1, the last context,
 per schedule (its records take shared memory: a schedule that leaves too little is refused
 before any work). --unit_cols: the weight units' width, which the ring counts

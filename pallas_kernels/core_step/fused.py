@@ -33,12 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.core_step.fused_attention import attention_step, prefetch_blocks
-from pallas_kernels.core_step.fused_inputs import (
-    KernelContext,
-    combine_splits,
-    scaled,
-    sources,
-)
+from pallas_kernels.core_step.fused_inputs import KernelContext, scaled, sources
 from pallas_kernels.core_step.fused_plan import (
     DEFAULT_SCHEDULE,
     N_PAD,
@@ -55,7 +50,7 @@ from pallas_kernels.core_step.fused_plan import (
     scratch_types,
     splits_for,
 )
-from pallas_kernels.core_step.plan import UNIT
+from pallas_kernels.core_step.plan import UNIT, pad_to
 from pallas_kernels.core_step.tiles import WGMMA, bcast_rows, col_of, in_row
 from pallas_kernels.looped_matmul.barrier import GridBarrier
 
@@ -104,15 +99,17 @@ def build_fused_core(
 
     def body(meta, state, e_part, gains, tables, rope_bias, k_cache, v_cache, *refs):
         w_refs = dict(zip(PRODUCT_KINDS, refs[:n_kinds], strict=True))
-        act, scal, att, kv_new = refs[n_kinds : n_kinds + 4]
+        act, scal, parts, kv_new = refs[n_kinds : n_kinds + 4]
         worker = lax.axis_index("b")
         k = KernelContext(
             shape=shape, eps=eps, workers=workers, splits=splits, items=shape.heads * splits,
             reduce=workers > 1, worker=worker, meta=meta, pos=meta[0], act=act, scal=scal,
-            att=att, kv_new=kv_new, tables=tables, rope_bias=rope_bias, k_cache=k_cache,
+            parts=parts, kv_new=kv_new, tables=tables, rope_bias=rope_bias, k_cache=k_cache,
             v_cache=v_cache, s=dict(zip(SCRATCH_NAMES, refs[n_kinds + 4 :], strict=True)),
-            rope_types=rope_types, block_types=block_types, out_types=out_types,
+            rope_types=rope_types, block_types=block_types, combine_types=combine_types,
             kv_stages=kv_stages, kv_block=schedule.kv_block,
+            flags=pl.get_global(plgpu.SemaphoreType.REGULAR((shape.heads,)))
+            if splits > 1 else None,
         )  # fmt: skip
         s = k.s
         barrier = GridBarrier(workers, "wait", 0, 1) if k.reduce else None
@@ -167,28 +164,15 @@ def build_fused_core(
             if l2_blocks and kind == "qkv":
                 pl.when(jj + l2_units == count[p])(lambda: prefetch_blocks(k, it, layer, l2_blocks))
 
-        def zero_tiles(tile, tiles):
-            """The worker's tiles (t = worker + r workers < tiles) of tile(t), [cols, 8] GMEM
-            refs, set to 0."""
+        def zero_rows(buf, offset, n):
+            """The worker's tiles of act[buf, offset : offset + n] set to 0."""
+            tiles = n // cols
 
             @pl.loop(0, -(-tiles // workers))
             def _(r):
                 t = worker + r * workers
-                pl.when(t < tiles)(lambda: plgpu.copy_smem_to_gmem(s["zero"], tile(t)))
-
-        def zero_rows(buf, offset, n):
-            """The worker's tiles of act[buf, offset : offset + n] set to 0."""
-            zero_tiles(lambda t: act.at[buf, pl.ds(offset + t * cols, cols), :], n // cols)
-
-        def zero_attention(j):
-            """Layer j's split outputs (`att[j]`, each split's o and log-sum-exp) set to 0."""
-            per = shape.n_d // cols
-
-            def tile(t):
-                region = t // per
-                return att.at[j, region, pl.ds((t - region * per) * cols, cols), :]
-
-            zero_tiles(tile, 2 * splits * per)
+                dst = act.at[buf, pl.ds(offset + t * cols, cols), :]
+                pl.when(t < tiles)(lambda: plgpu.copy_smem_to_gmem(s["zero"], dst))
 
         def output_of(p):
             """(buffer, row offset) of product p's output."""
@@ -209,7 +193,6 @@ def build_fused_core(
             c0 = it * per_iteration + cum[p]
             src_a, src_b, sums, gain_col, store, residual = sources(shape, p)
             gate_up = isinstance(src_a, tuple) and src_a[0] == "gate_up"
-            split_outputs = isinstance(src_a, tuple) and src_a[0] == "splits"
             owned = sums is not None or store is not None
             layer_gains = gains.at[max(j, 0)]
 
@@ -231,10 +214,6 @@ def build_fused_core(
                 if gate_up:  # chunk kc of the gate and of the up half, interleaved
                     src = act.at[src_a[1], pl.ds(kc * 2 * UNIT, 2 * UNIT), :]
                     plgpu.copy_gmem_to_smem(src, s["xa"].at[slot], bar_a)
-                elif split_outputs:  # chunk kc of each split's o and log-sum-exp
-                    for r in range(2 * splits):
-                        src = att.at[src_a[1], r, rows, :]
-                        plgpu.copy_gmem_to_smem(src, s["xsp"].at[slot, r], s["barsp"].at[slot])
                 elif isinstance(src_a, tuple):  # the adapter: the given state, then the state
                     fresh, later = state.at[rows, :], act.at[src_a[1], rows, :]
                     pl.when(it == 0)(lambda: plgpu.copy_gmem_to_smem(fresh, dst_a, bar_a))
@@ -289,12 +268,8 @@ def build_fused_core(
                     def _unit(i):
                         xs, bs = lax.rem(i, x_stages), lax.rem(i, lag + 1)
                         kc = lax.rem(u0 + i, kch)
-                        if split_outputs:
-                            plgpu.barrier_wait(s["barsp"].at[xs])
-                            a = combine_splits(s["xsp"].at[xs], splits)
-                        else:
-                            plgpu.barrier_wait(s["bara"].at[xs])
-                            a = plgpu.load(s["xa"].at[xs, pl.ds(0, UNIT)], layout=WGMMA)
+                        plgpu.barrier_wait(s["bara"].at[xs])
+                        a = plgpu.load(s["xa"].at[xs, pl.ds(0, UNIT)], layout=WGMMA)
                         b = None
                         if gate_up:
                             b = plgpu.load(s["xa"].at[xs, pl.ds(UNIT, UNIT)], layout=WGMMA)
@@ -366,11 +341,10 @@ def build_fused_core(
 
         def zero_next(it, p):
             """Zeroes what later steps add into: the next product's output (several workers),
-            during a qkv the attention's split outputs, during layer 0's qkv the next scalar
-            tile."""
+            during a qkv the attention output, during layer 0's qkv the next scalar tile."""
             kind, j = kind_of(phases[p].name)
             if kind == "qkv":
-                zero_attention(j)
+                zero_rows(Buffers.of("att", j), 0, pad_to(shape.k_d, cols))
                 if j == 0:
 
                     @pl.when(worker == 0)
@@ -466,14 +440,14 @@ def build_fused_core(
                     cross(it, step, "attn")
                     step += 1
 
-    scratch, product_types, rope_types, block_types, out_types = scratch_types(
-        shape, schedule, x_stages, lag, splits
+    scratch, product_types, rope_types, block_types, combine_types = scratch_types(
+        shape, schedule, x_stages, lag
     )
     SCRATCH_NAMES, kp = tuple(scratch), shape.kp
     out_type = (
         jax.ShapeDtypeStruct((Buffers.count(layers), shape.buffer_rows, N_PAD), f32),
         jax.ShapeDtypeStruct((2, SCALAR_ROWS, N_PAD), f32),
-        jax.ShapeDtypeStruct((layers, 2 * splits, shape.n_d, N_PAD), f32),
+        jax.ShapeDtypeStruct((shape.heads * splits, kp + SCALAR_ROWS, N_PAD), f32),
         jax.ShapeDtypeStruct((iterations, layers, 2, shape.heads, kp, N_PAD), f32),
     )
     params = plgpu.CompilerParams()

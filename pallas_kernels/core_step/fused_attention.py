@@ -12,11 +12,10 @@ huginn-0125's 96 are), v that of the cached value blocks (`FusedShape.head_windo
   item's (sequence, block) pairs with `kv_stages` copies in flight (q and the weights rounded
   to bf16 for the wgmma);
 - the head's first split adds the new position (k, v rounded to bf16, as the cache holds them)
-  and writes the new k and v rows for the caller's cache write; every split adds its weighted
-  values over its own sum, and their log-sum-exp, into the head's rows of its split's output,
-  which proj's input combines after the barrier (no split waits for another).
+  and, once the others' flags count their partials, combines them and adds the head's rows into
+  the attention output; it also writes the new k and v rows for the caller's cache write.
 
-The windows and tables, the blocks, and the output each take a scope of shared memory
+The windows and tables, the blocks, and the combine each take a scope of shared memory
 (`fused_plan.scratch_types`) that the products' scopes reuse.
 """
 
@@ -32,12 +31,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.core_step.fused_plan import (
     N_PAD,
+    SCALAR_ROWS,
     SHIFT,
     Buffers,
     ScalarRows,
     scoped,
 )
-from pallas_kernels.core_step.tiles import WGMMA, bcast_rows, round_bf16
+from pallas_kernels.core_step.tiles import WGMMA, bcast_rows, in_row, round_bf16, row_of
 
 MASKED = -1e30  # the model's masked score: finite, so exp(MASKED - m) is 0, never NaN
 
@@ -66,10 +66,10 @@ def _head_item(k, it, j, item) -> None:
         )
     with jax.named_scope("blocks"):
         parts = scoped(k.block_types, lambda s: _own_blocks(k, it, j, q, (ck, c0), split, s))
-    with jax.named_scope("out"):
+    with jax.named_scope("combine"):
         scoped(
-            k.out_types,
-            lambda s: _out(k, it, j, (h, split), c0, valid, (q, k_new, v_new), parts, s),
+            k.combine_types,
+            lambda s: _combine(k, it, j, (h, split, item), c0, valid, (q, k_new, v_new), parts, s),
         )
 
 
@@ -117,23 +117,19 @@ def _rope(k, it, j, starts, masks, s):
     return q, k_new, v_new
 
 
-def _out(k, it, j, of, c0, valid, new, parts, s) -> None:
-    """The item's output: a head's first split writes the new k and v rows and merges the new
-    position into its partials; every split then adds its weighted values over its own sum,
-    and their log-sum-exp, into the head's rows of its split's output (`k.att[j, split]` and
-    `k.att[j, splits + split]`), which proj's input combines (`fused_inputs.combine_splits`).
-    A split without a visible position adds 0 and MASKED. `of`: (head, split); `c0`: the first
-    column of the value window, whose rows the outputs hold; `new`: (q, k_new, v_new);
-    `parts`: the item's (max, sum, weighted values) from its blocks; `s`: the output's
-    scope."""
+def _combine(k, it, j, of, c0, valid, new, parts, s) -> None:
+    """The new k and v rows out (a head's first split), then the item's partials out (a later
+    split) or the head's combine (the first split): its splits' partials and the new position
+    merged, the head's rows added into the attention output. `of`: (head, split, item); `c0`:
+    the first column of the value window, whose rows the output holds; `new`: (q, k_new,
+    v_new); `parts`: the item's (max, sum, weighted values) from its blocks; `s`: the
+    combine's scope."""
     s = {**k.s, **s}
     kp = k.shape.kp
-    h, split = of
+    h, split, item = of
     q, k_new, v_new = new
-    first = split == 0
-    fresh = first.astype(jnp.float32)  # 1 or 0 (a scalar condition is no array's where)
 
-    @pl.when(first)
+    @pl.when(split == 0)
     def _store_new_rows():
         for w, value in enumerate((k_new, v_new)):
             s["pout"].at[pl.ds(w * kp, kp)][...] = value
@@ -142,22 +138,45 @@ def _out(k, it, j, of, c0, valid, new, parts, s) -> None:
             plgpu.copy_smem_to_gmem(s["pout"].at[pl.ds(w * kp, kp)], k.kv_new.at[it, j, w, h])
 
     m_all, l_all, acc_all = parts
-    s_new = bcast_rows(jnp.sum(q * k_new, axis=0), kp)
-    m = fresh * jnp.maximum(m_all, s_new) + (1.0 - fresh) * m_all
-    w_new = fresh * jnp.exp(jnp.minimum(s_new - m, 0.0))
-    w_old = jnp.exp(m_all - m)
-    total = l_all * w_old + w_new
-    seen = total > 0.0
-    safe = jnp.where(seen, total, 1.0)
-    out = jnp.where(valid, (acc_all * w_old + v_new * w_new) / safe, 0.0)
-    lse = jnp.where(valid, jnp.where(seen, m + jnp.log(safe), MASKED), 0.0)
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    s["pout"].at[pl.ds(0, kp)][...] = out
-    s["pout"].at[pl.ds(kp, kp)][...] = lse
-    plgpu.commit_smem()
-    for w in range(2):
-        dst = k.att.at[j, w * k.splits + split, pl.ds(c0, kp), :]
-        k.add_into(s["pout"].at[pl.ds(w * kp, kp)], dst, kp)
+
+    def merge(m_all, l_all, acc_all, m_o, l_o, acc_o):
+        m_new = jnp.maximum(m_all, m_o)
+        wa, wo = jnp.exp(m_all - m_new), jnp.exp(m_o - m_new)
+        return m_new, l_all * wa + l_o * wo, acc_all * wa + acc_o * wo
+
+    def partial_out():
+        ml = in_row(jnp.max(m_all, axis=0), 0) + in_row(jnp.max(l_all, axis=0), 1)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        s["pout"].at[pl.ds(0, kp)][...] = acc_all
+        s["pout"].at[pl.ds(kp, SCALAR_ROWS)][...] = ml
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(s["pout"].at[pl.ds(0, kp + SCALAR_ROWS)], k.parts.at[item])
+        plgpu.wait_smem_to_gmem(0)
+        plgpu.semaphore_signal(k.flags.at[h], 1, memory_scope="gpu")
+
+    def first_split():
+        s_new = bcast_rows(jnp.sum(q * k_new, axis=0), kp)
+        merged = merge(m_all, l_all, acc_all, s_new, jnp.ones_like(s_new), v_new)
+        if k.splits > 1:
+            target = jnp.asarray((it * k.shape.layers + j + 1) * (k.splits - 1), jnp.int32)
+            plgpu.semaphore_wait(k.flags.at[h], target, decrement=False, memory_scope="gpu")
+            for other in range(1, k.splits):
+                plgpu.copy_gmem_to_smem(k.parts.at[h * k.splits + other], s["pin"], s["pbar"])
+                plgpu.barrier_wait(s["pbar"])
+                acc_o = plgpu.load(s["pin"].at[pl.ds(0, kp)], layout=WGMMA)
+                ml = plgpu.load(s["pin"].at[pl.ds(kp, SCALAR_ROWS)], layout=WGMMA)
+                merged = merge(*merged, row_of(ml, 0, kp), row_of(ml, 1, kp), acc_o)
+        _, l_fin, acc_fin = merged
+        out = jnp.where(valid, acc_fin / l_fin, 0.0)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        s["pout"].at[pl.ds(0, kp)][...] = out
+        plgpu.commit_smem()
+        dst = k.act.at[Buffers.of("att", j), pl.ds(c0, kp), :]
+        k.add_into(s["pout"].at[pl.ds(0, kp)], dst, kp)
+
+    if k.splits > 1:
+        pl.when(split > 0)(partial_out)
+    pl.when(split == 0)(first_split)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the scope's bytes are reused next
 
 

@@ -3,8 +3,6 @@ kernel, each product's input sources and owners' work, and what the scalar tile 
 
 from __future__ import annotations
 
-import functools
-
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -77,24 +75,12 @@ def sources(shape: FusedShape, p: int):
         return Buffers.of("m", j - 1), None, sums, GAIN_G4_BEFORE, None, None
     if kind == "proj":
         z = Buffers.Z0 if j == 0 else Buffers.of("m", j - 1)
-        return ("splits", j), None, None, None, None, (z, GAIN_G4_BEFORE, j)
+        return Buffers.of("att", j), None, None, None, None, (z, GAIN_G4_BEFORE, j)
     if kind == "fc":
         sums = (ScalarRows.h1(j), ScalarRows.h1g(j))
         return Buffers.of("o", j), None, sums, GAIN_G2, None, None
     gate_up = ("gate_up", Buffers.of("fc", j))  # both halves' chunks in one copy
     return gate_up, None, None, None, None, (Buffers.of("o", j), GAIN_G2, j)
-
-
-def combine_splits(stage, splits: int):
-    """[64, 8]: proj's input chunk from the attention's split outputs in `stage` ([2 splits,
-    64, 8]: each split's weighted values over its own sum o_s, then each one's log-sum-exp):
-    Σ o_s e^(lse_s - M) / Σ e^(lse_s - M), M the largest lse_s (the first split's, which
-    holds the new position, is never MASKED)."""
-    o = [plgpu.load(stage.at[r], layout=WGMMA) for r in range(splits)]
-    lse = [plgpu.load(stage.at[splits + r], layout=WGMMA) for r in range(splits)]
-    top = functools.reduce(jnp.maximum, lse)
-    weights = [jnp.exp(x - top) for x in lse]
-    return sum(w * x for w, x in zip(weights, o, strict=True)) / sum(weights)
 
 
 def scaled(k: KernelContext, it, p: int):

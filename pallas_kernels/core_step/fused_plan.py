@@ -27,7 +27,7 @@ BLOCK = 64  # cached positions per attention block, by default
 KV_BLOCKS = (64, 128)  # the blocks the attention can step by (Schedule.kv_block)
 SHIFT = 8  # rows of padding around the qkv output (RoPE reads row r - 1 and r + 1)
 SCALAR_ROWS = 64
-BUFFER_KINDS = ("qkv", "o", "fc", "m")
+BUFFER_KINDS = ("qkv", "att", "o", "fc", "m")
 PRODUCT_KINDS = ("adapter", "qkv", "proj", "fc", "mlp_proj")  # the phases' names less the layer
 DEFAULT_UNIT_COLS = 256  # output columns of the kernel's [64, unit_cols] weight units
 REDUCTION_SCRATCH = 2048  # bytes Mosaic GPU adds for reductions across warps
@@ -216,11 +216,10 @@ class FusedShape:
 
 class Buffers:
     """Indices into `act`: the adapter output a, layer 0's input z0 = a r + e @ Wa[D:], then per
-    layer the qkv output (rows shifted by SHIFT), the proj output with the residual added (h1),
-    the fc output (the gate's and the up half's rows interleaved by 64,
+    layer the qkv output (rows shifted by SHIFT), the attention output, the proj output with the
+    residual added (h1), the fc output (the gate's and the up half's rows interleaved by 64,
     `fused_step.interleave_halves`) and the mlp output with the residual added (the next
-    layer's input z, or after the last layer the state). The attention's outputs are an
-    output of their own (`fused.build_fused_core`'s `att`)."""
+    layer's input z, or after the last layer the state)."""
 
     A = 0
     Z0 = 1
@@ -265,11 +264,11 @@ def splits_for(heads: int, workers: int) -> int:
     return max(1, workers // heads)
 
 
-def smem_bytes(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int, splits: int) -> int:
+def smem_bytes(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int) -> int:
     """Shared memory of one block, from `scratch_types`: the kernel-wide buffers, then the
     largest of the step scopes (they reuse the same bytes one after the other), each buffer
     aligned to 1 KiB as Pallas allocates them, 8 bytes per mbarrier."""
-    groups = scratch_types(shape, schedule, x_stages, lag, splits)
+    groups = scratch_types(shape, schedule, x_stages, lag)
 
     def buffer_bytes(types: dict) -> int:
         sizes = [
@@ -299,7 +298,7 @@ def most_workers(shape: FusedShape, schedule: Schedule) -> int:
     return min(p.units(shape.unit_cols) // (reach + 1) for p in shape.phases)
 
 
-ATTENTION_PARTS = ("rope", "blocks", "out")  # the attention step's profiled parts
+ATTENTION_PARTS = ("rope", "blocks", "combine")  # the attention step's profiled parts
 
 
 def profile_ranges(shape: FusedShape, workers: int, iterations: int) -> int:
@@ -341,7 +340,7 @@ def check_fused(
             f"a worker owns {fewest} units of some product with {workers} workers: the ring "
             f"({ring}) and the L2 lookahead ({schedule.l2_reach}) must be shorter ({fits})"
         )
-    need = smem_bytes(shape, schedule, x_stages, lag, splits_for(shape.heads, workers))
+    need = smem_bytes(shape, schedule, x_stages, lag)
     if need > SMEM_LIMIT:
         raise ValueError(f"schedule {schedule}: {need} bytes of smem > {SMEM_LIMIT}")
     if profiled_iterations:
@@ -353,12 +352,11 @@ def check_fused(
             )
 
 
-def scratch_types(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int, splits: int):
+def scratch_types(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int):
     """The kernel's shared memory and barriers, by name, as five dicts: the kernel-wide ones
-    (the weight ring, zeros, scalar tiles, a tile for adds without TMA), then those of four
-    scopes that take the same bytes in turn: a product's (with proj's input chunks of the
-    attention's `splits` splits), the attention's RoPE (its windows and tables), its blocks and
-    its output (`smem_bytes` counts them)."""
+    (the weight ring, zeros, scalar tiles, partials in), then those of four scopes that take
+    the same bytes in turn: a product's, the attention's RoPE (its windows and tables), its
+    blocks and its combine (`smem_bytes` counts them)."""
     attention = attention_transforms(shape)
     bf16, f32, cols = jnp.bfloat16, jnp.float32, shape.unit_cols
     ring, kv_stages, kv_block = schedule.ring, schedule.kv_stages, schedule.kv_block
@@ -370,7 +368,7 @@ def scratch_types(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int
         zero=plgpu.SMEM((cols, N_PAD), f32),
         sc=plgpu.SMEM((2, *chunk), f32),
         scbar=plgpu.Barrier(),
-        pin=plgpu.SMEM((max(kp, SCALAR_ROWS), N_PAD), f32),
+        pin=plgpu.SMEM((kp + SCALAR_ROWS, N_PAD), f32),
         pbar=plgpu.Barrier(),
     )
     product = dict(
@@ -387,8 +385,6 @@ def scratch_types(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int
         rx=plgpu.SMEM((2, *chunk), f32),
         rbar=plgpu.Barrier(num_arrivals=2),
         rsum=plgpu.SMEM(chunk, f32),
-        xsp=plgpu.SMEM((x_stages, 2 * splits, *chunk), f32),  # proj's: each split's o, lse
-        barsp=plgpu.Barrier(num_arrivals=2 * splits, num_barriers=x_stages),
     )
     rope = dict(
         win=plgpu.SMEM((3, win, N_PAD), f32),
@@ -402,8 +398,8 @@ def scratch_types(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int
         btq=plgpu.SMEM((N_PAD, kp), bf16, transforms=attention),
         pb=plgpu.SMEM((N_PAD, kv_block), bf16, transforms=attention),
     )
-    out = dict(pout=plgpu.SMEM((2 * kp, N_PAD), f32))
-    return kernel_wide, product, rope, blocks, out
+    combine = dict(pout=plgpu.SMEM((2 * kp, N_PAD), f32))
+    return kernel_wide, product, rope, blocks, combine
 
 
 def attention_transforms(shape: FusedShape) -> tuple:
