@@ -256,21 +256,27 @@ def test_most_workers_keeps_every_sm_of_an_h200_for_huginn_0125(batch):
         check_fused(shape, most + 1, Schedule())
 
 
+def lowered(shape: FusedShape, positions: int, **kernel_options):
+    """`build_fused_core(shape, 2, ...)` lowered for sm_90 on abstract inputs of its shapes,
+    each (iteration, layer) a cache slot of `positions`."""
+    f = build_fused_core(shape, 2, eps=1e-6, **kernel_options)
+    sd, f32, slots = jax.ShapeDtypeStruct, jnp.float32, 2 * shape.layers
+    cache = sd((slots, shape.batch, positions, shape.d), jnp.bfloat16)
+    args = [
+        sd((1 + slots,), jnp.int32), sd((shape.k_d, 8), f32), sd((shape.k_d, 8), f32),
+        sd((shape.layers, shape.k_d, 8), f32), sd((3, shape.table_rows, 8), f32),
+        sd((shape.layers, 2, shape.table_rows, 8), f32), cache, cache,
+        *(sd(w, jnp.bfloat16) for w in shape.weight_shapes()),
+    ]  # fmt: skip
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+
+
 @pytest.mark.parametrize("batch", [8])  # the batch is a loop bound: 1 lowers the same code
 def test_lowers_for_cuda_with_every_sm(batch):
     """Traces and lowers the kernel for sm_90 at huginn-0125's shapes (one Core layer, to keep
     the test short): catches API misuse, unprovable tile alignment and smem overflow."""
     shape = FusedShape(5280, 55, 96, 17920, 1, batch)
-    f = build_fused_core(shape, 2, workers=132, eps=1e-6)  # the default schedule
-    sd = jax.ShapeDtypeStruct
-    cache = sd((2, batch, 1024, 5280), jnp.bfloat16)
-    args = [
-        sd((3,), jnp.int32), sd((shape.k_d, 8), jnp.float32), sd((shape.k_d, 8), jnp.float32),
-        sd((1, shape.k_d, 8), jnp.float32), sd((3, shape.table_rows, 8), jnp.float32),
-        sd((1, 2, shape.table_rows, 8), jnp.float32), cache, cache,
-        *(sd(w, jnp.bfloat16) for w in shape.weight_shapes()),
-    ]  # fmt: skip
-    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = lowered(shape, 1024, workers=132).as_text()  # the default schedule
     assert "mosaic_gpu" in text
 
 
@@ -289,21 +295,11 @@ def test_tma_descriptors_do_not_grow_with_the_layers(monkeypatch):
         return desc
 
     monkeypatch.setattr(launch_context.LaunchContext, "_get_tma_desc", counting)
-    sd = jax.ShapeDtypeStruct
     counts = []
     for layers in (1, 2):
         made.clear()
-        shape = FusedShape(512, 8, 64, 1024, layers, 1, 64)
-        f = build_fused_core(shape, 2, workers=16, eps=1e-6, schedule=Schedule(3, 3))
-        cache = sd((2 * layers, 1, 128, 512), jnp.bfloat16)
-        args = [
-            sd((1 + 2 * layers,), jnp.int32), sd((shape.k_d, 8), jnp.float32),
-            sd((shape.k_d, 8), jnp.float32), sd((layers, shape.k_d, 8), jnp.float32),
-            sd((3, shape.table_rows, 8), jnp.float32),
-            sd((layers, 2, shape.table_rows, 8), jnp.float32), cache, cache,
-            *(sd(w, jnp.bfloat16) for w in shape.weight_shapes()),
-        ]  # fmt: skip
-        jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+        lowered(FusedShape(512, 8, 64, 1024, layers, 1, 64), 128, workers=16,
+                schedule=Schedule(3, 3))  # fmt: skip
         counts.append(sum(made))
     assert counts[0] == counts[1] and 0 < counts[0] <= 20
 
