@@ -281,8 +281,9 @@ def test_lowers_for_cuda_with_every_sm(batch):
 
 
 def test_tma_descriptors_do_not_grow_with_the_layers(monkeypatch):
-    """Mosaic GPU builds every TMA descriptor on the host at each call (a few µs each): one
-    weight array per kind of product keeps their number the same at 1 layer and at 2."""
+    """Mosaic GPU builds every TMA descriptor on the host at each call and passes it in the
+    kernel's parameters: one weight array per kind of product keeps their number the same at 1
+    layer and at 2."""
     from jax.experimental.mosaic.gpu import launch_context
 
     made = []
