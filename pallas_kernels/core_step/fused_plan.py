@@ -157,10 +157,10 @@ class FusedShape:
         [layers, n / cols, k, cols] (`fused_step.tile_columns` per layer): the adapter's two
         versions in place of layers. One array per kind, not per product, is one TMA descriptor
         per kind: every descriptor is built on the host at each call."""
-        first = {kind_of(p.name)[0]: p for p in reversed(self.phases)}
+        cols = self.unit_cols
+        tiled = {kind_of(p.name)[0]: (p.n // cols, p.k, cols) for p in self.phases}
         return tuple(
-            (2 if kind == "adapter" else self.layers, p.n // self.unit_cols, p.k, self.unit_cols)
-            for kind, p in ((kind, first[kind]) for kind in PRODUCT_KINDS)
+            (2 if kind == "adapter" else self.layers, *tiled[kind]) for kind in PRODUCT_KINDS
         )
 
     def head_window(self, head, minimum=min) -> tuple:
