@@ -133,6 +133,7 @@ BAD = [
     Bad("experiments.kernels.core_fused", "--schedules=40:2", "schedule 40:2, --batch=1"),
     Bad("experiments.kernels.core_fused", "--schedules=8", "is not RING:KV_STAGES"),
     Bad("experiments.kernels.core_fused", "--schedules=6:3:30", "the L2 lookahead (30)"),
+    Bad("experiments.kernels.core_fused", "--skip_barriers=proj,mlp", "['mlp'] not among"),
     Bad("experiments.kernels.core_fused", "", "needs an sm_90 GPU"),
     Bad("experiments.kernels.stream_units", "--sizes=1000", "k must be a multiple of 64"),
     Bad("experiments.kernels.stream_units", "--sizes=1024 --ring=3", "must be shorter"),

@@ -23,6 +23,7 @@ from pallas_kernels.core_step.fused_plan import (
     check_fused,
     most_workers,
     profile_ranges,
+    tile_signals,
 )
 from pallas_kernels.core_step.fused_step import (
     fused_core_decode,
@@ -151,10 +152,12 @@ HUGINN = (5280, 55, 17920, 4)
 # huginn-0125 the kernel's default units and schedule at batch 1 and 8, and [64, 128] units with
 # the longest ring and L2 lookahead that fit; on the small shape [64, 64] units, so that every
 # worker owns more units than the ring, with 3 cached blocks in flight; each shape also with
-# blocks of 128 positions
+# blocks of 128 positions; the small shape also with a grid barrier after every product (no
+# hand-over on tile counters)
 SMALL_SCHEDULE = (64, Schedule(3, 3, 0, 0))
 GPU_CASES = [
     (SMALL, 16, 1, 2, 130, 192, SMALL_SCHEDULE),
+    (SMALL, 16, 1, 2, 130, 192, (64, Schedule(3, 3, handover=0))),
     (SMALL, 16, 8, 1, 63, 128, SMALL_SCHEDULE),
     (SMALL, 16, 8, 1, 200, 256, (64, Schedule(3, 2, kv_block=128))),
     (HUGINN, 132, 1, 2, 1000, 1024, (256, Schedule())),
@@ -225,6 +228,27 @@ def test_gpu_configurations_fit():
         check_fused(shape, workers, sched)
 
 
+@pytest.mark.parametrize("cols,workers", [(256, 132), (256, 7), (64, 16), (128, 132)])
+def test_tile_signals_count_the_workers_and_residual_chunks_of_each_tile(cols, workers):
+    """Every tile of huginn-0125's proj and MLP proj (and of a small shape's) expects as many
+    signals as workers own units of it (their ranges, as the kernel splits the units) plus
+    the residual's chunks in it; without a residual, the workers only."""
+    for shape in (FusedShape(5280, 55, 96, 17920, 1, 1, cols), FusedShape(256, 4, 64, 688, 1, 1)):
+        for phase in shape.phases[2:5:2]:  # proj, mlp proj
+            if phase.units(cols) < workers:
+                continue
+            units, kch, chunks = phase.units(cols), phase.k_chunks, shape.k_d // 64
+            ranges = [
+                range(units * w // workers, units * (w + 1) // workers) for w in range(workers)
+            ]
+            for t in range(phase.tiles(cols)):
+                tile = range(t * kch, (t + 1) * kch)
+                owners = sum(1 for r in ranges if r.start < tile.stop and tile.start < r.stop)
+                residual = sum(1 for c in range(chunks) if c * 64 // cols == t)
+                assert int(tile_signals(phase, cols, workers, chunks, t)) == owners + residual
+                assert int(tile_signals(phase, cols, workers, 0, t)) == owners
+
+
 def test_most_workers_is_what_check_fused_allows():
     """The `small` preset (D 256, 4 heads of 64, MLP width 688 padded to 704, 4 layers) in
     [64, 128] units: adapter 4 x 2, per layer qkv 4 x 6, proj 4 x 2, fc 4 x 11, mlp proj 11 x 2.
@@ -280,6 +304,17 @@ def test_lowers_for_cuda_with_every_sm(batch):
     assert "mosaic_gpu" in text
 
 
+def test_barriers_are_left_out_only_after_kinds_of_step():
+    """The timing bound (`skip_barriers`) lowers without the barriers after proj and the
+    attention, and refuses a kind of step that has none."""
+    shape = FusedShape(5280, 55, 96, 17920, 1, 1)
+    assert (
+        "mosaic_gpu" in lowered(shape, 256, workers=132, skip_barriers=("proj", "attn")).as_text()
+    )
+    with pytest.raises(ValueError, match="each must be one of"):
+        build_fused_core(shape, 2, eps=1e-6, workers=132, skip_barriers=("mlp",))
+
+
 def test_tma_descriptors_do_not_grow_with_the_layers(monkeypatch):
     """Mosaic GPU builds every TMA descriptor on the host at each call and passes it in the
     kernel's parameters: one weight array per kind of product keeps their number the same at 1
@@ -324,7 +359,9 @@ def test_schedule_is_written_as_parsed():
     assert str(Schedule.parse("6:3:0:0:64")) == "6:3"
     assert Schedule.parse("6:3:0:0:64:4:16") == Schedule(6, 3, l2_barrier=4, l2_attention=16)
     assert str(Schedule(6, 3, l2_attention=16)) == "6:3:0:0:64:0:16"
-    for bad in ("6", "6:3:1:2:64:4:5:6", "6:x"):
+    assert Schedule.parse("3:3:0:0:64:0:0:0") == Schedule(3, 3, handover=0)
+    assert str(Schedule(3, 3, handover=0)) == "3:3:0:0:64:0:0:0"
+    for bad in ("6", "6:3:1:2:64:4:5:6:7", "6:x"):
         with pytest.raises(ValueError, match="is not RING:KV_STAGES"):
             Schedule.parse(bad)
     with pytest.raises(ValueError, match="kv_block=96 must be one of"):

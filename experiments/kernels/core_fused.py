@@ -19,13 +19,16 @@ and part of the attention (its RoPE, its cached blocks, the combine of a head's 
 cycles per iteration, median over the workers, and their p10-p90), batch 1, the last context,
 per schedule (its records take shared memory: a schedule that leaves too little is refused
 before any work). --unit_cols: the weight units' width, which the ring counts
-(`fused_plan.Schedule`'s defaults are for 256).
-A schedule RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION]]]]]: weight
-units in flight per worker and cached blocks in flight in the attention (the shared memory
-bounds the two together), the weight unit that many units further on prefetched into L2, each
-attention item's first blocks prefetched into L2, the cached positions per attention block,
-64 or 128, and the next product's units after the ring's prefetched into L2 at the barrier
-after each product but a qkv, and after a qkv (`fused_plan.Schedule`).
+(`fused_plan.Schedule`'s defaults are for 256). --skip_barriers=proj,attn,...: a timing bound,
+the kernel without its grid barriers after those kinds of step (wrong results, marked "bound").
+A schedule RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION[:HANDOVER]]]]]]:
+weight units in flight per worker and cached blocks in flight in the attention (the shared
+memory bounds the two together), the weight unit that many units further on prefetched into
+L2, each attention item's first blocks prefetched into L2, the cached positions per attention
+block, 64 or 128, the next product's units after the ring's prefetched into L2 at the barrier
+after each product but a qkv, and after a qkv, and the units that a worker takes after a proj
+(and after an MLP proj that a qkv follows) on tile counters before it waits for every worker
+(0: a grid barrier there; `fused_plan.Schedule`).
 --jobs=N: each (batch, schedule) in a process of its own, N at a time, so that their
 compilations overlap; the processes take turns on the GPU (a file lock around their work
 there, shared with other programs given the same --gpu_lock; the compilations run outside
@@ -70,15 +73,23 @@ def define_flags() -> None:
     flags.DEFINE_integer("iterations", 8, "Core iterations per call.")
     flags.DEFINE_list(
         "schedules", [str(Schedule())],
-        "RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION]]]]], a list: "
-        "weight units in flight per worker, cached blocks in flight, weight units prefetched "
-        "into L2 beyond the ring, cached blocks per attention item prefetched into L2, cached "
-        "positions per block (64 or 128), the next product's units prefetched into L2 at the "
-        "barrier after a product (not a qkv), and after a qkv (default: the kernel's default).",
+        "RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION[:HANDOVER]]]]]]"
+        ", a list: weight units in flight per worker, cached blocks in flight, weight units "
+        "prefetched into L2 beyond the ring, cached blocks per attention item prefetched into "
+        "L2, cached positions per block (64 or 128), the next product's units prefetched into "
+        "L2 at the barrier after a product (not a qkv), and after a qkv, units taken on tile "
+        "counters after a proj and an MLP proj (0: a grid barrier; default: the kernel's "
+        "default).",
     )  # fmt: skip
     flags.DEFINE_integer(
         "unit_cols", DEFAULT_UNIT_COLS,
         "Output columns of a [64, unit_cols] weight unit: 64, 128 or 256.",
+    )  # fmt: skip
+    flags.DEFINE_list(
+        "skip_barriers", [],
+        "A timing bound: the kinds of step (adapter, qkv, attn, proj, fc, mlp_proj) after which "
+        "the kernel leaves its grid barrier out (the last of an iteration stays). The results "
+        "are wrong (the err column says 'bound'); the time says what those barriers cost.",
     )  # fmt: skip
     flags.DEFINE_integer("reps", 10, "Timed calls per row (median).")
     flags.DEFINE_bool(
@@ -142,7 +153,7 @@ def compiled_decode(w, batch: int, slot_len: int, schedule, profile_dir: str = "
         args = jax.block_until_ready((fw, Pending(state), embedded, k, v, slots))
     decode = fused_core_decode.lower(
         *args, jnp.int32(0), iterations=FLAGS.iterations, workers=WORKERS,
-        schedule=schedule, profile_dir=profile_dir,
+        schedule=schedule, profile_dir=profile_dir, skip_barriers=tuple(FLAGS.skip_barriers),
     ).compile()  # fmt: skip
     return decode, args
 
@@ -163,6 +174,7 @@ def fused_rows(w, batch: int, contexts: list[int], schedule, ceiling) -> list[di
                 context=context,
                 unit_cols=FLAGS.unit_cols,
                 **dataclasses.asdict(schedule),
+                skip_barriers=FLAGS.skip_barriers,
             )
             if not rows:  # the first row: the state against the specification
                 got = decode(*args, pos)[0].value(w.eps)
@@ -253,6 +265,8 @@ def format_table(rows: list[dict], profiles: list[dict]) -> str:
         cells = f"{ms:9.3f}" if ms else f"{'-':>9}"
         cells += f"{floor:10.3f}{r['pct_floor']:8.1f}%" if floor and ms else f"{'-':>10}{'-':>9}"
         err = f"{r['rel_err']:.1e}" if "rel_err" in r else "-"
+        if r.get("skip_barriers"):
+            err = "bound"
         sched = str(Schedule(*(r[f] for f in fields))) if "kv_stages" in r else r["ring"]
         unit = f"{r['unit_cols']:>6}"
         lines.append(
@@ -266,6 +280,12 @@ def format_table(rows: list[dict], profiles: list[dict]) -> str:
         )
         for kind, c in prof["cycles_per_iteration"].items():
             lines.append(f"  {kind:<10}{c['median']:>12.0f}   {c['p10']:.0f}-{c['p90']:.0f}")
+    skipped = sorted({", ".join(r["skip_barriers"]) for r in rows if r.get("skip_barriers")})
+    for kinds in skipped:
+        lines.append(
+            f"bound: no grid barrier after {kinds} (the last of an iteration kept); the "
+            "results are wrong, the time is what the kernel takes without those barriers"
+        )
     return "\n".join(lines)
 
 
@@ -305,6 +325,7 @@ def _run_jobs(batches: list[int], schedules: list[str], work: Path):
             f"--schedules={sch}", f"--contexts={','.join(FLAGS.contexts)}",
             f"--iterations={FLAGS.iterations}", f"--reps={FLAGS.reps}",
             f"--unit_cols={FLAGS.unit_cols}",
+            f"--skip_barriers={','.join(FLAGS.skip_barriers)}",
             f"--stream={FLAGS.stream and first_of_batch}",
             f"--profile={FLAGS.profile and profiled}", f"--gpu_lock={lock}", "--jobs=1",
             f"--json_out={work / f'case_{n}.json'}",
@@ -349,7 +370,10 @@ def main(argv: list[str]) -> None:
     if FLAGS.iterations < 1 or FLAGS.reps < 1 or FLAGS.jobs < 1:
         raise UserError("--iterations, --reps and --jobs must be >= 1")
     schedules = [parse_schedule(text) for text in FLAGS.schedules]
-    from pallas_kernels.core_step.fused_plan import check_fused
+    from pallas_kernels.core_step.fused_plan import STEP_KINDS, check_fused
+
+    if unknown := set(FLAGS.skip_barriers) - set(STEP_KINDS):
+        raise UserError(f"--skip_barriers: {sorted(unknown)} not among {', '.join(STEP_KINDS)}")
     from pallas_kernels.core_step.plan import check_unit_cols
 
     try:

@@ -18,7 +18,9 @@ so that most products take their input as it is, as the bare stream does:
   own rows (later ones by the rows with norm_4 folded in);
 - between qkv and proj, the attention step (`fused_attention.py`).
 
-1 + 5 L grid barriers per iteration. Activations are [rows, 8] float32 (`fused_plan.py`).
+1 + 5 L hand-overs per iteration: grid barriers, but after proj and after an MLP proj that a qkv
+follows, where the next product's first units wait for the tiles of their input on counters
+(`fused_plan.Schedule.handover`). Activations are [rows, 8] float32 (`fused_plan.py`).
 Reference: `step_program.core_iteration`; inputs and outputs: `fused_step.py`.
 """
 
@@ -40,6 +42,7 @@ from pallas_kernels.core_step.fused_plan import (
     PRODUCT_KINDS,
     SCALAR_ROWS,
     SHIFT,
+    STEP_KINDS,
     Buffers,
     FusedShape,
     Schedule,
@@ -49,6 +52,7 @@ from pallas_kernels.core_step.fused_plan import (
     scoped,
     scratch_types,
     splits_for,
+    tile_signals,
 )
 from pallas_kernels.core_step.plan import UNIT, pad_to
 from pallas_kernels.core_step.tiles import WGMMA, bcast_rows, col_of, in_row
@@ -66,6 +70,7 @@ def build_fused_core(
     lag: int = 1,
     interpret: Any = None,
     profile_dir: str = "",
+    skip_barriers: tuple[str, ...] = (),
 ):
     """Returns f(meta, state0, e_part, gains, tables, rope_bias, k_cache, v_cache, *weights)
     -> (act, scalars, partials, kv_new), weights one array per kind of product
@@ -79,7 +84,11 @@ def build_fused_core(
     Interpret mode: one worker (no global semaphores; prefetches are no-ops). `profile_dir`:
     Mosaic GPU's on-device profiler records every step's, barrier's (also by the kind of step
     it follows: after_qkv, after_attn, ...) and attention part's (`fused_plan.ATTENTION_PARTS`)
-    entry and exit (SM clock) there."""
+    entry and exit (SM clock) there. `skip_barriers`: kinds of step (`fused_plan.STEP_KINDS`)
+    after which the grid barrier is left out, the last of an iteration kept: a timing bound of
+    what those barriers cost, whose results are wrong."""
+    if set(skip_barriers) - set(STEP_KINDS):
+        raise ValueError(f"skip_barriers={skip_barriers}: each must be one of {STEP_KINDS}")
     if interpret is not None and workers != 1:
         raise ValueError("interpret mode runs one worker only (no grid barrier)")
     if interpret is None and (shape.head_dim % 16 or (shape.d - shape.kp) % 16):
@@ -93,7 +102,15 @@ def build_fused_core(
     phases, cols, layers = shape.phases, shape.unit_cols, shape.layers
     n_phases, n_kinds = len(phases), len(PRODUCT_KINDS)
     splits = splits_for(shape.heads, workers)
-    steps_per_iteration = shape.steps_per_iteration
+    step_kinds = []  # of each step of an iteration, in order
+    for p in phases:
+        kind = kind_of(p.name)[0]
+        step_kinds += [kind, "attn"] if kind == "qkv" else [kind]
+    steps_per_iteration = len(step_kinds)
+    barrier_of = {}  # step -> its barrier's place in the iteration, for the barriers kept
+    for step, kind in enumerate(step_kinds):
+        if step == steps_per_iteration - 1 or kind not in skip_barriers:
+            barrier_of[step] = len(barrier_of)
     chunks_d = shape.k_d // UNIT  # 64-row chunks of a d-vector
     bf16, f32 = jnp.bfloat16, jnp.float32
 
@@ -113,6 +130,20 @@ def build_fused_core(
         )  # fmt: skip
         s = k.s
         barrier = GridBarrier(workers, "wait", 0, 1) if k.reduce else None
+        handover = schedule.handover if k.reduce else 0
+        per_tile = cols // UNIT  # 64-row chunks of an output tile
+
+        def hands_over(p):
+            """Whether the product after p starts on p's tile counters (`Schedule.handover`)."""
+            kind, _ = kind_of(phases[p].name)
+            kept = kind not in skip_barriers
+            return handover > 0 and kept and p + 1 < n_phases and kind in ("proj", "mlp_proj")
+
+        tile_base, counted = {}, 0
+        for p in range(n_phases):
+            if hands_over(p):
+                tile_base[p], counted = counted, counted + phases[p].tiles(cols)
+        tile_done = pl.get_global(plgpu.SemaphoreType.REGULAR((counted,))) if counted else None
         units = [p.units(cols) for p in phases]
         first = [u * worker // workers for u in units]
         count = [u * (worker + 1) // workers - f for u, f in zip(units, first, strict=True)]
@@ -182,11 +213,33 @@ def build_fused_core(
             kind = {"qkv": "qkv", "proj": "o", "fc": "fc", "mlp_proj": "m"}[kind]
             return Buffers.of(kind, j), SHIFT if kind == "qkv" else 0
 
-        def product(it, p):
-            """Product p, its buffers in a scope of their own (`fused_plan.scratch_types`)."""
-            scoped(product_types, lambda ps: product_in_scope(it, p, {**s, **ps}))
+        def tile_adds(p, t):
+            residual = sources(shape, p)[5] is not None
+            return tile_signals(phases[p], cols, workers, chunks_d if residual else 0, t)
 
-        def product_in_scope(it, p, s):
+        def signal_tiles(p):
+            """Signals, once the worker's adds of product p are complete, the counter of each
+            tile they went into: one per tile of its units, one per chunk of the residual."""
+            u0, n, kch = first[p], count[p], phases[p].k_chunks
+
+            def signal(t):
+                plgpu.semaphore_signal(tile_done.at[tile_base[p] + t], 1, memory_scope="gpu")
+
+            pl.loop(u0 // kch, (u0 + n - 1) // kch + 1)(signal)
+            if sources(shape, p)[5] is not None:
+
+                @pl.loop(0, -(-chunks_d // workers))
+                def _residual(r):
+                    c = worker + r * workers
+                    pl.when(c < chunks_d)(lambda: signal(c // per_tile))
+
+        def product(it, p, handed):
+            """Product p, its buffers in a scope of their own (`fused_plan.scratch_types`).
+            `handed`: the epoch of the barrier after product p - 1 where p starts on p - 1's
+            tile counters (`hands_over`), else None."""
+            scoped(product_types, lambda ps: product_in_scope(it, p, {**s, **ps}, handed))
+
+        def product_in_scope(it, p, s, handed):
             kind, j = kind_of(phases[p].name)
             kch, n, u0 = phases[p].k_chunks, count[p], first[p]
             tiles = phases[p].tiles(cols)
@@ -206,10 +259,29 @@ def build_fused_core(
                 t = u // kch
                 return lax.rem(u - t * kch, tiles) == t
 
+            def input_ready(i, kc):
+                """Before unit i's input copy, where p starts on p - 1's counters: the first
+                `handover` units wait for the tile their chunk comes from (once per tile),
+                unit `handover` for every worker's arrival after p - 1."""
+                t = kc // per_tile
+                first_of_tile = jnp.logical_or(i == 0, lax.rem(kc, per_tile) == 0)
+                target = (it + 1) * tile_adds(p - 1, t)
+
+                @pl.when(jnp.logical_and(i < handover, first_of_tile))
+                def _():
+                    plgpu.semaphore_wait(
+                        tile_done.at[tile_base[p - 1] + t], target, decrement=False,
+                        memory_scope="gpu",
+                    )  # fmt: skip
+
+                pl.when(jnp.asarray(i) == handover)(lambda: barrier.wait(handed))
+
             def issue_x(i):
                 slot = lax.rem(i, x_stages)
                 kc = lax.rem(u0 + i, kch)
                 rows = pl.ds(kc * UNIT, UNIT)
+                if handed is not None:
+                    input_ready(i, kc)
                 dst_a, bar_a = s["xa"].at[slot, pl.ds(0, UNIT)], s["bara"].at[slot]
                 if gate_up:  # chunk kc of the gate and of the up half, interleaved
                     src = act.at[src_a[1], pl.ds(kc * 2 * UNIT, 2 * UNIT), :]
@@ -306,6 +378,8 @@ def build_fused_core(
             if residual is not None:
                 plgpu.wait_smem_to_gmem(0)  # one worker: the product's tiles are written
                 add_residual(residual, residual_scale, dst_buf, s)
+            if handed is not None:  # fewer units than `handover`: the arrivals waited for here
+                pl.when(n <= handover)(lambda: barrier.wait(handed))
 
         def issue_residual(residual, c, s):
             """Copies of residual chunk c and its layer's gains (issued at the product's start
@@ -341,10 +415,15 @@ def build_fused_core(
 
         def zero_next(it, p):
             """Zeroes what later steps add into: the next product's output (several workers),
-            during a qkv the attention output, during layer 0's qkv the next scalar tile."""
+            during a qkv the attention output, the outputs of the products that start on
+            tile counters (`hands_over`: no barrier orders them after the zeroing in the
+            step before) and during layer 0's qkv the next scalar tile."""
             kind, j = kind_of(phases[p].name)
             if kind == "qkv":
                 zero_rows(Buffers.of("att", j), 0, pad_to(shape.k_d, cols))
+                for q in (p + 1, p + 3):  # proj (then fc) and the mlp proj (then a qkv)
+                    if q < n_phases and hands_over(q):
+                        zero_rows(*output_of(q + 1), phases[q + 1].n)
                 if j == 0:
 
                     @pl.when(worker == 0)
@@ -354,7 +433,7 @@ def build_fused_core(
 
             nxt = (p + 1) % n_phases
             buf, off = output_of(nxt)
-            if k.reduce:  # one worker writes each output tile whole (then adds the residual)
+            if k.reduce and not hands_over(p):  # each output tile is written whole by adds
                 if p + 1 < n_phases:
                     zero_rows(buf, off, phases[nxt].n)
                 else:
@@ -378,20 +457,24 @@ def build_fused_core(
             elif n:
                 pl.when(it < iterations - 1)(go)
 
-        def cross(it, step, after: str, while_waiting=lambda: None):
+        def epoch_of(it, step):
+            return 2 + it * len(barrier_of) + barrier_of[step]
+
+        def cross(it, step, after: str, while_waiting=lambda: None, wait=True):
             """The grid barrier after step `step`, a step of kind `after` (its profiled range is
             also "after_" + that kind); `while_waiting()` between the worker's arrival and its
-            wait."""
-            if not k.reduce:
+            wait. `wait` False: the arrival only (the next product waits, `hands_over`)."""
+            if not k.reduce or step not in barrier_of:
                 while_waiting()
                 return
-            epoch = 2 + it * steps_per_iteration + step
+            epoch = epoch_of(it, step)
 
             def go():
                 with jax.named_scope("barrier"), jax.named_scope(f"after_{after}"):
                     barrier.arrive()
                     while_waiting()
-                    barrier.wait(epoch)
+                    if wait:
+                        barrier.wait(epoch)
 
             if step == steps_per_iteration - 1:
                 pl.when(it < iterations - 1)(go)
@@ -425,13 +508,16 @@ def build_fused_core(
 
         @pl.loop(0, iterations)
         def _iteration(it):
-            step = 0
+            step, handed = 0, None
             for p in range(n_phases):
                 with jax.named_scope(phases[p].name):
-                    product(it, p)
+                    product(it, p, handed)
                 plgpu.wait_smem_to_gmem(0)
+                if hands_over(p):
+                    signal_tiles(p)
                 kind, j = kind_of(phases[p].name)
-                cross(it, step, kind, lambda p=p: prefetch_next(it, p))
+                cross(it, step, kind, lambda p=p: prefetch_next(it, p), wait=not hands_over(p))
+                handed = epoch_of(it, step) if hands_over(p) else None
                 step += 1
                 if kind == "qkv":
                     with jax.named_scope(f"attn{j}"):

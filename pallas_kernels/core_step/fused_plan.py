@@ -29,6 +29,7 @@ SHIFT = 8  # rows of padding around the qkv output (RoPE reads row r - 1 and r +
 SCALAR_ROWS = 64
 BUFFER_KINDS = ("qkv", "att", "o", "fc", "m")
 PRODUCT_KINDS = ("adapter", "qkv", "proj", "fc", "mlp_proj")  # the phases' names less the layer
+STEP_KINDS = (*PRODUCT_KINDS, "attn")  # the steps a grid barrier can follow
 DEFAULT_UNIT_COLS = 256  # output columns of the kernel's [64, unit_cols] weight units
 REDUCTION_SCRATCH = 2048  # bytes Mosaic GPU adds for reductions across warps
 PROFILE_RANGE_BYTES = 16  # shared memory per range of Mosaic GPU's on-device profiler
@@ -47,12 +48,16 @@ class Schedule:
     blocks of `kv_block` positions in the attention (one block per softmax step), each
     attention item's first `l2_blocks` blocks into L2 ahead of it; once a worker has arrived
     at the barrier after a product, the next product's `l2_barrier` units after the ring's into
-    L2 (`l2_attention` after a qkv, whose barrier the attention follows). Written
-    RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION]]]]] (`parse`,
-    `str`). The defaults are the kernel's, for its default [64, 256] weight units: the shared
-    memory bounds ring x unit width and kv_stages x kv_block together (3:3 and 4:2 fit at
-    [64, 256] units and blocks of 64, 6:3 and 8:2 at [64, 128]; docs/core_step.md: how they
-    compare), and the L2 prefetches were slower than none."""
+    L2 (`l2_attention` after a qkv, whose barrier the attention follows). `handover` > 0:
+    after a proj, and after an MLP proj that a qkv follows, a worker takes that many units of
+    the next product as soon as their input tiles are complete (per-tile counters), and only
+    then waits for every worker to have finished the step before (0: a grid barrier).
+    Written RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION
+    [:HANDOVER]]]]]]] (`parse`, `str`). The defaults are the kernel's, for its default
+    [64, 256] weight units: the shared memory bounds ring x unit width and kv_stages x
+    kv_block together (3:3 and 4:2 fit at [64, 256] units and blocks of 64, 6:3 and 8:2 at
+    [64, 128]; docs/core_step.md: how they compare), and the L2 prefetches were slower than
+    none."""
 
     ring: int = 3
     kv_stages: int = 3
@@ -61,6 +66,7 @@ class Schedule:
     kv_block: int = BLOCK
     l2_barrier: int = 0
     l2_attention: int = 0
+    handover: int = 8
 
     @property
     def l2_reach(self) -> int:
@@ -73,13 +79,13 @@ class Schedule:
 
     @classmethod
     def parse(cls, text: str) -> Schedule:
-        """6:3, 6:3:16:8, 4:2:0:0:128 or 6:3:0:0:64:4:16 (the fields left out take their
+        """6:3, 6:3:16:8, 4:2:0:0:128 or 3:3:0:0:64:0:0:0 (the fields left out take their
         defaults); ValueError otherwise."""
         parts = text.split(":")
-        if not 2 <= len(parts) <= 7 or not all(p.isdigit() for p in parts):
+        if not 2 <= len(parts) <= 8 or not all(p.isdigit() for p in parts):
             raise ValueError(
                 f"{text!r} is not RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK"
-                "[:L2_BARRIER[:L2_ATTENTION]]]]] (6:3:16:8)"
+                "[:L2_BARRIER[:L2_ATTENTION[:HANDOVER]]]]]] (6:3:16:8)"
             )
         return cls(*(int(p) for p in parts))
 
@@ -298,6 +304,23 @@ def most_workers(shape: FusedShape, schedule: Schedule) -> int:
     return min(p.units(shape.unit_cols) // (reach + 1) for p in shape.phases)
 
 
+def tile_signals(phase: Phase, cols: int, workers: int, residual_chunks: int, t):
+    """The signals that complete output tile t of a product (`Schedule.handover`): one from
+    every worker whose units cover part of the tile (worker w owns units [u w // W,
+    u (w + 1) // W) of u, so unit x is worker ((x + 1) W - 1) // u's), one for each of the
+    residual's 64-row chunks (`residual_chunks` of them, 0 where the product adds none) that
+    falls in it. t may be traced."""
+    units, kch, per_tile = phase.units(cols), phase.k_chunks, cols // UNIT
+
+    def owner(x):
+        return ((x + 1) * workers - 1) // units
+
+    signals = owner((t + 1) * kch - 1) - owner(t * kch) + 1
+    if residual_chunks:
+        signals = signals + jnp.clip(residual_chunks - t * per_tile, 0, per_tile)
+    return signals
+
+
 ATTENTION_PARTS = ("rope", "blocks", "combine")  # the attention step's profiled parts
 
 
@@ -330,6 +353,8 @@ def check_fused(
         raise ValueError(f"kv_stages={kv_stages} must be in [2, {MAX_RING}]")
     if min(schedule.l2_units, schedule.l2_barrier, schedule.l2_attention) < 0:
         raise ValueError(f"schedule {schedule}: the L2 prefetches must be >= 0")
+    if schedule.handover < 0:
+        raise ValueError(f"schedule {schedule}: handover must be >= 0")
     if workers < 1:
         raise ValueError(f"workers={workers} must be at least 1")
     most = most_workers(shape, schedule)

@@ -155,7 +155,14 @@ def _rope_columns(x, tables):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("iterations", "workers", "schedule", "interpret", "profile_dir"),
+    static_argnames=(
+        "iterations",
+        "workers",
+        "schedule",
+        "interpret",
+        "profile_dir",
+        "skip_barriers",
+    ),
 )
 def fused_core_decode(
     fw: FusedWeights,
@@ -171,11 +178,13 @@ def fused_core_decode(
     schedule: Schedule = DEFAULT_SCHEDULE,
     interpret: Any = None,
     profile_dir: str = "",
+    skip_barriers: tuple[str, ...] = (),
 ) -> tuple[Pending, jax.Array, jax.Array]:
     """`iterations` Core iterations at position `pos`. state: Pending with gain None (the value
     [B, D]); embedded [B, D]; k_cache, v_cache [slots, B, S, H, K] (S a multiple of the
     schedule's kv_block); slots [iterations, L] int32: each (iteration, layer)'s cache slot.
-    Returns (Pending state, k_new, v_new [iterations, L, B, H, K] in the cache's dtype)."""
+    Returns (Pending state, k_new, v_new [iterations, L, B, H, K] in the cache's dtype).
+    `skip_barriers`: a timing bound whose results are wrong (`fused.build_fused_core`)."""
     if state.gain is not None:
         raise ValueError("the kernel starts from a state value (Pending with gain None)")
     shape = fw.shape
@@ -206,7 +215,7 @@ def fused_core_decode(
     meta = jnp.concatenate([jnp.asarray(pos, jnp.int32)[None], slots.reshape(-1).astype(jnp.int32)])
     kernel = build_fused_core(
         shape, iterations, workers=workers, eps=fw.eps, schedule=schedule, interpret=interpret,
-        profile_dir=profile_dir,
+        profile_dir=profile_dir, skip_barriers=skip_barriers,
     )  # fmt: skip
     flat = (k_cache.shape[0], b, s_len, d)
     act, _, _, kv_new = kernel(
