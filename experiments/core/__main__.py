@@ -126,8 +126,7 @@ def define_flags() -> None:
         "",
         "The persistent impl's kernel schedule RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK"
         "[:L2_BARRIER[:L2_ATTENTION[:HANDOVER]]]]]] (pallas_kernels.core_step.fused_plan."
-        "Schedule; '' = "
-        "the kernel's default).",
+        "Schedule; '' = the kernel's default).",
     )
     flags.DEFINE_bool(
         "command_buffers",

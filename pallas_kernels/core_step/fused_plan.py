@@ -53,7 +53,7 @@ class Schedule:
     the next product as soon as their input tiles are complete (per-tile counters), and only
     then waits for every worker to have finished the step before (0: a grid barrier).
     Written RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION
-    [:HANDOVER]]]]]]] (`parse`, `str`). The defaults are the kernel's, for its default
+    [:HANDOVER]]]]]] (`parse`, `str`). The defaults are the kernel's, for its default
     [64, 256] weight units: the shared memory bounds ring x unit width and kv_stages x
     kv_block together (3:3 and 4:2 fit at [64, 256] units and blocks of 64, 6:3 and 8:2 at
     [64, 128]; docs/core_step.md: how they compare), and the L2 prefetches were slower than
