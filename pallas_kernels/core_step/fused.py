@@ -102,13 +102,9 @@ def build_fused_core(
     phases, cols, layers = shape.phases, shape.unit_cols, shape.layers
     n_phases, n_kinds = len(phases), len(PRODUCT_KINDS)
     splits = splits_for(shape.heads, workers)
-    step_kinds = []  # of each step of an iteration, in order
-    for p in phases:
-        kind = kind_of(p.name)[0]
-        step_kinds += [kind, "attn"] if kind == "qkv" else [kind]
-    steps_per_iteration = len(step_kinds)
+    steps_per_iteration = shape.steps_per_iteration
     barrier_of = {}  # step -> its barrier's place in the iteration, for the barriers kept
-    for step, kind in enumerate(step_kinds):
+    for step, kind in enumerate(shape.step_kinds):
         if step == steps_per_iteration - 1 or kind not in skip_barriers:
             barrier_of[step] = len(barrier_of)
     chunks_d = shape.k_d // UNIT  # 64-row chunks of a d-vector
@@ -213,9 +209,12 @@ def build_fused_core(
             kind = {"qkv": "qkv", "proj": "o", "fc": "fc", "mlp_proj": "m"}[kind]
             return Buffers.of(kind, j), SHIFT if kind == "qkv" else 0
 
+        def residual_chunks(p):
+            """64-row chunks of the residual product p adds into its output (0: none)."""
+            return chunks_d if sources(shape, p)[5] is not None else 0
+
         def tile_adds(p, t):
-            residual = sources(shape, p)[5] is not None
-            return tile_signals(phases[p], cols, workers, chunks_d if residual else 0, t)
+            return tile_signals(phases[p], cols, workers, residual_chunks(p), t)
 
         def signal_tiles(p):
             """Signals, once the worker's adds of product p are complete, the counter of each
@@ -226,7 +225,7 @@ def build_fused_core(
                 plgpu.semaphore_signal(tile_done.at[tile_base[p] + t], 1, memory_scope="gpu")
 
             pl.loop(u0 // kch, (u0 + n - 1) // kch + 1)(signal)
-            if sources(shape, p)[5] is not None:
+            if residual_chunks(p):
 
                 @pl.loop(0, -(-chunks_d // workers))
                 def _residual(r):

@@ -209,9 +209,19 @@ class FusedShape:
         return self.d + self.kp - self.head_dim
 
     @property
+    def step_kinds(self) -> tuple[str, ...]:
+        """The kind (`STEP_KINDS`) of each step of an iteration, in order: one per product, the
+        attention after each qkv. A hand-over (a grid barrier, or tile counters) follows each."""
+        kinds = []
+        for p in self.phases:
+            kind = kind_of(p.name)[0]
+            kinds += [kind, "attn"] if kind == "qkv" else [kind]
+        return tuple(kinds)
+
+    @property
     def steps_per_iteration(self) -> int:
-        """Steps between grid barriers per iteration: one per product, one attention per layer."""
-        return len(self.phases) + self.layers
+        """Steps between hand-overs per iteration: one per product, one attention per layer."""
+        return len(self.step_kinds)
 
     @property
     def buffer_rows(self) -> int:
