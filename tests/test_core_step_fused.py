@@ -108,8 +108,6 @@ def kernel_run(w, batch, iterations, pos, *, workers, interpret, schedule, slot=
         (2, 1, SLOT - 1, Schedule(ring=2, kv_stages=3, l2_units=1, l2_blocks=2), SLOT),
         (1, 2, 5, Schedule(ring=2, kv_stages=2, l2_barrier=1, l2_attention=1), SLOT),
         (2, 1, 200, Schedule(ring=2, kv_stages=2, kv_block=128), 2 * SLOT),
-        (1, 2, 5, Schedule(ring=2, kv_stages=2, handover=0, pool=1), SLOT),
-        (2, 1, 70, Schedule(ring=2, kv_stages=3, handover=0, pool=1), SLOT),
     ],
 )
 def test_interpret_one_worker_matches_the_step_program(batch, iterations, pos, schedule, slot):
@@ -155,7 +153,7 @@ HUGINN = (5280, 55, 17920, 4)
 # the longest ring and L2 lookahead that fit; on the small shape [64, 64] units, so that every
 # worker owns more units than the ring, with 3 cached blocks in flight; each shape also with
 # blocks of 128 positions; the small shape also with a grid barrier after every product (no
-# hand-over on tile counters); both shapes with a pool (its units taken through global counters)
+# hand-over on tile counters)
 SMALL_SCHEDULE = (64, Schedule(3, 3, 0, 0))
 GPU_CASES = [
     (SMALL, 16, 1, 2, 130, 192, SMALL_SCHEDULE),
@@ -166,8 +164,6 @@ GPU_CASES = [
     (HUGINN, 132, 8, 1, 200, 256, (256, Schedule())),
     (HUGINN, 132, 8, 1, 200, 256, (128, Schedule(8, 2, 16, 8))),
     (HUGINN, 132, 1, 2, 1000, 1024, (128, Schedule(4, 2, kv_block=128))),
-    (SMALL, 8, 8, 2, 130, 192, (64, Schedule(3, 3, handover=0, pool=2))),
-    (HUGINN, 132, 1, 2, 1000, 1024, (256, Schedule(3, 3, handover=0, pool=4))),
 ]
 
 
@@ -365,9 +361,7 @@ def test_schedule_is_written_as_parsed():
     assert str(Schedule(6, 3, l2_attention=16)) == "6:3:0:0:64:0:16"
     assert Schedule.parse("3:3:0:0:64:0:0:0") == Schedule(3, 3, handover=0)
     assert str(Schedule(3, 3, handover=0)) == "3:3:0:0:64:0:0:0"
-    assert Schedule.parse("3:3:0:0:64:0:0:0:4") == Schedule(3, 3, handover=0, pool=4)
-    assert str(Schedule(3, 3, handover=0, pool=4)) == "3:3:0:0:64:0:0:0:4"
-    for bad in ("6", "6:3:1:2:64:4:5:6:7:8", "6:x"):
+    for bad in ("6", "6:3:1:2:64:4:5:6:7", "6:x"):
         with pytest.raises(ValueError, match="is not RING:KV_STAGES"):
             Schedule.parse(bad)
     with pytest.raises(ValueError, match="kv_block=96 must be one of"):
@@ -398,10 +392,6 @@ def test_refuses_what_it_cannot_run():
     huginn = FusedShape(5280, 55, 96, 17920, 1, 1)
     with pytest.raises(ValueError, match="L2 lookahead"):  # 13 units of the adapter per worker
         check_fused(huginn, 132, Schedule(ring=3, l2_units=10))
-    with pytest.raises(ValueError, match="and the pool \\(10\\) must be fewer"):
-        check_fused(huginn, 132, Schedule(ring=3, handover=0, pool=10))
-    with pytest.raises(ValueError, match="a pool needs handover"):
-        check_fused(huginn, 132, Schedule(ring=3, pool=2))
     # the on-device profiler's records of 16 iterations of 4 layers take 18.9 KiB, of 24 28.3
     # KiB: 3:3 leaves 23.9 (key blocks of 96 columns)
     four_layers = FusedShape(5280, 55, 96, 17920, 4, 1)

@@ -48,14 +48,12 @@ from pallas_kernels.core_step.fused_plan import (
     Schedule,
     check_fused,
     kind_of,
-    pool_units,
     profile_ranges,
     scoped,
     scratch_types,
     splits_for,
     tile_signals,
 )
-from pallas_kernels.core_step.fused_pool import Pool
 from pallas_kernels.core_step.plan import UNIT, pad_to
 from pallas_kernels.core_step.tiles import WGMMA, bcast_rows, col_of, in_row
 from pallas_kernels.looped_matmul.barrier import GridBarrier
@@ -98,8 +96,6 @@ def build_fused_core(
             f"head_dim={shape.head_dim} and d - {shape.kp} must be multiples of 16: a head's "
             "cache columns are copied into tiles of 16 columns"
         )
-    if schedule.pool:  # a pool unit's input is copied as its weight is: `ring` units ahead
-        x_stages = max(x_stages, schedule.ring)
     check_fused(shape, workers, schedule, x_stages, lag, iterations if profile_dir else 0)
     ring, kv_stages = schedule.ring, schedule.kv_stages
     l2_units, l2_blocks = schedule.l2_units, schedule.l2_blocks
@@ -131,7 +127,6 @@ def build_fused_core(
         s = k.s
         barrier = GridBarrier(workers, "wait", 0, 1) if k.reduce else None
         handover = schedule.handover if k.reduce else 0
-        accumulates = k.reduce or schedule.pool > 0  # outputs zeroed, tiles added into
         per_tile = cols // UNIT  # 64-row chunks of an output tile
 
         def hands_over(p):
@@ -145,21 +140,16 @@ def build_fused_core(
             if hands_over(p):
                 tile_base[p], counted = counted, counted + phases[p].tiles(cols)
         tile_done = pl.get_global(plgpu.SemaphoreType.REGULAR((counted,))) if counted else None
-        pooled = [pool_units(ph, cols, workers, schedule.pool) for ph in phases]
-        ranged = [ph.units(cols) - q for ph, q in zip(phases, pooled, strict=True)]
-        first = [u * worker // workers for u in ranged]
-        count = [u * (worker + 1) // workers - f for u, f in zip(ranged, first, strict=True)]
+        units = [p.units(cols) for p in phases]
+        first = [u * worker // workers for u in units]
+        count = [u * (worker + 1) // workers - f for u, f in zip(units, first, strict=True)]
         cum = [sum(count[:q], jnp.int32(0)) for q in range(n_phases)]
         per_iteration = sum(count, jnp.int32(0))
-        pool = Pool(s, k.reduce, iterations * n_phases) if schedule.pool else None
 
         def send_unit(q, j, raw, send):
             """send(unit) of unit j of the worker's range in phase q (a [64, cols] GMEM ref);
             `raw`: the adapter's own rows (the first iteration's, whose state is not normed)."""
-            send_phase_unit(q, first[q] + j, raw, send)
-
-        def send_phase_unit(q, u, raw, send):
-            """send(unit) of unit u of phase q."""
+            u = first[q] + j
             t = u // phases[q].k_chunks
             kc = u - t * phases[q].k_chunks
             kind, layer = kind_of(phases[q].name)
@@ -169,12 +159,9 @@ def build_fused_core(
 
         def issue_weight(q, j, c, raw):
             """TMA of unit j of phase q into ring slot c % ring."""
-            issue_into(q, first[q] + j, lax.rem(c, ring), raw)
-
-        def issue_into(q, u, slot, raw):
-            """TMA of unit u of phase q into ring slot `slot`."""
+            slot = lax.rem(c, ring)
             dst, bar = s["ring"].at[slot], s["wbar"].at[slot]
-            send_phase_unit(q, u, raw, lambda src: plgpu.copy_gmem_to_smem(src, dst, bar))
+            send_unit(q, j, raw, lambda src: plgpu.copy_gmem_to_smem(src, dst, bar))
 
         def prefetch_weight(q, j, raw):
             """Unit j of phase q into L2 (its TMA into the ring comes `l2_units` units later)."""
@@ -190,47 +177,6 @@ def build_fused_core(
             else:
                 more = jnp.logical_and(jj >= count[p], it < iterations - 1)
                 pl.when(more)(lambda: issue(0, jj - count[p], False))
-
-        def refill(it, p, slot, issue_pool_input):
-            """With a pool: the unit in ring slot `slot` is done; the slot takes the worker's
-            next unit, `ring` places later in its sequence (`Pool`): of its range in phase
-            p, else of p's pool (issue_pool_input(i, u) issues its input chunk, i the unit's
-            place in the worker's units of p), else of the next phase's range."""
-            state, j = pool.part(), pool.index()
-            nxt, wrap = (p + 1, False) if p + 1 < n_phases else (0, True)
-            raw = jnp.logical_and(it == 0, p == 0)
-
-            def next_phase(jn):
-                def go():
-                    issue_into(nxt, first[nxt] + jn, slot, False)
-
-                if wrap:
-                    pl.when(it < iterations - 1)(go)
-                else:
-                    go()
-                pool.set(Pool.NEXT, jn + 1, slot, -1)
-
-            @pl.when(state == Pool.RANGE)
-            def _():
-                issue_into(p, first[p] + j, slot, raw)
-                done = j + 1 == count[p]
-                part = jnp.where(done, Pool.POOL, Pool.RANGE)
-                pool.set(part, jnp.where(done, 0, j + 1), slot, -1)
-
-            @pl.when(state == Pool.POOL)
-            def _():
-                g = pool.grab(it * n_phases + p)
-
-                @pl.when(g < pooled[p])
-                def _():
-                    u = ranged[p] + g
-                    issue_into(p, u, slot, raw)
-                    issue_pool_input(count[p] + j, u)
-                    pool.set(Pool.POOL, j + 1, slot, g)
-
-                pl.when(g >= pooled[p])(lambda: next_phase(0))
-
-            pl.when(state == Pool.NEXT)(lambda: next_phase(j))
 
         def release(it, p, j):
             """Unit j of phase p is done: its slot takes the unit `ring` places later, and the
@@ -296,11 +242,7 @@ def build_fused_core(
             kind, j = kind_of(phases[p].name)
             kch, n, u0 = phases[p].k_chunks, count[p], first[p]
             tiles = phases[p].tiles(cols)
-            if pool:
-                pool.rebase()
-                c0 = pool.position()
-            else:
-                c0 = it * per_iteration + cum[p]
+            c0 = it * per_iteration + cum[p]
             src_a, src_b, sums, gain_col, store, residual = sources(shape, p)
             gate_up = isinstance(src_a, tuple) and src_a[0] == "gate_up"
             owned = sums is not None or store is not None
@@ -311,7 +253,8 @@ def build_fused_core(
                     return e_part.at[rows, :]
                 return act.at[src, rows, :]
 
-            def is_owner(u):
+            def is_owner(i):
+                u = u0 + i
                 t = u // kch
                 return lax.rem(u - t * kch, tiles) == t
 
@@ -332,12 +275,9 @@ def build_fused_core(
 
                 pl.when(jnp.asarray(i) == handover)(lambda: barrier.wait(handed))
 
-            def issue_x(i, u=None):
-                """The input copies of the worker's unit i of p: unit u of the product (its
-                range's unit i where None)."""
-                u = u0 + i if u is None else u
+            def issue_x(i):
                 slot = lax.rem(i, x_stages)
-                kc = lax.rem(u, kch)
+                kc = lax.rem(u0 + i, kch)
                 rows = pl.ds(kc * UNIT, UNIT)
                 if handed is not None:
                     input_ready(i, kc)
@@ -356,7 +296,7 @@ def build_fused_core(
                     plgpu.copy_gmem_to_smem(src, s["xbb"].at[slot], s["barb"].at[slot])
                 if gain_col is not None and sums[1] is not None:
                     g_src = layer_gains.at[rows, :]
-                    pl.when(is_owner(u))(
+                    pl.when(is_owner(i))(
                         lambda: plgpu.copy_gmem_to_smem(g_src, s["xg"].at[slot], s["barg"].at[slot])
                     )
 
@@ -389,43 +329,6 @@ def build_fused_core(
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(s["vst"], act.at[store, pl.ds(kc * UNIT, UNIT), :])
 
-            def unit_input(i, kc, t):
-                """Unit i's input (chunk kc, output tile t) into its wgmma B tile; returns
-                that tile."""
-                xs, bs = lax.rem(i, x_stages), lax.rem(i, lag + 1)
-                plgpu.barrier_wait(s["bara"].at[xs])
-                a = plgpu.load(s["xa"].at[xs, pl.ds(0, UNIT)], layout=WGMMA)
-                b = None
-                if gate_up:
-                    b = plgpu.load(s["xa"].at[xs, pl.ds(UNIT, UNIT)], layout=WGMMA)
-                if src_b is not None:
-                    plgpu.barrier_wait(s["barb"].at[xs])
-                    b = plgpu.load(s["xbb"].at[xs], layout=WGMMA)
-                inp, v = fn(a, b)
-                if owned:
-                    pl.when(lax.rem(kc, tiles) == t)(lambda: own(i, kc, v))
-                s["bt"].at[bs].T[...] = inp.astype(bf16)
-                plgpu.commit_smem()
-                return s["bt"].at[bs].T
-
-            def free(i):
-                """The worker's unit i of p is multiplied: its ring slot takes the next unit."""
-                if pool:
-                    refill(it, p, lax.rem(c0 + i, ring), issue_x)
-                else:
-                    release(it, p, i)
-
-            def tile_out(partial, t):
-                """Partial sums of output tile t into the product's output."""
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                s["out"][...] = partial
-                plgpu.commit_smem()
-                dst = act.at[dst_buf, pl.ds(dst_off + t * cols, cols), :]
-                if accumulates:
-                    k.add_into(s["out"], dst, cols)
-                else:
-                    plgpu.copy_smem_to_gmem(s["out"], dst)
-
             @pl.loop(u0 // kch, (u0 + n - 1) // kch + 1)
             def _segment(t):
                 ua = jnp.maximum(u0, t * kch) - u0
@@ -434,47 +337,42 @@ def build_fused_core(
                 def compute(acc):
                     @pl.loop(ua, ub)
                     def _unit(i):
-                        bt = unit_input(i, lax.rem(u0 + i, kch), t)
+                        xs, bs = lax.rem(i, x_stages), lax.rem(i, lag + 1)
+                        kc = lax.rem(u0 + i, kch)
+                        plgpu.barrier_wait(s["bara"].at[xs])
+                        a = plgpu.load(s["xa"].at[xs, pl.ds(0, UNIT)], layout=WGMMA)
+                        b = None
+                        if gate_up:
+                            b = plgpu.load(s["xa"].at[xs, pl.ds(UNIT, UNIT)], layout=WGMMA)
+                        if src_b is not None:
+                            plgpu.barrier_wait(s["barb"].at[xs])
+                            b = plgpu.load(s["xbb"].at[xs], layout=WGMMA)
+                        inp, v = fn(a, b)
+                        if owned:
+                            pl.when(lax.rem(kc, tiles) == t)(lambda: own(i, kc, v))
+                        s["bt"].at[bs].T[...] = inp.astype(bf16)
+                        plgpu.commit_smem()
                         pl.when(i + x_stages < n)(lambda: issue_x(i + x_stages))
                         slot = lax.rem(c0 + i, ring)
                         plgpu.barrier_wait(s["wbar"].at[slot])
-                        plgpu.wgmma(acc, s["ring"].at[slot].T, bt)
+                        plgpu.wgmma(acc, s["ring"].at[slot].T, s["bt"].at[bs].T)
                         plgpu.wgmma_wait(lag)
-                        pl.when(i - lag >= ua)(lambda: free(i - lag))
+                        pl.when(i - lag >= ua)(lambda: release(it, p, i - lag))
 
                     partial = acc[...]
                     for back in range(lag, 0, -1):
                         jb = ub - back
-                        pl.when(jb >= ua)(lambda jb=jb: free(jb))
-                    tile_out(partial, t)
+                        pl.when(jb >= ua)(lambda jb=jb: release(it, p, jb))
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    s["out"][...] = partial
+                    plgpu.commit_smem()
+                    dst = act.at[dst_buf, pl.ds(dst_off + t * cols, cols), :]
+                    if k.reduce:
+                        plgpu.copy_smem_to_gmem(s["out"], dst, reduction_op="add")
+                    else:
+                        plgpu.copy_smem_to_gmem(s["out"], dst)
 
                 pl.run_scoped(compute, plgpu.ACC((cols, N_PAD), f32))
-
-            if pool:
-
-                def pool_unit(carry):
-                    """The worker's next unit of p's pool, pool unit g (in the ring after
-                    the worker's range, `refill`)."""
-                    taken, g = carry
-                    i = n + taken
-                    u = ranged[p] + g
-                    t = u // kch
-
-                    def compute(acc):
-                        bt = unit_input(i, u - t * kch, t)
-                        slot = lax.rem(c0 + i, ring)
-                        plgpu.barrier_wait(s["wbar"].at[slot])
-                        plgpu.wgmma(acc, s["ring"].at[slot].T, bt)
-                        plgpu.wgmma_wait(0)
-                        free(i)
-                        tile_out(acc[...], t)
-
-                    pl.run_scoped(compute, plgpu.ACC((cols, N_PAD), f32))
-                    return taken + 1, pool.unit_in(lax.rem(c0 + i + 1, ring))
-
-                start = (jnp.int32(0), pool.unit_in(lax.rem(c0 + n, ring)))
-                taken, _ = lax.while_loop(lambda c: c[1] >= 0, pool_unit, start)
-                pool.finish(c0 + n + taken)
 
             if residual is not None:
                 plgpu.wait_smem_to_gmem(0)  # one worker: the product's tiles are written
@@ -534,7 +432,7 @@ def build_fused_core(
 
             nxt = (p + 1) % n_phases
             buf, off = output_of(nxt)
-            if accumulates and not hands_over(p):  # each output tile is written whole by adds
+            if k.reduce and not hands_over(p):  # each output tile is written whole by adds
                 if p + 1 < n_phases:
                     zero_rows(buf, off, phases[nxt].n)
                 else:
@@ -586,8 +484,6 @@ def build_fused_core(
         # rows zeroed; one barrier.
         for g in range(ring):
             issue_weight(0, g, g, True)
-        if pool:
-            pool.start(ring)
         for g in range(ring, ring + l2_units):
             prefetch_weight(0, g, True)
         s["zero"][...] = jnp.zeros((cols, N_PAD), f32)
@@ -602,7 +498,7 @@ def build_fused_core(
                     dst = act.at[Buffers.of("qkv", j), pl.ds(r, SHIFT), :]
                     plgpu.copy_smem_to_gmem(s["zero"].at[pl.ds(0, SHIFT)], dst)
 
-        if accumulates:
+        if k.reduce:
             zero_rows(Buffers.A, 0, phases[0].n)
         plgpu.wait_smem_to_gmem(0)
         if k.reduce:

@@ -52,12 +52,8 @@ class Schedule:
     after a proj, and after an MLP proj that a qkv follows, a worker takes that many units of
     the next product as soon as their input tiles are complete (per-tile counters), and only
     then waits for every worker to have finished the step before (0: a grid barrier).
-    `pool` > 0: the last `pool` x workers units of each product are not split over the
-    workers but taken one at a time, by whichever worker asks first (a global counter per
-    product), so that the workers' ends of a product come together (`pool_units`; needs
-    `handover` and the L2 prefetches at 0). Written RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS
-    [:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION[:HANDOVER[:POOL]]]]]]] (`parse`, `str`). The
-    defaults are the kernel's, for its default
+    Written RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION
+    [:HANDOVER]]]]]] (`parse`, `str`). The defaults are the kernel's, for its default
     [64, 256] weight units: the shared memory bounds ring x unit width and kv_stages x
     kv_block together (3:3 and 4:2 fit at [64, 256] units and blocks of 64, 6:3 and 8:2 at
     [64, 128]; docs/core_step.md: how they compare), and the L2 prefetches were slower than
@@ -71,7 +67,6 @@ class Schedule:
     l2_barrier: int = 0
     l2_attention: int = 0
     handover: int = 8
-    pool: int = 0
 
     @property
     def l2_reach(self) -> int:
@@ -84,13 +79,13 @@ class Schedule:
 
     @classmethod
     def parse(cls, text: str) -> Schedule:
-        """6:3, 6:3:16:8, 4:2:0:0:128 or 3:3:0:0:64:0:0:0:4 (the fields left out take their
+        """6:3, 6:3:16:8, 4:2:0:0:128 or 3:3:0:0:64:0:0:0 (the fields left out take their
         defaults); ValueError otherwise."""
         parts = text.split(":")
-        if not 2 <= len(parts) <= 9 or not all(p.isdigit() for p in parts):
+        if not 2 <= len(parts) <= 8 or not all(p.isdigit() for p in parts):
             raise ValueError(
                 f"{text!r} is not RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK"
-                "[:L2_BARRIER[:L2_ATTENTION[:HANDOVER[:POOL]]]]]]] (6:3:16:8)"
+                "[:L2_BARRIER[:L2_ATTENTION[:HANDOVER]]]]]] (6:3:16:8)"
             )
         return cls(*(int(p) for p in parts))
 
@@ -312,17 +307,11 @@ def smem_bytes(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int) -
 def most_workers(shape: FusedShape, schedule: Schedule) -> int:
     """The most workers `check_fused` lets `schedule` run `shape` on (0 where not even one):
     each worker must own more units of every product than the ring and its furthest L2
-    prefetch reach (ring + `Schedule.l2_reach`), besides the pool. Of a product's u units
-    less pool x w, the fewest a worker owns among w is u // w - pool, which stays above that
-    reach for every w up to u // (reach + 1 + pool)."""
-    reach = schedule.ring + schedule.l2_reach + schedule.pool
+    prefetch reach (ring + `Schedule.l2_reach`). Of a product's u
+    units the fewest a worker owns among w is u // w, which stays above that reach for every w
+    up to u // (reach + 1)."""
+    reach = schedule.ring + schedule.l2_reach
     return min(p.units(shape.unit_cols) // (reach + 1) for p in shape.phases)
-
-
-def pool_units(phase: Phase, cols: int, workers: int, pool: int) -> int:
-    """How many of a product's units (its last ones, tile major) the workers take one at a
-    time (`Schedule.pool`); the others are split over the workers in contiguous ranges."""
-    return min(pool * workers, phase.units(cols))
 
 
 def tile_signals(phase: Phase, cols: int, workers: int, residual_chunks: int, t):
@@ -374,10 +363,8 @@ def check_fused(
         raise ValueError(f"kv_stages={kv_stages} must be in [2, {MAX_RING}]")
     if min(schedule.l2_units, schedule.l2_barrier, schedule.l2_attention) < 0:
         raise ValueError(f"schedule {schedule}: the L2 prefetches must be >= 0")
-    if schedule.handover < 0 or schedule.pool < 0:
-        raise ValueError(f"schedule {schedule}: handover and pool must be >= 0")
-    if schedule.pool and (schedule.handover or schedule.l2_reach or schedule.l2_blocks):
-        raise ValueError(f"schedule {schedule}: a pool needs handover and the L2 prefetches at 0")
+    if schedule.handover < 0:
+        raise ValueError(f"schedule {schedule}: handover must be >= 0")
     if workers < 1:
         raise ValueError(f"workers={workers} must be at least 1")
     most = most_workers(shape, schedule)
@@ -386,8 +373,7 @@ def check_fused(
         fits = f"{most} workers at most fit" if most else "not even one worker fits"
         raise ValueError(
             f"a worker owns {fewest} units of some product with {workers} workers: the ring "
-            f"({ring}), the L2 lookahead ({schedule.l2_reach}) and the pool "
-            f"({schedule.pool}) must be fewer ({fits})"
+            f"({ring}) and the L2 lookahead ({schedule.l2_reach}) must be shorter ({fits})"
         )
     need = smem_bytes(shape, schedule, x_stages, lag)
     if need > SMEM_LIMIT:
@@ -420,10 +406,6 @@ def scratch_types(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int
         pin=plgpu.SMEM((kp + SCALAR_ROWS, N_PAD), f32),
         pbar=plgpu.Barrier(),
     )
-    if schedule.pool:  # the ring's units by slot, and the pool's counters (`fused.py`)
-        kernel_wide.update(
-            slot_unit=plgpu.SMEM((ring,), jnp.int32), pool_state=plgpu.SMEM((8,), jnp.int32)
-        )
     product = dict(
         xa=plgpu.SMEM((x_stages, 2 * UNIT, N_PAD), f32),  # 2 chunks: the MLP's gate and up
         xbb=plgpu.SMEM((x_stages, *chunk), f32),

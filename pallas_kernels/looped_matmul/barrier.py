@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, memref, scf
+from jax._src.lib.mlir.dialects import arith, scf
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -76,36 +76,6 @@ def _spin_acquire_one_thread(sem: Any, target: Any) -> None:
         mgpu.utils.warpgroup_barrier()
 
     spin(sem, target)
-
-
-def fetch_add(counters: Any, index: Any, dst: Any) -> Any:
-    """Returns counters[index] and adds 1 to it, atomically over the grid: one thread of the
-    warpgroup runs `atom.relaxed.gpu.global.add.u32` and passes the old value to the others
-    through dst (an int32 [1] ref in shared memory). `counters`: a global semaphore array
-    (`pl.get_global`), zero at the kernel's start; `index` may be traced."""
-
-    @plgpu.inline_mgpu(
-        arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT(shape=()), plgpu.RefType())
-    )
-    def grab(ctx, counters_ref, index_fa, dst_ref):
-        del ctx
-        i32 = mgpu.utils.dtype_to_ir_type(jnp.int32)
-        [i] = list(index_fa.registers.flat)
-        base = mgpu.utils.memref_ptr(counters_ref)
-        with mgpu.utils.single_thread(mgpu.utils.ThreadSubset.WARPGROUP):
-            old = mgpu.utils.inline_ptx(
-                "{ .reg .u64 %addr; mul.wide.u32 %addr, $2, 4; add.u64 %addr, %addr, $1; "
-                "atom.relaxed.gpu.global.add.u32 $0, [%addr], 1; }",
-                base,
-                i,
-                result_types=i32,
-                has_side_effects=True,
-            )
-            memref.store(old, dst_ref, [mgpu.utils.c(0, ir.IndexType.get())])
-        mgpu.utils.warpgroup_barrier()
-
-    grab(counters, jnp.asarray(index, jnp.int32), dst)
-    return dst[0]
 
 
 class GridBarrier:
