@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from experiments.kernels.scopes import read_newest, recording_workers, scope_cycles
+from experiments.kernels.scopes import read_newest, recording_workers, scope_cycles, spread
 
 
 def ranges(tid: int, spans: list[tuple[str, float, float]]) -> list[dict]:
@@ -49,3 +49,22 @@ def test_reads_the_newest_trace(tmp_path):
     assert read_newest(tmp_path) == newest
     with pytest.raises(FileNotFoundError):
         read_newest(tmp_path / "missing")
+
+
+def test_spread_finds_the_late_worker_of_each_occurrence():
+    """fc0 twice (two iterations) on three workers, worker 3 the slowest both times; a
+    barrier after each, where worker 3, the last to arrive, waits least; a rope on worker 1
+    only, which not every worker ran."""
+    fc = {1: (100, 110), 2: (120, 100), 3: (200, 210)}
+    events = []
+    for w, (a, b) in fc.items():
+        spans = [("fc0", 0, a), ("after_fc", a, 210), ("fc0", 220, 220 + b)]
+        events += ranges(w, spans + [("after_fc", 220 + b, 440)])  # the barrier opens at 440
+    events += ranges(1, [("attn/rope", 500, 550)])
+    got = spread({"traceEvents": events}, per=2)
+    assert set(got) == {"fc", "after_fc"}
+    assert got["fc"]["late"] == pytest.approx((60 + 70) / 2)  # slowest - mean
+    assert got["fc"]["waited"] == pytest.approx((20 + 10) / 2)  # median - fewest
+    assert got["fc"]["repeat"] > 0.9
+    # waits 110, 90, 10 and 110, 120, 10: the median worker waited 80 and 100 past the last
+    assert got["after_fc"]["waited"] == pytest.approx((80 + 100) / 2)

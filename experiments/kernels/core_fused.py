@@ -238,6 +238,7 @@ def profile(w, context: int, schedule) -> dict:
         context=context, schedule=str(schedule), unit_cols=FLAGS.unit_cols,
         workers=scopes.recording_workers(trace),
         cycles_per_iteration=scopes.scope_cycles(trace, per=its),
+        spread_per_iteration=scopes.spread(trace, per=its),
     )  # fmt: skip
 
 
@@ -280,6 +281,15 @@ def format_table(rows: list[dict], profiles: list[dict]) -> str:
         )
         for kind, c in prof["cycles_per_iteration"].items():
             lines.append(f"  {kind:<10}{c['median']:>12.0f}   {c['p10']:.0f}-{c['p90']:.0f}")
+        lines.append(
+            "  per iteration, over each step's or barrier's occurrences: slowest worker - mean "
+            "(late), median - fewest (waited); repeat: whether the same workers are slow"
+        )
+        for kind, c in prof.get("spread_per_iteration", {}).items():
+            lines.append(
+                f"  {kind:<16}late {c['late']:>8.0f}  waited {c['waited']:>8.0f}  "
+                f"repeat {c['repeat']:+.2f}"
+            )
     skipped = sorted({", ".join(r["skip_barriers"]) for r in rows if r.get("skip_barriers")})
     for kinds in skipped:
         lines.append(

@@ -5,13 +5,16 @@ profile_dir=...)`) records the SM clock at each named scope's entry and exit, pe
 and writes one Chrome-trace JSON per call there (cycles written as ns, so `ts` * 1e3 is
 cycles). `scope_cycles` reads the newest: per scope kind (the scope's last name, its digits
 dropped: qkv0 .. qkv3 are one kind), each worker's total cycles over the call divided by
-`per`, and their median, p10 and p90 over the workers.
+`per`, and their median, p10 and p90 over the workers. `spread` compares the workers within
+each occurrence of a scope: how far the slowest is from the others, and whether the same
+workers are slow every time.
 """
 
 from __future__ import annotations
 
 import collections
 import json
+import math
 import re
 import statistics
 from pathlib import Path
@@ -56,3 +59,69 @@ def scope_cycles(trace: dict, per: float = 1.0) -> dict[str, dict]:
             median=statistics.median(vals), p10=vals[len(vals) // 10], p90=vals[9 * len(vals) // 10]
         )
     return out
+
+
+def occurrences(trace: dict) -> dict[str, list[dict[int, float]]]:
+    """{scope name (its last name, digits kept: qkv0 and qkv1 apart): [{worker: cycles} of its
+    k-th occurrence, k = 0, 1, ...]}: a worker's k-th scope of a name (by entry) is occurrence
+    k (so every worker must run the same scopes in the same order, as a persistent kernel's
+    steps and barriers are)."""
+    out: dict[str, list[dict[int, float]]] = collections.defaultdict(list)
+    opened: dict[int, list] = collections.defaultdict(list)
+    seen: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+    for e in sorted(
+        (e for e in trace["traceEvents"] if e.get("ph") in ("B", "E")),
+        key=lambda e: (e["tid"], e["ts"], e["ph"] == "B"),
+    ):
+        if e["ph"] == "B":
+            opened[e["tid"]].append(e["ts"])
+            continue
+        start = opened[e["tid"]].pop()
+        name = e["name"].split("/")[-1]
+        k = seen[e["tid"]][name]
+        seen[e["tid"]][name] += 1
+        while len(out[name]) <= k:
+            out[name].append({})
+        out[name][k][e["tid"]] = (e["ts"] - start) * 1e3
+    return out
+
+
+def _correlation(a: list[float], b: list[float]) -> float:
+    ma, mb = statistics.fmean(a), statistics.fmean(b)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(a, b, strict=True))
+    norm = math.sqrt(sum((x - ma) ** 2 for x in a) * sum((y - mb) ** 2 for y in b))
+    return cov / norm if norm else 0.0
+
+
+def spread(trace: dict, per: float = 1.0) -> dict[str, dict]:
+    """Per scope kind (digits dropped), over the occurrences of its names that every
+    recording worker ran, summed and divided by `per`: `late`, the slowest worker's cycles
+    less the workers' mean (for a step ended by a grid barrier: the most that an even split
+    of its work could take off), and `waited`, the median worker's cycles less the fewest (for
+    a barrier, whose last arriver waits least: how long the median worker waits for the
+    last); and `repeat`, over the kind's names (fc0 for fc0, once per iteration), the mean
+    correlation over the workers between their mean excess over each occurrence's median in
+    the even occurrences and in the odd ones (near 1: the same workers are slow every time)."""
+    workers = recording_workers(trace)
+    sums: dict[str, dict] = collections.defaultdict(lambda: dict(late=0.0, waited=0.0, r=[]))
+    for name, occ in sorted(occurrences(trace).items()):
+        full = [o for o in occ if len(o) == workers]
+        if len(full) < 2:
+            continue
+        kind = sums[re.sub(r"\d+$", "", name)]
+        excess: dict[int, list[float]] = collections.defaultdict(list)
+        for o in full:
+            vals = sorted(o.values())
+            median = statistics.median(vals)
+            kind["late"] += (vals[-1] - statistics.fmean(vals)) / per
+            kind["waited"] += (median - vals[0]) / per
+            for w, v in o.items():
+                excess[w].append(v - median)
+        ws = sorted(excess)
+        even = [statistics.fmean(excess[w][0::2]) for w in ws]
+        odd = [statistics.fmean(excess[w][1::2]) for w in ws]
+        kind["r"].append(_correlation(even, odd))
+    return {
+        kind: dict(late=c["late"], waited=c["waited"], repeat=statistics.fmean(c["r"]))
+        for kind, c in sorted(sums.items())
+    }
