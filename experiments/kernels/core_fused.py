@@ -256,7 +256,7 @@ def format_table(rows: list[dict], profiles: list[dict]) -> str:
     from pallas_kernels.core_step.fused_plan import Schedule
 
     head = (
-        f"{'batch':>5}  {'impl':<8}{'unit':>6}{'schedule':>18}{'context':>8}{'ms/iter':>9}"
+        f"{'batch':>5}  {'impl':<8}{'unit':>6}{'schedule':>20}{'context':>8}{'ms/iter':>9}"
         f"{'floor ms':>10}{'% floor':>9}  err"
     )
     lines = [head, "-" * len(head)]
@@ -271,7 +271,7 @@ def format_table(rows: list[dict], profiles: list[dict]) -> str:
         sched = str(Schedule(*(r[f] for f in fields))) if "kv_stages" in r else r["ring"]
         unit = f"{r['unit_cols']:>6}"
         lines.append(
-            f"{r['batch']:>5}  {r['impl']:<8}{unit}{sched:>18}{r['context']:>8}{cells}  {err}"
+            f"{r['batch']:>5}  {r['impl']:<8}{unit}{sched:>20}{r['context']:>8}{cells}  {err}"
         )
     for prof in profiles:
         lines.append(
