@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import json
-import math
 import re
 import statistics
 from pathlib import Path
@@ -38,10 +37,9 @@ def recording_workers(trace: dict) -> int:
     return len({e["tid"] for e in trace["traceEvents"] if e.get("ph") == "B"})
 
 
-def scope_cycles(trace: dict, per: float = 1.0) -> dict[str, dict]:
-    """{kind: {median, p10, p90}} of each worker's cycles in the scopes of that kind / `per`,
-    over the workers that recorded any scope."""
-    per_worker: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+def closed_scopes(trace: dict):
+    """(worker, scope name, cycles) of each scope as its exit comes, in the trace's order;
+    ValueError where a worker's exit does not close its innermost open scope."""
     opened: dict[int, list] = collections.defaultdict(list)
     for e in trace["traceEvents"]:
         if e.get("ph") == "B":
@@ -50,8 +48,16 @@ def scope_cycles(trace: dict, per: float = 1.0) -> dict[str, dict]:
             name, start = opened[e["tid"]].pop()
             if name != e["name"]:
                 raise ValueError(f"unbalanced trace: {name!r} closed by {e['name']!r}")
-            kind = re.sub(r"\d+$", "", name.split("/")[-1])
-            per_worker[e["tid"]][kind] += (e["ts"] - start) * 1e3 / per
+            yield e["tid"], name, (e["ts"] - start) * 1e3
+
+
+def scope_cycles(trace: dict, per: float = 1.0) -> dict[str, dict]:
+    """{kind: {median, p10, p90}} of each worker's cycles in the scopes of that kind / `per`,
+    over the workers that recorded any scope."""
+    per_worker: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+    for worker, name, cycles in closed_scopes(trace):
+        kind = re.sub(r"\d+$", "", name.split("/")[-1])
+        per_worker[worker][kind] += cycles / per
     out = {}
     for kind in sorted({n for c in per_worker.values() for n in c}):
         vals = sorted(c.get(kind, 0.0) for c in per_worker.values())
@@ -63,34 +69,27 @@ def scope_cycles(trace: dict, per: float = 1.0) -> dict[str, dict]:
 
 def occurrences(trace: dict) -> dict[str, list[dict[int, float]]]:
     """{scope name (its last name, digits kept: qkv0 and qkv1 apart): [{worker: cycles} of its
-    k-th occurrence, k = 0, 1, ...]}: a worker's k-th scope of a name (by entry) is occurrence
-    k (so every worker must run the same scopes in the same order, as a persistent kernel's
-    steps and barriers are)."""
+    k-th occurrence, k = 0, 1, ...]}: a worker's k-th scope of a name is occurrence k (so
+    every worker must run the same scopes in the same order, as a persistent kernel's steps
+    and barriers are)."""
     out: dict[str, list[dict[int, float]]] = collections.defaultdict(list)
-    opened: dict[int, list] = collections.defaultdict(list)
     seen: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
-    for e in sorted(
-        (e for e in trace["traceEvents"] if e.get("ph") in ("B", "E")),
-        key=lambda e: (e["tid"], e["ts"], e["ph"] == "B"),
-    ):
-        if e["ph"] == "B":
-            opened[e["tid"]].append(e["ts"])
-            continue
-        start = opened[e["tid"]].pop()
-        name = e["name"].split("/")[-1]
-        k = seen[e["tid"]][name]
-        seen[e["tid"]][name] += 1
+    for worker, path, cycles in closed_scopes(trace):
+        name = path.split("/")[-1]
+        k = seen[worker][name]
+        seen[worker][name] += 1
         while len(out[name]) <= k:
             out[name].append({})
-        out[name][k][e["tid"]] = (e["ts"] - start) * 1e3
+        out[name][k][worker] = cycles
     return out
 
 
 def _correlation(a: list[float], b: list[float]) -> float:
-    ma, mb = statistics.fmean(a), statistics.fmean(b)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(a, b, strict=True))
-    norm = math.sqrt(sum((x - ma) ** 2 for x in a) * sum((y - mb) ** 2 for y in b))
-    return cov / norm if norm else 0.0
+    """Pearson's correlation of a and b; 0 where either is constant."""
+    try:
+        return statistics.correlation(a, b)
+    except statistics.StatisticsError:
+        return 0.0
 
 
 def spread(trace: dict, per: float = 1.0) -> dict[str, dict]:
