@@ -11,33 +11,20 @@ iteration to the next (mean over the workers) against that of the workers' means
 
 from __future__ import annotations
 
-import gzip
 import itertools
-import json
 import statistics
 import sys
 
 from experiments.kernels import scopes
+from experiments.measure.trace import load_trace
 
 KINDS = ("qkv", "proj", "fc", "mlp_proj")
 
 
-def excess(occ: list[dict[int, float]]) -> dict[int, list[float]]:
-    """Each worker's cycles less the occurrence's median, per occurrence."""
-    out: dict[int, list[float]] = {}
-    for o in occ:
-        median = statistics.median(o.values())
-        for w, v in o.items():
-            out.setdefault(w, []).append(v - median)
-    return out
-
-
 def main(path: str, layers: int = 4) -> None:
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        occ = scopes.occurrences(json.load(f))
+    occ = scopes.occurrences(load_trace(path))
     for kind in KINDS:
-        by_layer = [excess(occ[f"{kind}{j}"]) for j in range(layers)]
+        by_layer = [scopes.excess(occ[f"{kind}{j}"]) for j in range(layers)]
         means = [{w: statistics.fmean(v) for w, v in e.items()} for e in by_layer]
         ws = sorted(means[0])
         pairs = [

@@ -84,6 +84,16 @@ def occurrences(trace: dict) -> dict[str, list[dict[int, float]]]:
     return out
 
 
+def excess(occurrences_of_a_name: list[dict[int, float]]) -> dict[int, list[float]]:
+    """{worker: [its cycles less the occurrence's median, per occurrence]}."""
+    out: dict[int, list[float]] = collections.defaultdict(list)
+    for o in occurrences_of_a_name:
+        median = statistics.median(o.values())
+        for w, v in o.items():
+            out[w].append(v - median)
+    return out
+
+
 def _correlation(a: list[float], b: list[float]) -> float:
     """Pearson's correlation of a and b; 0 where either is constant."""
     try:
@@ -108,17 +118,14 @@ def spread(trace: dict, per: float = 1.0) -> dict[str, dict]:
         if len(full) < 2:
             continue
         kind = sums[re.sub(r"\d+$", "", name)]
-        excess: dict[int, list[float]] = collections.defaultdict(list)
         for o in full:
             vals = sorted(o.values())
-            median = statistics.median(vals)
             kind["late"] += (vals[-1] - statistics.fmean(vals)) / per
-            kind["waited"] += (median - vals[0]) / per
-            for w, v in o.items():
-                excess[w].append(v - median)
-        ws = sorted(excess)
-        even = [statistics.fmean(excess[w][0::2]) for w in ws]
-        odd = [statistics.fmean(excess[w][1::2]) for w in ws]
+            kind["waited"] += (statistics.median(vals) - vals[0]) / per
+        over = excess(full)
+        ws = sorted(over)
+        even = [statistics.fmean(over[w][0::2]) for w in ws]
+        odd = [statistics.fmean(over[w][1::2]) for w in ws]
         kind["r"].append(_correlation(even, odd))
     return {
         kind: dict(late=c["late"], waited=c["waited"], repeat=statistics.fmean(c["r"]))
