@@ -18,7 +18,6 @@ from huginn_jax.persistent import fused_shape
 from pallas_kernels.core_step import Pending, StepWeights, core_iteration, rope_row
 from pallas_kernels.core_step.fused import build_fused_core
 from pallas_kernels.core_step.fused_plan import (
-    ROPE_ROWS,
     FusedShape,
     Schedule,
     check_fused,
@@ -107,7 +106,7 @@ def kernel_run(w, batch, iterations, pos, *, workers, interpret, schedule, slot=
     [
         (1, 2, 0, Schedule(ring=3, kv_stages=2), SLOT),
         (2, 1, SLOT - 1, Schedule(ring=2, kv_stages=3, l2_units=1, l2_blocks=2), SLOT),
-        (1, 2, 5, Schedule(2, 2, l2_barrier=1, l2_attention=1, early_blocks=0), SLOT),
+        (1, 2, 5, Schedule(ring=2, kv_stages=2, l2_barrier=1, l2_attention=1), SLOT),
         (2, 1, 200, Schedule(ring=2, kv_stages=2, kv_block=128), 2 * SLOT),
     ],
 )
@@ -163,7 +162,7 @@ GPU_CASES = [
     (SMALL, 16, 8, 1, 200, 256, (64, Schedule(3, 2, kv_block=128))),
     (HUGINN, 132, 1, 2, 1000, 1024, (256, Schedule())),
     (HUGINN, 132, 8, 1, 200, 256, (256, Schedule())),
-    (HUGINN, 132, 8, 1, 200, 256, (128, Schedule(8, 2, 16, 8, early_blocks=0))),
+    (HUGINN, 132, 8, 1, 200, 256, (128, Schedule(8, 2, 16, 8))),
     (HUGINN, 132, 1, 2, 1000, 1024, (128, Schedule(4, 2, kv_block=128))),
 ]
 
@@ -289,7 +288,7 @@ def lowered(shape: FusedShape, positions: int, **kernel_options):
     cache = sd((slots, shape.batch, positions, shape.d), jnp.bfloat16)
     args = [
         sd((1 + slots,), jnp.int32), sd((shape.k_d, 8), f32), sd((shape.k_d, 8), f32),
-        sd((shape.layers, shape.k_d, 8), f32), sd((ROPE_ROWS, shape.table_rows, 8), f32),
+        sd((shape.layers, shape.k_d, 8), f32), sd((3, shape.table_rows, 8), f32),
         sd((shape.layers, 2, shape.table_rows, 8), f32), cache, cache,
         *(sd(w, jnp.bfloat16) for w in shape.weight_shapes()),
     ]  # fmt: skip
@@ -362,9 +361,7 @@ def test_schedule_is_written_as_parsed():
     assert str(Schedule(6, 3, l2_attention=16)) == "6:3:0:0:64:0:16"
     assert Schedule.parse("3:3:0:0:64:0:0:0") == Schedule(3, 3, handover=0)
     assert str(Schedule(3, 3, handover=0)) == "3:3:0:0:64:0:0:0"
-    assert Schedule.parse("3:2:0:0:64:0:0:8:0") == Schedule(3, 2, early_blocks=0)
-    assert str(Schedule(3, 2, early_blocks=0)) == "3:2:0:0:64:0:0:8:0"
-    for bad in ("6", "6:3:1:2:64:4:5:6:7:1", "6:x"):
+    for bad in ("6", "6:3:1:2:64:4:5:6:7", "6:x"):
         with pytest.raises(ValueError, match="is not RING:KV_STAGES"):
             Schedule.parse(bad)
     with pytest.raises(ValueError, match="kv_block=96 must be one of"):
@@ -372,13 +369,13 @@ def test_schedule_is_written_as_parsed():
 
 
 def test_profiler_records_each_attention_item_parts():
-    """Room for every step's range and its barrier's two, and the parts and the two attention
-    ranges of each of a worker's items: one item each with 110 of 132 workers busy, four with
-    16 workers (55 heads, one split)."""
+    """Room for every step's range and its barrier's two, and the parts of each of a worker's
+    items: one item each with 110 of 132 workers busy, four with 16 workers (55 heads, one
+    split)."""
     four_layers = FusedShape(5280, 55, 96, 17920, 4, 1)
     per_step = 3 * four_layers.steps_per_iteration
-    assert profile_ranges(four_layers, 132, 8) == 8 * (per_step + 5 * 4) + 8
-    assert profile_ranges(four_layers, 16, 8) == 8 * (per_step + 5 * 4 * 4) + 8
+    assert profile_ranges(four_layers, 132, 8) == 8 * (per_step + 3 * 4) + 8
+    assert profile_ranges(four_layers, 16, 8) == 8 * (per_step + 3 * 4 * 4) + 8
 
 
 def test_refuses_what_it_cannot_run():
@@ -395,12 +392,12 @@ def test_refuses_what_it_cannot_run():
     huginn = FusedShape(5280, 55, 96, 17920, 1, 1)
     with pytest.raises(ValueError, match="L2 lookahead"):  # 13 units of the adapter per worker
         check_fused(huginn, 132, Schedule(ring=3, l2_units=10))
-    # the on-device profiler's records of 16 iterations of 4 layers take 18.9 KiB, of 32 37.7
-    # KiB: 3:3 without early blocks leaves 29.9 (key blocks of 96 columns)
+    # the on-device profiler's records of 16 iterations of 4 layers take 18.9 KiB, of 24 28.3
+    # KiB: 3:3 leaves 23.9 (key blocks of 96 columns)
     four_layers = FusedShape(5280, 55, 96, 17920, 4, 1)
-    check_fused(four_layers, 132, Schedule(3, 3, early_blocks=0), profiled_iterations=16)
-    with pytest.raises(ValueError, match="for the profiler's records of 32 iterations"):
-        check_fused(four_layers, 132, Schedule(3, 3, early_blocks=0), profiled_iterations=32)
+    check_fused(four_layers, 132, Schedule(3, 3), profiled_iterations=16)
+    with pytest.raises(ValueError, match="for the profiler's records of 24 iterations"):
+        check_fused(four_layers, 132, Schedule(3, 3), profiled_iterations=24)
     with pytest.raises(ValueError, match="multiple of the schedule's blocks \\(128\\)"):
         w = step_weights(core())
         w = StepWeights(w.adapter, w.layers[:LAYERS], head_dim=w.head_dim, eps=w.eps)

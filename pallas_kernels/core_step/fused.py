@@ -121,7 +121,6 @@ def build_fused_core(
             v_cache=v_cache, s=dict(zip(SCRATCH_NAMES, refs[n_kinds + 4 :], strict=True)),
             rope_types=rope_types, block_types=block_types, combine_types=combine_types,
             kv_stages=kv_stages, kv_block=schedule.kv_block,
-            early_blocks=schedule.early_blocks > 0,
             flags=pl.get_global(plgpu.SemaphoreType.REGULAR((shape.heads,)))
             if splits > 1 else None,
         )  # fmt: skip
@@ -199,12 +198,8 @@ def build_fused_core(
             @pl.loop(0, -(-tiles // workers))
             def _(r):
                 t = worker + r * workers
-
-                @pl.when(t < tiles)
-                def _():
-                    for c in range(per_tile):  # the zero chunk is 64 rows
-                        dst = act.at[buf, pl.ds(offset + t * cols + c * UNIT, UNIT), :]
-                        plgpu.copy_smem_to_gmem(s["zero"], dst)
+                dst = act.at[buf, pl.ds(offset + t * cols, cols), :]
+                pl.when(t < tiles)(lambda: plgpu.copy_smem_to_gmem(s["zero"], dst))
 
         def output_of(p):
             """(buffer, row offset) of product p's output."""
@@ -491,7 +486,7 @@ def build_fused_core(
             issue_weight(0, g, g, True)
         for g in range(ring, ring + l2_units):
             prefetch_weight(0, g, True)
-        s["zero"][...] = jnp.zeros((UNIT, N_PAD), f32)
+        s["zero"][...] = jnp.zeros((cols, N_PAD), f32)
         plgpu.commit_smem()
 
         @pl.when(worker == 0)
@@ -520,20 +515,15 @@ def build_fused_core(
                 if hands_over(p):
                     signal_tiles(p)
                 kind, j = kind_of(phases[p].name)
-
-                def after(p=p, step=step, kind=kind):
-                    wait = not hands_over(p)
-                    cross(it, step, kind, lambda: prefetch_next(it, p), wait=wait)
-
+                cross(it, step, kind, lambda p=p: prefetch_next(it, p), wait=not hands_over(p))
                 handed = epoch_of(it, step) if hands_over(p) else None
                 step += 1
-                if kind != "qkv":
-                    after()
-                    continue
-                attention_step(k, it, j, after)  # it passes the barrier after the qkv
-                plgpu.wait_smem_to_gmem(0)
-                cross(it, step, "attn")
-                step += 1
+                if kind == "qkv":
+                    with jax.named_scope(f"attn{j}"):
+                        attention_step(k, it, j)
+                    plgpu.wait_smem_to_gmem(0)
+                    cross(it, step, "attn")
+                    step += 1
 
     scratch, product_types, rope_types, block_types, combine_types = scratch_types(
         shape, schedule, x_stages, lag

@@ -31,7 +31,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.core_step.fused_plan import (
     N_PAD,
-    ROPE_ROWS,
     SCALAR_ROWS,
     SHIFT,
     Buffers,
@@ -43,28 +42,16 @@ from pallas_kernels.core_step.tiles import WGMMA, bcast_rows, in_row, round_bf16
 MASKED = -1e30  # the model's masked score: finite, so exp(MASKED - m) is 0, never NaN
 
 
-def attention_step(k, it, j, after_qkv) -> None:
-    """Layer j's attention at iteration `it`; `k`: the kernel's `fused.KernelContext`;
-    `after_qkv()`: the barrier after the qkv, which every worker passes once. With
-    `Schedule.early_blocks` a worker passes it once its first item's early copies are issued."""
-    first = 0
-    if k.early_blocks:
-        pl.when(k.worker < k.items)(lambda: _head_item(k, it, j, k.worker, after_qkv))
-        pl.when(k.worker >= k.items)(after_qkv)
-        first = 1
-    else:
-        after_qkv()
+def attention_step(k, it, j) -> None:
+    """Layer j's attention at iteration `it`; `k`: the kernel's `fused.KernelContext`."""
 
-    @pl.loop(first, -(-k.items // k.workers))
+    @pl.loop(0, -(-k.items // k.workers))
     def _item(rr):
         item = k.worker + rr * k.workers
-        pl.when(item < k.items)(lambda: _head_item(k, it, j, item, lambda: None))
+        pl.when(item < k.items)(lambda: _head_item(k, it, j, item))
 
 
-def _head_item(k, it, j, item, after_qkv) -> None:
-    """One item: the copies that need no qkv output (the RoPE tables, the first cached blocks)
-    issued before `after_qkv()` where the RoPE's and the blocks' buffers share a scope
-    (`Schedule.early_blocks`), after it otherwise; then RoPE, the blocks and the combine."""
+def _head_item(k, it, j, item) -> None:
     kp, hd = k.shape.kp, k.shape.head_dim
     h, split, (ck, c0) = _window(k, item)
     rows = plgpu.broadcasted_iota(jnp.int32, (kp, N_PAD), 0, layout=WGMMA)
@@ -73,41 +60,17 @@ def _head_item(k, it, j, item, after_qkv) -> None:
         return jnp.logical_and(rows >= delta, rows < delta + hd)
 
     valid, kvalid = head_rows(h * hd - c0), head_rows(h * hd - ck)
-    masks = (kvalid, valid, rows % 2 == 0)
-    pairs = _Pairs(k, it, j, split)
-
-    def rope(s):
-        return _rope(k, it, j, (ck, c0), masks, s)
-
-    def blocks(q, s, stream=None):
-        return _own_blocks(k, q, pairs, stream or pairs.stream((ck, c0), s), s)
-
-    def early(s):  # the RoPE's and the blocks' buffers in one scope
-        _copy_tables(k, j, ck, s)
-        stream = pairs.stream((ck, c0), s)
-        after_qkv()
-        with jax.named_scope(f"attn{j}"):
-            with jax.named_scope("rope"):
-                new = rope(s)
-            with jax.named_scope("blocks"):
-                return new, blocks(new[0], s, stream)
-
-    def rope_in_scope(s):
-        _copy_tables(k, j, ck, s)
-        return rope(s)
-
-    if k.early_blocks:
-        new, parts = scoped({**k.rope_types, **k.block_types}, early)
-    else:
-        after_qkv()
-        with jax.named_scope(f"attn{j}"):
-            with jax.named_scope("rope"):
-                new = scoped(k.rope_types, rope_in_scope)
-            with jax.named_scope("blocks"):
-                parts = scoped(k.block_types, lambda s: blocks(new[0], s))
-    with jax.named_scope(f"attn{j}"), jax.named_scope("combine"):
-        of = (h, split, item)
-        scoped(k.combine_types, lambda s: _combine(k, it, j, of, c0, valid, new, parts, s))
+    with jax.named_scope("rope"):
+        q, k_new, v_new = scoped(
+            k.rope_types, lambda s: _rope(k, it, j, (ck, c0), (kvalid, valid), s)
+        )
+    with jax.named_scope("blocks"):
+        parts = scoped(k.block_types, lambda s: _own_blocks(k, it, j, q, (ck, c0), split, s))
+    with jax.named_scope("combine"):
+        scoped(
+            k.combine_types,
+            lambda s: _combine(k, it, j, (h, split, item), c0, valid, (q, k_new, v_new), parts, s),
+        )
 
 
 def _scale(k, it, j):
@@ -120,30 +83,21 @@ def _scale(k, it, j):
     return bcast_rows(rx * r1, k.shape.kp)
 
 
-def _copy_tables(k, j, ck, s) -> None:
-    """The RoPE tables and layer j's qk bias of the key window (first column ck) into the
-    RoPE's buffers: two of the five copies that `abar` waits for (`_rope` issues the others)."""
-    kp = k.shape.kp
-    tables, biases = s["tab"].at[pl.ds(0, ROPE_ROWS)], s["tab"].at[pl.ds(ROPE_ROWS, 2)]
-    plgpu.copy_gmem_to_smem(k.tables.at[:, pl.ds(ck, kp), :], tables, s["abar"])
-    plgpu.copy_gmem_to_smem(k.rope_bias.at[j, :, pl.ds(ck, kp), :], biases, s["abar"])
-
-
 def _rope(k, it, j, starts, masks, s):
     """(q, k_new, v_new) [kp, 8], RoPE'd and scaled: q and k_new of the key window (first
-    column ck), v_new of the value window (c0); `starts` (ck, c0), `masks` their head rows and
-    the even rows (each paired with the row after it). The scalar tile and the windows are
-    copied at once, then waited for with the tables (`_copy_tables`)."""
+    column ck), v_new of the value window (c0); `starts` (ck, c0), `masks` their head rows. The
+    scalar tile, the windows and the tables are copied at once, then waited for."""
     shape = k.shape
     kp, hd, d = shape.kp, shape.head_dim, shape.d
-    (ck, c0), (kvalid, valid, even) = starts, masks
+    (ck, c0), (kvalid, valid) = starts, masks
     win = kp + 2 * SHIFT
     qkv = Buffers.of("qkv", j)
     k.load_scalars(wait=False)
-    for w, start in enumerate((ck, d + ck)):
+    for w, start in enumerate((ck, d + ck, 2 * d + c0)):
         plgpu.copy_gmem_to_smem(k.act.at[qkv, pl.ds(start, win), :], s["win"].at[w], s["abar"])
-    v_src = k.act.at[qkv, pl.ds(SHIFT + 2 * d + c0, kp), :]
-    plgpu.copy_gmem_to_smem(v_src, s["vwin"], s["abar"])
+    tabs, biases = s["tab"].at[pl.ds(0, 3)], s["tab"].at[pl.ds(3, 2)]
+    plgpu.copy_gmem_to_smem(k.tables.at[:, pl.ds(ck, kp), :], tabs, s["abar"])
+    plgpu.copy_gmem_to_smem(k.rope_bias.at[j, :, pl.ds(ck, kp), :], biases, s["abar"])
     plgpu.barrier_wait(k.s["scbar"])
     scale = _scale(k, it, j)
     plgpu.barrier_wait(s["abar"])
@@ -155,12 +109,11 @@ def _rope(k, it, j, starts, masks, s):
         return plgpu.load(s["tab"].at[t], layout=WGMMA)
 
     def rope(w):
-        paired = jnp.where(even, window(w, 1), window(w, -1))
-        return window(w, 0) * tab(0) + paired * tab(1)
+        return window(w, 0) * tab(0) + window(w, 1) * tab(1) + window(w, -1) * tab(2)
 
-    q = jnp.where(kvalid, (scale * rope(0) + tab(ROPE_ROWS)) * (1.0 / math.sqrt(hd)), 0.0)
-    k_new = jnp.where(kvalid, round_bf16(scale * rope(1) + tab(ROPE_ROWS + 1)), 0.0)
-    v_new = jnp.where(valid, round_bf16(scale * plgpu.load(s["vwin"], layout=WGMMA)), 0.0)
+    q = jnp.where(kvalid, (scale * rope(0) + tab(3)) * (1.0 / math.sqrt(hd)), 0.0)
+    k_new = jnp.where(kvalid, round_bf16(scale * rope(1) + tab(4)), 0.0)
+    v_new = jnp.where(valid, round_bf16(scale * window(2, 0)), 0.0)
     return q, k_new, v_new
 
 
@@ -252,10 +205,11 @@ class _Pairs:
         return cache.at[self.slot, b, pl.ds(blk * self.block, self.block), pl.ds(c0, cols)]
 
     def stream(self, starts, s):
-        """Issues the copies of the first kv_stages pairs' k and v blocks (`sources`, from the
-        windows' `starts`), each into stage f mod kv_stages of the blocks' scope `s`; returns
-        (take, done): take(f) waits for pair f's stage and returns it, done(f), once pair f's
-        wgmmas have read its stage, issues the copy kv_stages pairs on into it."""
+        """Issues the copies of the first kv_stages - 1 pairs' k and v blocks (`sources`, from
+        the windows' `starts`), each into stage f mod kv_stages of the blocks' scope `s`;
+        returns take(f), which waits for pair f's stage, issues the copy kv_stages - 1 pairs
+        ahead (into the stage the step before read, whose wgmmas are done) and returns the
+        stage."""
         stages = self.k.kv_stages
 
         def copy_block(f):
@@ -264,18 +218,17 @@ class _Pairs:
             for src, buf in zip(self.sources(f, *starts), blocks, strict=True):
                 plgpu.copy_gmem_to_smem(src, buf.at[st], s["kvbar"].at[st])
 
-        for f in range(stages):
+        for f in range(stages - 1):
             pl.when(f < self.total)(lambda f=f: copy_block(f))
 
         def take(f):
             st = lax.rem(f, stages)
             plgpu.barrier_wait(s["kvbar"].at[st])
+            ahead = f + stages - 1
+            pl.when(ahead < self.total)(lambda: copy_block(ahead))
             return st
 
-        def done(f):
-            pl.when(f + stages < self.total)(lambda: copy_block(f + stages))
-
-        return take, done
+        return take
 
     def sources(self, f, ck, c0):
         """Pair f's key block (`key_cols` from ck) and value block (kp columns from c0)."""
@@ -310,24 +263,26 @@ def prefetch_blocks(k, it, j, count: int) -> None:
         pl.when(item < k.items)(lambda item=item: prefetch(item))
 
 
-def _own_blocks(k, q, pairs, stream, s):
-    """The item's (sequence, block) pairs (`_Pairs`), one pass over them with `kv_stages`
-    copies in flight (`stream`: `_Pairs.stream`'s (take, done)), an online softmax per
-    sequence: (max, sum, weighted values), each [kp, 8] (column b the sequence b's; the [8]
-    ones broadcast over the rows). The scores are those of every q column against sequence b's
-    keys, of which column b is kept (q rounded to bf16 for the wgmma). The softmax's sums are
-    kept per row of a block and summed over the rows once, after the pass: a block's step
-    reduces across its rows (over the warps) for the max only. q is in the key window's rows,
-    whose first `key_cols` the key blocks hold."""
+def _own_blocks(k, it, j, q, starts, split, s):
+    """This split's (sequence, block) pairs (`_Pairs`), one pass over them with `kv_stages`
+    copies in flight, an online softmax per sequence: (max, sum, weighted values), each [kp, 8]
+    (column b the sequence b's; the [8] ones broadcast over the rows). The scores are those of
+    every q column against sequence b's keys, of which column b is kept (q rounded to bf16 for
+    the wgmma). The softmax's sums are kept per row of a block and summed over the rows once,
+    after the pass: a block's step reduces across its rows (over the warps) for the max only.
+    `starts`: the first columns (ck, c0) of the key and value windows; q is in the key
+    window's rows, whose first `key_cols` the key blocks hold."""
     kp, block, f32 = k.shape.kp, k.kv_block, jnp.float32
+    pairs = _Pairs(k, it, j, split)
     lo, hi, total = pairs.lo, pairs.hi, pairs.total
-    take, done = stream
     colidx = plgpu.broadcasted_iota(jnp.int32, (kp, N_PAD), 1, layout=WGMMA)
     block_cols = plgpu.broadcasted_iota(jnp.int32, (block, N_PAD), 1, layout=WGMMA)
     rows = plgpu.broadcasted_iota(jnp.int32, (block, N_PAD), 0, layout=WGMMA)
     s["btq"].T[...] = q.astype(jnp.bfloat16)
     plgpu.commit_smem()
     q_keys = s["btq"].at[:, pl.ds(0, k.shape.key_cols)].T
+
+    take = pairs.stream(starts, s)
 
     def step(f, carry):
         m, ll, acc, m_all, l_all, acc_all = carry  # ll, l_all: [block, 8] sums per row
@@ -354,7 +309,6 @@ def _own_blocks(k, q, pairs, stream, s):
             return acc_ref[...]
 
         acc = acc * bcast_rows(alpha, kp) + pl.run_scoped(pv, plgpu.ACC((kp, N_PAD), f32))
-        done(f)
         last = jnp.where(blk == hi - 1, b, -1)  # column b at its last block
         m_all = jnp.where(colidx == last, bcast_rows(m_new, kp), m_all)
         l_all = jnp.where(block_cols == last, ll, l_all)

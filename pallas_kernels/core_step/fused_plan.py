@@ -33,8 +33,6 @@ STEP_KINDS = (*PRODUCT_KINDS, "attn")  # the steps a grid barrier can follow
 DEFAULT_UNIT_COLS = 256  # output columns of the kernel's [64, unit_cols] weight units
 REDUCTION_SCRATCH = 2048  # bytes Mosaic GPU adds for reductions across warps
 PROFILE_RANGE_BYTES = 16  # shared memory per range of Mosaic GPU's on-device profiler
-ROPE_ROWS = 2  # the RoPE tables' rows per column: cos, the paired sine (fused_step.rope_tables)
-ROPE_TABLES = ROPE_ROWS + 2  # in shared memory with q's and k's bias
 
 
 def kind_of(name: str) -> tuple[str, int]:
@@ -54,11 +52,8 @@ class Schedule:
     after a proj, and after an MLP proj that a qkv follows, a worker takes that many units of
     the next product as soon as their input tiles are complete (per-tile counters), and only
     then waits for every worker to have finished the step before (0: a grid barrier).
-    `early_blocks` > 0: a worker issues the copies of its attention item's first `kv_stages`
-    cached blocks and of the RoPE tables before it waits at the barrier after the qkv (the
-    RoPE's and the blocks' buffers then share one scope). Written RING:KV_STAGES[:L2_UNITS
-    [:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION[:HANDOVER[:EARLY_BLOCKS]]]]]]] (`parse`,
-    `str`). The defaults are the kernel's, for its default
+    Written RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION
+    [:HANDOVER]]]]]] (`parse`, `str`). The defaults are the kernel's, for its default
     [64, 256] weight units: the shared memory bounds ring x unit width and kv_stages x
     kv_block together (3:3 and 4:2 fit at [64, 256] units and blocks of 64, 6:3 and 8:2 at
     [64, 128]; docs/core_step.md: how they compare), and the L2 prefetches were slower than
@@ -72,7 +67,6 @@ class Schedule:
     l2_barrier: int = 0
     l2_attention: int = 0
     handover: int = 8
-    early_blocks: int = 1
 
     @property
     def l2_reach(self) -> int:
@@ -88,11 +82,10 @@ class Schedule:
         """6:3, 6:3:16:8, 4:2:0:0:128 or 3:3:0:0:64:0:0:0 (the fields left out take their
         defaults); ValueError otherwise."""
         parts = text.split(":")
-        fields = len(dataclasses.fields(cls))
-        if not 2 <= len(parts) <= fields or not all(p.isdigit() for p in parts):
+        if not 2 <= len(parts) <= 8 or not all(p.isdigit() for p in parts):
             raise ValueError(
                 f"{text!r} is not RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK"
-                "[:L2_BARRIER[:L2_ATTENTION[:HANDOVER[:EARLY_BLOCKS]]]]]]] (6:3:16:8)"
+                "[:L2_BARRIER[:L2_ATTENTION[:HANDOVER]]]]]] (6:3:16:8)"
             )
         return cls(*(int(p) for p in parts))
 
@@ -289,9 +282,8 @@ def splits_for(heads: int, workers: int) -> int:
 
 def smem_bytes(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int) -> int:
     """Shared memory of one block, from `scratch_types`: the kernel-wide buffers, then the
-    largest of the step scopes (they reuse the same bytes one after the other; the RoPE's and
-    the blocks' are one scope with `Schedule.early_blocks`), each buffer aligned to 1 KiB as
-    Pallas allocates them, 8 bytes per mbarrier."""
+    largest of the step scopes (they reuse the same bytes one after the other), each buffer
+    aligned to 1 KiB as Pallas allocates them, 8 bytes per mbarrier."""
     groups = scratch_types(shape, schedule, x_stages, lag)
 
     def buffer_bytes(types: dict) -> int:
@@ -308,10 +300,8 @@ def smem_bytes(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int) -
         for t in types.values()
         if isinstance(t, plgpu.Barrier)
     )
-    kernel_wide, product, rope, blocks, combine = groups
-    attention = [{**rope, **blocks}] if schedule.early_blocks else [rope, blocks]
-    scopes = max(buffer_bytes(types) for types in (product, *attention, combine))
-    return buffer_bytes(kernel_wide) + scopes + REDUCTION_SCRATCH + 8 * barriers
+    scopes = max(buffer_bytes(types) for types in groups[1:])
+    return buffer_bytes(groups[0]) + scopes + REDUCTION_SCRATCH + 8 * barriers
 
 
 def most_workers(shape: FusedShape, schedule: Schedule) -> int:
@@ -347,11 +337,9 @@ ATTENTION_PARTS = ("rope", "blocks", "combine")  # the attention step's profiled
 def profile_ranges(shape: FusedShape, workers: int, iterations: int) -> int:
     """Ranges the on-device profiler keeps room for: each step's, each barrier's twice (as a
     barrier and by the kind of step it follows), the parts (`ATTENTION_PARTS`) of each of a
-    worker's attention items and its two attention ranges (the combine's apart), and a few
-    more."""
+    worker's attention items, and a few more."""
     items = -(-shape.heads * splits_for(shape.heads, workers) // workers)
-    per_item = len(ATTENTION_PARTS) + 2
-    per_iteration = 3 * shape.steps_per_iteration + per_item * items * shape.layers
+    per_iteration = 3 * shape.steps_per_iteration + len(ATTENTION_PARTS) * items * shape.layers
     return iterations * per_iteration + 8
 
 
@@ -412,7 +400,7 @@ def scratch_types(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int
     kernel_wide = dict(
         ring=plgpu.SMEM((ring, UNIT, cols), bf16, transforms=SWIZZLE_128),
         wbar=plgpu.Barrier(num_barriers=ring),
-        zero=plgpu.SMEM(chunk, f32),
+        zero=plgpu.SMEM((cols, N_PAD), f32),
         sc=plgpu.SMEM((2, *chunk), f32),
         scbar=plgpu.Barrier(),
         pin=plgpu.SMEM((kp + SCALAR_ROWS, N_PAD), f32),
@@ -434,9 +422,8 @@ def scratch_types(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int
         rsum=plgpu.SMEM(chunk, f32),
     )
     rope = dict(
-        win=plgpu.SMEM((2, win, N_PAD), f32),  # q and k, with the rows around them
-        vwin=plgpu.SMEM((kp, N_PAD), f32),
-        tab=plgpu.SMEM((ROPE_TABLES, kp, N_PAD), f32),
+        win=plgpu.SMEM((3, win, N_PAD), f32),
+        tab=plgpu.SMEM((5, kp, N_PAD), f32),
         abar=plgpu.Barrier(num_arrivals=5),
     )
     blocks = dict(

@@ -137,21 +137,20 @@ def tile_columns(w: jax.Array, cols: int) -> jax.Array:
 
 
 def rope_tables(pos, head_dim: int, d: int, base: float) -> jax.Array:
-    """[2, d] per column c of a head section: cos, and the sine that multiplies c's pair, -sin
-    on even c (paired with c + 1) and sin on odd c (paired with c - 1), of the angle of pair
-    (c mod head_dim) // 2 at `pos`."""
+    """[3, d] per column c of a head section: cos, -sin on even c (paired with c + 1) and sin on
+    odd c (paired with c - 1), the angle of pair (c mod head_dim) // 2 at `pos`."""
     cos, sin = rope_row(pos, head_dim, base)
     pair = (jnp.arange(d) % head_dim) // 2
     even = jnp.arange(d) % 2 == 0
-    return jnp.stack([cos[pair], jnp.where(even, -sin[pair], sin[pair])])
+    c, s = cos[pair], sin[pair]
+    return jnp.stack([c, jnp.where(even, -s, 0.0), jnp.where(even, 0.0, s)])
 
 
 def _rope_columns(x, tables):
     """RoPE of x [..., d] by the tables (the model's pairs)."""
     up = jnp.concatenate([x[..., 1:], jnp.zeros_like(x[..., :1])], axis=-1)
     down = jnp.concatenate([jnp.zeros_like(x[..., :1]), x[..., :-1]], axis=-1)
-    even = jnp.arange(x.shape[-1]) % 2 == 0
-    return x * tables[0] + jnp.where(even, up, down) * tables[1]
+    return x * tables[0] + up * tables[1] + down * tables[2]
 
 
 @functools.partial(
