@@ -32,7 +32,8 @@ after each product but a qkv, and after a qkv, and the units that a worker takes
 --jobs=N: each (batch, schedule) in a process of its own, N at a time, so that their
 compilations overlap; the processes take turns on the GPU (a file lock around their work
 there, shared with other programs given the same --gpu_lock; the compilations run outside
-it), and the table is theirs together. Needs an sm_90 GPU.
+it), and the table is theirs together; each process's times are printed as it ends. Needs an
+sm_90 GPU.
 """
 
 from __future__ import annotations
@@ -343,7 +344,7 @@ def _run_jobs(batches: list[int], schedules: list[str], work: Path):
 
     pending = list(enumerate(cases))
     running: dict[int, subprocess.Popen] = {}
-    done = 0
+    results: dict[int, dict] = {}
     while pending or running:
         while pending and len(running) < FLAGS.jobs:
             n, (batch, sch) = pending.pop(0)
@@ -356,20 +357,33 @@ def _run_jobs(batches: list[int], schedules: list[str], work: Path):
             time.sleep(1)
         for n in finished:
             rc = running.pop(n).returncode
-            done += 1
             batch, sch = cases[n]
-            print(f"[{done}/{len(cases)}] batch {batch} schedule {sch}: exit {rc}", file=sys.stderr)
             if rc:
                 for proc in running.values():
                     proc.kill()
                 tail = (work / f"case_{n}.log").read_text().splitlines()[-15:]
                 raise UserError(f"batch {batch} schedule {sch} failed:\n" + "\n".join(tail))
-    rows, profiles = [], []
-    for n in range(len(cases)):
-        result = json.loads((work / f"case_{n}.json").read_text())
-        rows += result["rows"]
-        profiles += result["profiles"]
-    return rows, profiles
+            results[n] = json.loads((work / f"case_{n}.json").read_text())
+            print(
+                f"[{len(results)}/{len(cases)}] batch {batch} schedule {sch}: "
+                f"{row_times(results[n]['rows'])}",
+                file=sys.stderr,
+            )
+    rows = [r for n in range(len(cases)) for r in results[n]["rows"]]
+    return rows, [p for n in range(len(cases)) for p in results[n]["profiles"]]
+
+
+def row_times(rows: list[dict]) -> str:
+    """A finished case's rows in a line (so that a run stopped from outside has printed them):
+    each timed row's impl, context and ms per iteration."""
+    timed = [r for r in rows if "ms_per_iteration" in r]
+    return (
+        "; ".join(
+            f"{r['impl']} context {r['context']} {r['ms_per_iteration']:.3f} ms/iteration"
+            for r in timed
+        )
+        or "no row timed"
+    )
 
 
 def main(argv: list[str]) -> None:
