@@ -286,7 +286,7 @@ def format_table(rows: list[dict], profiles: list[dict]) -> str:
             "  per iteration, over each step's or barrier's occurrences: slowest worker - mean "
             "(late), median - fewest (waited); repeat: whether the same workers are slow"
         )
-        for kind, c in prof.get("spread_per_iteration", {}).items():
+        for kind, c in prof["spread_per_iteration"].items():
             lines.append(
                 f"  {kind:<16}late {c['late']:>8.0f}  waited {c['waited']:>8.0f}  "
                 f"repeat {c['repeat']:+.2f}"
@@ -369,8 +369,8 @@ def _run_jobs(batches: list[int], schedules: list[str], work: Path):
                 f"{row_times(results[n]['rows'])}",
                 file=sys.stderr,
             )
-    rows = [r for n in range(len(cases)) for r in results[n]["rows"]]
-    return rows, [p for n in range(len(cases)) for p in results[n]["profiles"]]
+    ordered = [results[n] for n in range(len(cases))]
+    return [r for c in ordered for r in c["rows"]], [p for c in ordered for p in c["profiles"]]
 
 
 def row_times(rows: list[dict]) -> str:
