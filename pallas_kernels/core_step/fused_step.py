@@ -153,6 +153,55 @@ def _rope_columns(x, tables):
     return x * tables[0] + up * tables[1] + down * tables[2]
 
 
+def kernel_arguments(
+    fw: FusedWeights,
+    state: Pending,
+    embedded: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    slots: jax.Array,
+    pos,
+) -> tuple[jax.Array, ...]:
+    """The arguments of `fused.build_fused_core`'s kernel for `fused_core_decode`'s inputs: the
+    position and slots, the state and e @ Wa[D:] as [k_d, 8] f32 columns, the gain tiles, RoPE's
+    tables and its rotated qk bias per column, the caches with their heads flattened, the
+    packed products. ValueError for a state with a gain, or another batch than the packed one."""
+    if state.gain is not None:
+        raise ValueError("the kernel starts from a state value (Pending with gain None)")
+    shape = fw.shape
+    d, kd, b = shape.d, shape.k_d, state.z.shape[0]
+    if b != shape.batch:
+        raise ValueError(f"batch {b} != the packed batch {shape.batch}")
+    f32 = jnp.float32
+
+    def columns(x, rows):  # [B, n] -> [rows, 8] f32
+        return jnp.pad(x.astype(f32).T, ((0, rows - x.shape[1]), (0, N_PAD - b)))
+
+    # bf16 out, as the model's adapter: XLA's GEMV for bf16 in and f32 out converts the whole
+    # weight to f32 first (twice its bytes written, then read)
+    e_part = jnp.dot(embedded.astype(jnp.bfloat16), fw.embedded_half.astype(jnp.bfloat16))
+    tables = rope_tables(pos, shape.head_dim, d, fw.rope_base)
+    rope_bias = _rope_columns(fw.qk_bias, tables)  # linear: rope(q s + b) = s rope(q) + rope(b)
+
+    def per_column(x):  # [..., d] -> [..., table_rows, 8]: the last key window's rows past d
+        x = jnp.pad(x.astype(f32), [(0, 0)] * (x.ndim - 1) + [(0, shape.table_rows - d)])
+        return jnp.broadcast_to(x[..., None], (*x.shape, N_PAD))
+
+    meta = jnp.concatenate([jnp.asarray(pos, jnp.int32)[None], slots.reshape(-1).astype(jnp.int32)])
+    flat = (k_cache.shape[0], b, k_cache.shape[2], d)
+    return (
+        meta,
+        columns(state.z, kd),
+        columns(e_part, kd),
+        fw.gains,
+        per_column(tables),
+        per_column(rope_bias),
+        k_cache.reshape(flat),
+        v_cache.reshape(flat),
+        *fw.products,
+    )
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -185,50 +234,20 @@ def fused_core_decode(
     schedule's kv_block); slots [iterations, L] int32: each (iteration, layer)'s cache slot.
     Returns (Pending state, k_new, v_new [iterations, L, B, H, K] in the cache's dtype).
     `skip_barriers`: a timing bound whose results are wrong (`fused.build_fused_core`)."""
-    if state.gain is not None:
-        raise ValueError("the kernel starts from a state value (Pending with gain None)")
     shape = fw.shape
-    d, kd, b = shape.d, shape.k_d, state.z.shape[0]
-    if b != shape.batch:
-        raise ValueError(f"batch {b} != the packed batch {shape.batch}")
     s_len = k_cache.shape[2]
     if s_len % schedule.kv_block:
         raise ValueError(
             f"cache slots hold {s_len} positions: must be a multiple of the schedule's blocks "
             f"({schedule.kv_block})"
         )
-    f32 = jnp.float32
-
-    def columns(x, rows):  # [B, n] -> [rows, 8] f32
-        return jnp.pad(x.astype(f32).T, ((0, rows - x.shape[1]), (0, N_PAD - b)))
-
-    # bf16 out, as the model's adapter: XLA's GEMV for bf16 in and f32 out converts the whole
-    # weight to f32 first (twice its bytes written, then read)
-    e_part = jnp.dot(embedded.astype(jnp.bfloat16), fw.embedded_half.astype(jnp.bfloat16))
-    tables = rope_tables(pos, shape.head_dim, d, fw.rope_base)
-    rope_bias = _rope_columns(fw.qk_bias, tables)  # linear: rope(q s + b) = s rope(q) + rope(b)
-
-    def per_column(x):  # [..., d] -> [..., table_rows, 8]: the last key window's rows past d
-        x = jnp.pad(x.astype(f32), [(0, 0)] * (x.ndim - 1) + [(0, shape.table_rows - d)])
-        return jnp.broadcast_to(x[..., None], (*x.shape, N_PAD))
-
-    meta = jnp.concatenate([jnp.asarray(pos, jnp.int32)[None], slots.reshape(-1).astype(jnp.int32)])
     kernel = build_fused_core(
         shape, iterations, workers=workers, eps=fw.eps, schedule=schedule, interpret=interpret,
         profile_dir=profile_dir, skip_barriers=skip_barriers,
     )  # fmt: skip
-    flat = (k_cache.shape[0], b, s_len, d)
-    act, _, _, kv_new = kernel(
-        meta,
-        columns(state.z, kd),
-        columns(e_part, kd),
-        fw.gains,
-        per_column(tables),
-        per_column(rope_bias),
-        k_cache.reshape(flat),
-        v_cache.reshape(flat),
-        *fw.products,
-    )
+    arguments = kernel_arguments(fw, state, embedded, k_cache, v_cache, slots, pos)
+    act, _, _, kv_new = kernel(*arguments)
+    d, b = shape.d, shape.batch
     z = act[Buffers.of("m", shape.layers - 1), :d, :b].T  # the last mlp output + its residual
     # kv_new [it, L, 2, H, kp, 8] -> the head's rows (k of its key window, v of its value
     # window) -> [2, it, L, B, H, K]
