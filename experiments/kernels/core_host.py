@@ -25,7 +25,6 @@ Needs an sm_90 GPU.
 
 from __future__ import annotations
 
-import collections
 import os
 import sys
 import tempfile
@@ -143,14 +142,10 @@ def host_events(call, reps: int, top: int) -> list[dict]:
         for e in trace["traceEvents"]
         if e.get("name") == "process_name" and e["args"]["name"].startswith("/host")
     }
-    spent, count = collections.Counter(), collections.Counter()
-    for e in trace["traceEvents"]:
-        if e.get("ph") == "X" and e["pid"] in hosts:
-            spent[e["name"]] += e.get("dur", 0)
-            count[e["name"]] += 1
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["pid"] in hosts]
     return [
-        dict(name=name, us_per_call=us / reps, per_call=count[name] / reps)
-        for name, us in spent.most_common(top)
+        dict(name=r.name, us_per_call=r.us_per_chain, per_call=r.launches / reps)
+        for r in trace_lib.breakdown(events, chains=reps)[:top]
     ]
 
 
