@@ -24,6 +24,7 @@ from pallas_kernels.core_step.fused_plan import (
     most_workers,
     profile_ranges,
     tile_signals,
+    value_copies,
 )
 from pallas_kernels.core_step.fused_step import (
     fused_core_decode,
@@ -153,7 +154,8 @@ HUGINN = (5280, 55, 17920, 4)
 # the longest ring and L2 lookahead that fit; on the small shape [64, 64] units, so that every
 # worker owns more units than the ring, with 3 cached blocks in flight; each shape also with
 # blocks of 128 positions; the small shape also with a grid barrier after every product (no
-# hand-over on tile counters)
+# hand-over on tile counters); huginn-0125 also with the value blocks copied as the heads' own
+# columns
 SMALL_SCHEDULE = (64, Schedule(3, 3, 0, 0))
 GPU_CASES = [
     (SMALL, 16, 1, 2, 130, 192, SMALL_SCHEDULE),
@@ -164,6 +166,8 @@ GPU_CASES = [
     (HUGINN, 132, 8, 1, 200, 256, (256, Schedule())),
     (HUGINN, 132, 8, 1, 200, 256, (128, Schedule(8, 2, 16, 8))),
     (HUGINN, 132, 1, 2, 1000, 1024, (128, Schedule(4, 2, kv_block=128))),
+    (HUGINN, 132, 1, 2, 1000, 1024, (256, Schedule(own_values=1))),
+    (HUGINN, 132, 8, 1, 200, 256, (256, Schedule(own_values=1))),
 ]
 
 
@@ -208,16 +212,21 @@ def test_matches_the_step_program_gpu(dims, workers, batch, iterations, pos, slo
     check_against_the_step_program(dims, workers, batch, iterations, pos, slot_len, schedule)
 
 
-def test_interpret_key_blocks_of_the_heads_own_columns():
+@pytest.mark.parametrize("own_values", [0, 1])
+def test_interpret_key_blocks_of_the_heads_own_columns(own_values):
     """Heads of 32 in windows of 64 (d 128): the key blocks are the heads' own 32 columns
     (`FusedShape.key_cols`), the last head's key window passes d and its value window starts
-    32 columns before it. One worker in interpret mode, two sequences, a partial last block."""
+    32 columns before it; with `own_values` the value blocks are copied as the heads' own
+    columns too, by tiles of 8 rows, into the window's second tile for the last head. One
+    worker in interpret mode, two sequences, a partial last block."""
     dims = (128, 4, 160, 2)
     shape = FusedShape(128, 4, 32, 160, 2, 2, 64)
+    schedule = Schedule(2, 2, own_values=own_values)
     assert shape.key_cols == 32 and shape.key_window(3) == (96, 0)
     assert shape.head_window(3) == (64, 32) and shape.table_rows == 160
+    assert value_copies(shape, schedule) == (8 if own_values else 1)
     check_against_the_step_program(
-        dims, 1, 2, 1, 100, 128, (64, Schedule(2, 2)), interpret=plgpu.InterpretGPUParams()
+        dims, 1, 2, 1, 100, 128, (64, schedule), interpret=plgpu.InterpretGPUParams()
     )
 
 

@@ -53,6 +53,7 @@ from pallas_kernels.core_step.fused_plan import (
     scratch_types,
     splits_for,
     tile_signals,
+    value_copies,
 )
 from pallas_kernels.core_step.plan import UNIT, pad_to
 from pallas_kernels.core_step.tiles import WGMMA, bcast_rows, col_of, in_row
@@ -121,6 +122,7 @@ def build_fused_core(
             v_cache=v_cache, s=dict(zip(SCRATCH_NAMES, refs[n_kinds + 4 :], strict=True)),
             rope_types=rope_types, block_types=block_types, combine_types=combine_types,
             kv_stages=kv_stages, kv_block=schedule.kv_block,
+            value_copies=value_copies(shape, schedule),
             flags=pl.get_global(plgpu.SemaphoreType.REGULAR((shape.heads,)))
             if splits > 1 else None,
         )  # fmt: skip
