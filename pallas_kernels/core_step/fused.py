@@ -53,7 +53,6 @@ from pallas_kernels.core_step.fused_plan import (
     scratch_types,
     splits_for,
     tile_signals,
-    value_copies,
 )
 from pallas_kernels.core_step.plan import UNIT, pad_to
 from pallas_kernels.core_step.tiles import WGMMA, bcast_rows, col_of, in_row
@@ -122,7 +121,6 @@ def build_fused_core(
             v_cache=v_cache, s=dict(zip(SCRATCH_NAMES, refs[n_kinds + 4 :], strict=True)),
             rope_types=rope_types, block_types=block_types, combine_types=combine_types,
             kv_stages=kv_stages, kv_block=schedule.kv_block,
-            value_copies=value_copies(shape, schedule),
             flags=pl.get_global(plgpu.SemaphoreType.REGULAR((shape.heads,)))
             if splits > 1 else None,
         )  # fmt: skip
@@ -194,14 +192,19 @@ def build_fused_core(
                 pl.when(jj + l2_units == count[p])(lambda: prefetch_blocks(k, it, layer, l2_blocks))
 
         def zero_rows(buf, offset, n):
-            """The worker's tiles of act[buf, offset : offset + n] set to 0."""
+            """The worker's tiles of act[buf, offset : offset + n] set to 0, a 64-row chunk per
+            copy (the tile of zeros is one chunk, to leave the shared memory to the rest)."""
             tiles = n // cols
 
             @pl.loop(0, -(-tiles // workers))
             def _(r):
                 t = worker + r * workers
-                dst = act.at[buf, pl.ds(offset + t * cols, cols), :]
-                pl.when(t < tiles)(lambda: plgpu.copy_smem_to_gmem(s["zero"], dst))
+
+                @pl.when(t < tiles)
+                def _():
+                    for c in range(per_tile):
+                        dst = act.at[buf, pl.ds(offset + t * cols + c * UNIT, UNIT), :]
+                        plgpu.copy_smem_to_gmem(s["zero"], dst)
 
         def output_of(p):
             """(buffer, row offset) of product p's output."""
@@ -488,7 +491,7 @@ def build_fused_core(
             issue_weight(0, g, g, True)
         for g in range(ring, ring + l2_units):
             prefetch_weight(0, g, True)
-        s["zero"][...] = jnp.zeros((cols, N_PAD), f32)
+        s["zero"][...] = jnp.zeros((UNIT, N_PAD), f32)
         plgpu.commit_smem()
 
         @pl.when(worker == 0)

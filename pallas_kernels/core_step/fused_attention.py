@@ -214,9 +214,9 @@ class _Pairs:
 
         def copy_block(f):
             st = lax.rem(f, stages)
-            key, _ = self.sources(f, *starts)
-            plgpu.copy_gmem_to_smem(key, s["kblk"].at[st], s["kvbar"].at[st])
-            self.copy_values(f, starts, s["vblk"].at[st], s["kvbar"].at[st])
+            blocks = (s["kblk"], s["vblk"])
+            for src, buf in zip(self.sources(f, *starts), blocks, strict=True):
+                plgpu.copy_gmem_to_smem(src, buf.at[st], s["kvbar"].at[st])
 
         for f in range(stages - 1):
             pl.when(f < self.total)(lambda f=f: copy_block(f))
@@ -229,25 +229,6 @@ class _Pairs:
             return st
 
         return take
-
-    def copy_values(self, f, starts, dst, barrier):
-        """Pair f's value block into `dst` (its window's kp columns, from c0): the window in
-        one copy, or (`KernelContext.value_copies` > 1) the head's own columns, which start
-        at the key window's first column ck, one copy per tile of rows."""
-        k, (ck, c0) = self.k, starts
-        if k.value_copies == 1:
-            _, value = self.sources(f, ck, c0)
-            plgpu.copy_gmem_to_smem(value, dst, barrier)
-            return
-        cols, rows = k.shape.value_cols(True), self.block // k.value_copies
-        b, blk = self.pair(f)
-        for r in range(k.value_copies):
-            src = k.v_cache.at[
-                self.slot, b, pl.ds(blk * self.block + r * rows, rows), pl.ds(ck, cols)
-            ]
-            plgpu.copy_gmem_to_smem(
-                src, dst.at[pl.ds(r * rows, rows), pl.ds(ck - c0, cols)], barrier
-            )
 
     def sources(self, f, ck, c0):
         """Pair f's key block (`key_cols` from ck) and value block (kp columns from c0)."""

@@ -24,7 +24,6 @@ from pallas_kernels.core_step.stream import MAX_RING, SMEM_ALIGN, SMEM_LIMIT, SW
 N_PAD = 8  # batch columns of every activation tile: the wgmma N
 MAX_BATCH = N_PAD
 BLOCK = 64  # cached positions per attention block, by default
-TILE_ROWS = 8  # rows of a tile of the attention's shared-memory operands (wgmma's)
 KV_BLOCKS = (64, 128)  # the blocks the attention can step by (Schedule.kv_block)
 SHIFT = 8  # rows of padding around the qkv output (RoPE reads row r - 1 and r + 1)
 SCALAR_ROWS = 64
@@ -53,14 +52,11 @@ class Schedule:
     after a proj, and after an MLP proj that a qkv follows, a worker takes that many units of
     the next product as soon as their input tiles are complete (per-tile counters), and only
     then waits for every worker to have finished the step before (0: a grid barrier).
-    `own_values` > 0: a cached value block is copied as the head's own columns, one copy per 8
-    positions, into the tiles of its window that hold them (`FusedShape.value_cols`), where
-    those are whole tiles; 0: the whole window in one copy. Written RING:KV_STAGES[:L2_UNITS
-    [:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION[:HANDOVER[:OWN_VALUES]]]]]]] (`parse`,
-    `str`). The defaults are the kernel's, for its default
+    Written RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION
+    [:HANDOVER]]]]]] (`parse`, `str`). The defaults are the kernel's, for its default
     [64, 256] weight units: the shared memory bounds ring x unit width and kv_stages x
-    kv_block together (3:3 and 4:2 fit at [64, 256] units and blocks of 64, 6:3 and 8:2 at
-    [64, 128]; docs/core_step.md: how they compare), and the L2 prefetches were slower than
+    kv_block together (3:3, 3:4, 4:2 and 3:2 with blocks of 128 fit at [64, 256] units, 6:3
+    and 8:2 at [64, 128]; docs/core_step.md: how they compare), and the L2 prefetches were slower than
     none."""
 
     ring: int = 3
@@ -71,7 +67,6 @@ class Schedule:
     l2_barrier: int = 0
     l2_attention: int = 0
     handover: int = 8
-    own_values: int = 0
 
     @property
     def l2_reach(self) -> int:
@@ -84,13 +79,13 @@ class Schedule:
 
     @classmethod
     def parse(cls, text: str) -> Schedule:
-        """6:3, 6:3:16:8, 4:2:0:0:128 or 3:3:0:0:64:0:0:0:1 (the fields left out take their
+        """6:3, 6:3:16:8, 4:2:0:0:128 or 3:3:0:0:64:0:0:0 (the fields left out take their
         defaults); ValueError otherwise."""
         parts = text.split(":")
-        if not 2 <= len(parts) <= 9 or not all(p.isdigit() for p in parts):
+        if not 2 <= len(parts) <= 8 or not all(p.isdigit() for p in parts):
             raise ValueError(
                 f"{text!r} is not RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK"
-                "[:L2_BARRIER[:L2_ATTENTION[:HANDOVER[:OWN_VALUES]]]]]]] (6:3:16:8)"
+                "[:L2_BARRIER[:L2_ATTENTION[:HANDOVER]]]]]] (6:3:16:8)"
             )
         return cls(*(int(p) for p in parts))
 
@@ -198,14 +193,6 @@ class FusedShape:
         as its A operand, whose columns (k) come in tiles: huginn-0125's 96 columns are three
         tiles of 32, a quarter fewer bytes than the window of 128."""
         return self.head_dim if self.head_dim % self.attention_tile == 0 else self.kp
-
-    def value_cols(self, own: bool) -> int:
-        """Columns of a cached value block that a copy reads: the head's own (head_dim) where
-        `own` (`Schedule.own_values`) and they are whole tiles (as the keys', `key_cols`), else
-        its kp-column window. The block's buffer holds the window either way: the weighted
-        values' wgmma takes it as its A operand, whose rows (the head's columns) come in 64s;
-        the window's other rows are left as they are and dropped with the head's."""
-        return self.key_cols if own else self.kp
 
     def key_window(self, head, minimum=min) -> tuple:
         """(c0, delta) of the window that q, k and the cached keys share: the head's own
@@ -400,14 +387,6 @@ def check_fused(
             )
 
 
-def value_copies(shape: FusedShape, schedule: Schedule) -> int:
-    """Copies per cached value block: one per tile of `TILE_ROWS` positions where the block is
-    the head's own columns (`FusedShape.value_cols`, fewer than its window's: a copy fills
-    whole tiles of the window's buffer, which must be contiguous), else one."""
-    narrow = shape.value_cols(schedule.own_values > 0) < shape.kp
-    return schedule.kv_block // TILE_ROWS if narrow else 1
-
-
 def scratch_types(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int):
     """The kernel's shared memory and barriers, by name, as five dicts: the kernel-wide ones
     (the weight ring, zeros, scalar tiles, partials in), then those of four scopes that take
@@ -421,7 +400,7 @@ def scratch_types(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int
     kernel_wide = dict(
         ring=plgpu.SMEM((ring, UNIT, cols), bf16, transforms=SWIZZLE_128),
         wbar=plgpu.Barrier(num_barriers=ring),
-        zero=plgpu.SMEM((cols, N_PAD), f32),
+        zero=plgpu.SMEM((UNIT, N_PAD), f32),
         sc=plgpu.SMEM((2, *chunk), f32),
         scbar=plgpu.Barrier(),
         pin=plgpu.SMEM((kp + SCALAR_ROWS, N_PAD), f32),
@@ -450,7 +429,7 @@ def scratch_types(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int
     blocks = dict(
         kblk=plgpu.SMEM((kv_stages, kv_block, shape.key_cols), bf16, transforms=attention),
         vblk=plgpu.SMEM((kv_stages, kv_block, kp), bf16, transforms=attention),
-        kvbar=plgpu.Barrier(num_arrivals=1 + value_copies(shape, schedule), num_barriers=kv_stages),
+        kvbar=plgpu.Barrier(num_arrivals=2, num_barriers=kv_stages),
         btq=plgpu.SMEM((N_PAD, kp), bf16, transforms=attention),
         pb=plgpu.SMEM((N_PAD, kv_block), bf16, transforms=attention),
     )
@@ -464,7 +443,7 @@ def attention_transforms(shape: FusedShape) -> tuple:
     (64 columns), 64 bytes (32, huginn-0125: head_dim 96) or 32 (16: the kernel needs
     multiples of 16)."""
     cols = shape.attention_tile
-    return plgpu.TilingTransform((TILE_ROWS, cols)), plgpu.SwizzleTransform(2 * cols)
+    return plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(2 * cols)
 
 
 def scoped(types: dict, fn):
