@@ -20,7 +20,6 @@ from pallas_kernels.core_step.fused import build_fused_core
 from pallas_kernels.core_step.fused_plan import (
     FusedShape,
     Schedule,
-    attention_tile_adds,
     check_fused,
     most_workers,
     profile_ranges,
@@ -249,22 +248,6 @@ def test_tile_signals_count_the_workers_and_residual_chunks_of_each_tile(cols, w
                 residual = sum(1 for c in range(chunks) if c * 64 // cols == t)
                 assert int(tile_signals(phase, cols, workers, chunks, t)) == owners + residual
                 assert int(tile_signals(phase, cols, workers, 0, t)) == owners
-
-
-@pytest.mark.parametrize("cols", [64, 128, 256])
-def test_attention_tile_adds_count_the_heads_whose_window_falls_in_each_tile(cols):
-    """Every tile of the attention output expects one signal from each head whose kp-row
-    window (its first row min(h head_dim, d - kp)) falls in part in it: huginn-0125's 55 heads
-    of 96 (the last window ends at d), heads of 64 (one per window), of 24 and 16 (windows of
-    64 that start inside one another, several ending at d) and of 128 (a window over tiles)."""
-    for d, heads, head_dim in [(5280, 55, 96), (512, 8, 64), (96, 4, 24), (400, 25, 16),
-                               (1024, 8, 128)]:  # fmt: skip
-        shape = FusedShape(d, heads, head_dim, 688, 1, 1, cols)
-        starts = [min(h * head_dim, d - shape.kp) for h in range(heads)]
-        for t in range(-(-shape.k_d // cols)):  # the tiles that proj's input chunks fall in
-            rows = range(t * cols, (t + 1) * cols)
-            want = sum(1 for c in starts if c <= rows[-1] and rows[0] < c + shape.kp)
-            assert int(attention_tile_adds(shape, t)) == want, (d, head_dim, t)
 
 
 def test_most_workers_is_what_check_fused_allows():

@@ -18,10 +18,10 @@ so that most products take their input as it is, as the bare stream does:
   own rows (later ones by the rows with norm_4 folded in);
 - between qkv and proj, the attention step (`fused_attention.py`).
 
-1 + 5 L hand-overs per iteration: grid barriers, but after the attention, after proj and after
-an MLP proj that a qkv follows, where the next product's first units wait for the tiles of
-their input on counters (`fused_plan.Schedule.handover`). Activations are [rows, 8] float32
-(`fused_plan.py`). Reference: `step_program.core_iteration`; inputs and outputs: `fused_step.py`.
+1 + 5 L hand-overs per iteration: grid barriers, but after proj and after an MLP proj that a qkv
+follows, where the next product's first units wait for the tiles of their input on counters
+(`fused_plan.Schedule.handover`). Activations are [rows, 8] float32 (`fused_plan.py`).
+Reference: `step_program.core_iteration`; inputs and outputs: `fused_step.py`.
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ from pallas_kernels.core_step.fused_plan import (
     Buffers,
     FusedShape,
     Schedule,
-    attention_tile_adds,
     check_fused,
     kind_of,
     profile_ranges,
@@ -129,7 +128,6 @@ def build_fused_core(
         barrier = GridBarrier(workers, "wait", 0, 1) if k.reduce else None
         handover = schedule.handover if k.reduce else 0
         per_tile = cols // UNIT  # 64-row chunks of an output tile
-        attention_hands_over = handover > 0 and "attn" not in skip_barriers
 
         def hands_over(p):
             """Whether the product after p starts on p's tile counters (`Schedule.handover`)."""
@@ -137,25 +135,11 @@ def build_fused_core(
             kept = kind not in skip_barriers
             return handover > 0 and kept and p + 1 < n_phases and kind in ("proj", "mlp_proj")
 
-        tile_base, counted = {}, 0  # product p's, or ("attn", layer)'s, first tile counter
+        tile_base, counted = {}, 0
         for p in range(n_phases):
             if hands_over(p):
                 tile_base[p], counted = counted, counted + phases[p].tiles(cols)
-            kind, j = kind_of(phases[p].name)
-            if attention_hands_over and kind == "qkv":  # the attention output's tiles
-                tile_base["attn", j], counted = counted, counted + phases[p + 1].tiles(cols)
         tile_done = pl.get_global(plgpu.SemaphoreType.REGULAR((counted,))) if counted else None
-
-        def signal_attention(j, c0):
-            """Once a head's output (kp rows from c0) is added into layer j's attention output:
-            the counters of the tiles it falls in."""
-
-            @pl.loop(c0 // cols, (c0 + shape.kp - 1) // cols + 1)
-            def _(t):
-                dst = tile_done.at[tile_base["attn", j] + t]
-                plgpu.semaphore_signal(dst, 1, memory_scope="gpu")
-
-        k.signal_attention = signal_attention if attention_hands_over else None
         units = [p.units(cols) for p in phases]
         first = [u * worker // workers for u in units]
         count = [u * (worker + 1) // workers - f for u, f in zip(units, first, strict=True)]
@@ -255,9 +239,8 @@ def build_fused_core(
 
         def product(it, p, handed):
             """Product p, its buffers in a scope of their own (`fused_plan.scratch_types`).
-            `handed`: where p starts on the tile counters of the step before it (`hands_over`,
-            the attention), (the epoch of the barrier after that step, its first counter, the
-            signals that complete its tile t), else None."""
+            `handed`: the epoch of the barrier after product p - 1 where p starts on p - 1's
+            tile counters (`hands_over`), else None."""
             scoped(product_types, lambda ps: product_in_scope(it, p, {**s, **ps}, handed))
 
         def product_in_scope(it, p, s, handed):
@@ -281,21 +264,21 @@ def build_fused_core(
                 return lax.rem(u - t * kch, tiles) == t
 
             def input_ready(i, kc):
-                """Before unit i's input copy, where p starts on the counters of the step
-                before it: the first `handover` units wait for the tile their chunk comes
-                from (once per tile), unit `handover` for every worker's arrival after it."""
-                epoch, base, adds = handed
+                """Before unit i's input copy, where p starts on p - 1's counters: the first
+                `handover` units wait for the tile their chunk comes from (once per tile),
+                unit `handover` for every worker's arrival after p - 1."""
                 t = kc // per_tile
                 first_of_tile = jnp.logical_or(i == 0, lax.rem(kc, per_tile) == 0)
+                target = (it + 1) * tile_adds(p - 1, t)
 
                 @pl.when(jnp.logical_and(i < handover, first_of_tile))
                 def _():
                     plgpu.semaphore_wait(
-                        tile_done.at[base + t], (it + 1) * adds(t), decrement=False,
+                        tile_done.at[tile_base[p - 1] + t], target, decrement=False,
                         memory_scope="gpu",
                     )  # fmt: skip
 
-                pl.when(jnp.asarray(i) == handover)(lambda: barrier.wait(epoch))
+                pl.when(jnp.asarray(i) == handover)(lambda: barrier.wait(handed))
 
             def issue_x(i):
                 slot = lax.rem(i, x_stages)
@@ -400,7 +383,7 @@ def build_fused_core(
                 plgpu.wait_smem_to_gmem(0)  # one worker: the product's tiles are written
                 add_residual(residual, residual_scale, dst_buf, s)
             if handed is not None:  # fewer units than `handover`: the arrivals waited for here
-                pl.when(n <= handover)(lambda: barrier.wait(handed[0]))
+                pl.when(n <= handover)(lambda: barrier.wait(handed))
 
         def issue_residual(residual, c, s):
             """Copies of residual chunk c and its layer's gains (issued at the product's start
@@ -538,18 +521,13 @@ def build_fused_core(
                     signal_tiles(p)
                 kind, j = kind_of(phases[p].name)
                 cross(it, step, kind, lambda p=p: prefetch_next(it, p), wait=not hands_over(p))
-                handed = None
-                if hands_over(p):
-                    handed = (epoch_of(it, step), tile_base[p], lambda t, p=p: tile_adds(p, t))
+                handed = epoch_of(it, step) if hands_over(p) else None
                 step += 1
                 if kind == "qkv":
                     with jax.named_scope(f"attn{j}"):
                         attention_step(k, it, j)
                     plgpu.wait_smem_to_gmem(0)
-                    cross(it, step, "attn", wait=not attention_hands_over)
-                    if attention_hands_over:
-                        adds = lambda t: attention_tile_adds(shape, t)  # noqa: E731
-                        handed = (epoch_of(it, step), tile_base["attn", j], adds)
+                    cross(it, step, "attn")
                     step += 1
 
     scratch, product_types, rope_types, block_types, combine_types = scratch_types(

@@ -13,9 +13,7 @@ huginn-0125's 96 are), v that of the cached value blocks (`FusedShape.head_windo
   to bf16 for the wgmma);
 - the head's first split adds the new position (k, v rounded to bf16, as the cache holds them)
   and, once the others' flags count their partials, combines them and adds the head's rows into
-  the attention output (then signals the counters of the output's tiles where proj starts on
-  them, `fused_plan.Schedule.handover`); it also writes the new k and v rows for the caller's
-  cache write.
+  the attention output; it also writes the new k and v rows for the caller's cache write.
 
 The windows and tables, the blocks, and the combine each take a scope of shared memory
 (`fused_plan.scratch_types`) that the products' scopes reuse.
@@ -175,9 +173,6 @@ def _combine(k, it, j, of, c0, valid, new, parts, s) -> None:
         plgpu.commit_smem()
         dst = k.act.at[Buffers.of("att", j), pl.ds(c0, kp), :]
         k.add_into(s["pout"].at[pl.ds(0, kp)], dst, kp)
-        if k.signal_attention is not None:  # proj starts on the output's tile counters
-            plgpu.wait_smem_to_gmem(0)
-            k.signal_attention(j, c0)
 
     if k.splits > 1:
         pl.when(split > 0)(partial_out)

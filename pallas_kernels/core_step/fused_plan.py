@@ -49,10 +49,9 @@ class Schedule:
     attention item's first `l2_blocks` blocks into L2 ahead of it; once a worker has arrived
     at the barrier after a product, the next product's `l2_barrier` units after the ring's into
     L2 (`l2_attention` after a qkv, whose barrier the attention follows). `handover` > 0:
-    after the attention, after a proj, and after an MLP proj that a qkv follows, a worker takes
-    that many units of the next product as soon as their input tiles are complete (per-tile
-    counters), and only then waits for every worker to have finished the step before (0: a
-    grid barrier).
+    after a proj, and after an MLP proj that a qkv follows, a worker takes that many units of
+    the next product as soon as their input tiles are complete (per-tile counters), and only
+    then waits for every worker to have finished the step before (0: a grid barrier).
     Written RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION
     [:HANDOVER]]]]]] (`parse`, `str`). The defaults are the kernel's, for its default
     [64, 256] weight units: the shared memory bounds ring x unit width and kv_stages x
@@ -330,20 +329,6 @@ def tile_signals(phase: Phase, cols: int, workers: int, residual_chunks: int, t)
     if residual_chunks:
         signals = signals + jnp.clip(residual_chunks - t * per_tile, 0, per_tile)
     return signals
-
-
-def attention_tile_adds(shape: FusedShape, t):
-    """The signals that complete tile t (`unit_cols` rows) of a layer's attention output
-    (`Schedule.handover`): one from each head whose kp-row window (`FusedShape.head_window`)
-    falls in part in the tile. The windows' first rows, min(h head_dim, d - kp), rise with h:
-    those that end at or after the tile's first row are the heads from ha on, those that start
-    at or before its last row the heads up to hb. t may be traced."""
-    hd, kp, last = shape.head_dim, shape.kp, shape.heads - 1
-    lo, hi = t * shape.unit_cols, (t + 1) * shape.unit_cols - 1
-    clamped = -(-(shape.d - kp) // hd)  # the first head whose window starts at d - kp
-    ha = jnp.minimum(jnp.maximum(-(-(lo - kp + 1) // hd), 0), clamped)
-    hb = jnp.where(shape.d - kp <= hi, last, jnp.minimum(hi // hd, last))
-    return jnp.maximum(hb - ha + 1, 0)
 
 
 ATTENTION_PARTS = ("rope", "blocks", "combine")  # the attention step's profiled parts
