@@ -100,7 +100,9 @@ def kernel_run(w, batch, iterations, pos, *, workers, interpret, schedule, slot=
 # kv_stages 3 over 2 sequences x 2 blocks: the copies run ahead across a sequence's end; the L2
 # prefetches (no-ops when interpreted) are traced where they reach into the next product, per
 # unit or as each product ends (the last one's into the next iteration's adapter); blocks of 128
-# positions over 2 sequences x 2 blocks, the last one partly masked
+# positions over 2 sequences x 2 blocks, the last one partly masked; the blocks of the first
+# item beside the qkv's k and v columns (the other items' after the qkv), with no cached
+# position and with several blocks
 @pytest.mark.parametrize(
     "batch,iterations,pos,schedule,slot",
     [
@@ -108,6 +110,8 @@ def kernel_run(w, batch, iterations, pos, *, workers, interpret, schedule, slot=
         (2, 1, SLOT - 1, Schedule(ring=2, kv_stages=3, l2_units=1, l2_blocks=2), SLOT),
         (1, 2, 5, Schedule(ring=2, kv_stages=2, l2_barrier=1, l2_attention=1), SLOT),
         (2, 1, 200, Schedule(ring=2, kv_stages=2, kv_block=128), 2 * SLOT),
+        (1, 2, 0, Schedule(ring=3, kv_stages=2, overlap=1), SLOT),
+        (2, 1, SLOT - 1, Schedule(ring=3, kv_stages=2, overlap=1), SLOT),
     ],
 )
 def test_interpret_one_worker_matches_the_step_program(batch, iterations, pos, schedule, slot):
@@ -153,8 +157,10 @@ HUGINN = (5280, 55, 17920, 4)
 # the longest ring and L2 lookahead that fit; on the small shape [64, 64] units, so that every
 # worker owns more units than the ring, with 3 cached blocks in flight; each shape also with
 # blocks of 128 positions; the small shape also with a grid barrier after every product (no
-# hand-over on tile counters); huginn-0125 at batch 8 also with 4 cached blocks in flight
+# hand-over on tile counters); huginn-0125 at batch 8 also with 4 cached blocks in flight; each
+# shape with the first items' blocks beside the qkv's k and v columns (`Schedule.overlap`)
 SMALL_SCHEDULE = (64, Schedule(3, 3, 0, 0))
+OVERLAP = Schedule(3, 2, overlap=1)
 GPU_CASES = [
     (SMALL, 16, 1, 2, 130, 192, SMALL_SCHEDULE),
     (SMALL, 16, 1, 2, 130, 192, (64, Schedule(3, 3, handover=0))),
@@ -165,6 +171,10 @@ GPU_CASES = [
     (HUGINN, 132, 8, 1, 200, 256, (128, Schedule(8, 2, 16, 8))),
     (HUGINN, 132, 1, 2, 1000, 1024, (128, Schedule(4, 2, kv_block=128))),
     (HUGINN, 132, 8, 1, 200, 256, (256, Schedule(3, 4))),
+    (SMALL, 16, 1, 2, 130, 192, (64, OVERLAP)),
+    (SMALL, 16, 8, 1, 200, 256, (64, OVERLAP)),
+    (HUGINN, 132, 1, 2, 1000, 1024, (256, OVERLAP)),
+    (HUGINN, 132, 8, 1, 200, 256, (256, OVERLAP)),
 ]
 
 
@@ -296,12 +306,13 @@ def lowered(shape: FusedShape, positions: int, **kernel_options):
     return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
 
 
-@pytest.mark.parametrize("batch", [8])  # the batch is a loop bound: 1 lowers the same code
-def test_lowers_for_cuda_with_every_sm(batch):
+# the batch is a loop bound: 1 lowers the same code
+@pytest.mark.parametrize("batch,schedule", [(8, Schedule()), (8, OVERLAP)])
+def test_lowers_for_cuda_with_every_sm(batch, schedule):
     """Traces and lowers the kernel for sm_90 at huginn-0125's shapes (one Core layer, to keep
     the test short): catches API misuse, unprovable tile alignment and smem overflow."""
     shape = FusedShape(5280, 55, 96, 17920, 1, batch)
-    text = lowered(shape, 1024, workers=132).as_text()  # the default schedule
+    text = lowered(shape, 1024, workers=132, schedule=schedule).as_text()
     assert "mosaic_gpu" in text
 
 
@@ -352,6 +363,8 @@ def test_fc_halves_interleave_by_chunks():
 
 
 def test_schedule_is_written_as_parsed():
+    assert Schedule.parse("3:2:0:0:64:0:0:8:1") == OVERLAP
+    assert str(OVERLAP) == "3:2:0:0:64:0:0:8:1"
     assert Schedule.parse("6:3") == Schedule(6, 3, 0, 0)
     assert str(Schedule.parse("6:3:16:8")) == "6:3:16:8"
     assert str(Schedule(6, 3, 16, 0)) == "6:3:16" and str(Schedule(6, 3, 0, 8)) == "6:3:0:8"
@@ -362,7 +375,7 @@ def test_schedule_is_written_as_parsed():
     assert str(Schedule(6, 3, l2_attention=16)) == "6:3:0:0:64:0:16"
     assert Schedule.parse("3:3:0:0:64:0:0:0") == Schedule(3, 3, handover=0)
     assert str(Schedule(3, 3, handover=0)) == "3:3:0:0:64:0:0:0"
-    for bad in ("6", "6:3:1:2:64:4:5:6:7", "6:x"):
+    for bad in ("6", "6:3:1:2:64:4:5:6:1:7", "6:x"):
         with pytest.raises(ValueError, match="is not RING:KV_STAGES"):
             Schedule.parse(bad)
     with pytest.raises(ValueError, match="kv_block=96 must be one of"):

@@ -74,13 +74,14 @@ def define_flags() -> None:
     flags.DEFINE_integer("iterations", 8, "Core iterations per call.")
     flags.DEFINE_list(
         "schedules", [str(Schedule())],
-        "RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION[:HANDOVER]]]]]]"
-        ", a list: weight units in flight per worker, cached blocks in flight, weight units "
-        "prefetched into L2 beyond the ring, cached blocks per attention item prefetched into "
-        "L2, cached positions per block (64 or 128), the next product's units prefetched into "
-        "L2 at the barrier after a product (not a qkv), and after a qkv, units taken on tile "
-        "counters after a proj and an MLP proj (0: a grid barrier; default: the kernel's "
-        "default).",
+        "RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION[:HANDOVER"
+        "[:OVERLAP]]]]]]], a list: weight units in flight per worker, cached blocks in flight, "
+        "weight units prefetched into L2 beyond the ring, cached blocks per attention item "
+        "prefetched into L2, cached positions per block (64 or 128), the next product's units "
+        "prefetched into L2 at the barrier after a product (not a qkv), and after a qkv, units "
+        "taken on tile counters after a proj and an MLP proj (0: a grid barrier), 1 to run the "
+        "first attention items' cached blocks beside the qkv's k and v columns (default: the "
+        "kernel's default).",
     )  # fmt: skip
     flags.DEFINE_integer(
         "unit_cols", DEFAULT_UNIT_COLS,

@@ -16,7 +16,10 @@ so that most products take their input as it is, as the bare stream does:
   from the adapter step, stored for layer 0's residual) and the mlp proj (the SiLU gate of the
   scaled fc output); the first iteration's adapter multiplies the given state by the adapter's
   own rows (later ones by the rows with norm_4 folded in);
-- between qkv and proj, the attention step (`fused_attention.py`).
+- between qkv and proj, the attention step (`fused_attention.py`). With `Schedule.overlap`
+  each worker's qkv units are two ranges, its share of the tiles that hold q, then of the
+  rest: once every worker has put out the first (a counter, not a barrier), a worker's first
+  attention item takes q and runs its cached blocks between the units of the second.
 
 1 + 5 L hand-overs per iteration: grid barriers, but after proj and after an MLP proj that a qkv
 follows, where the next product's first units wait for the tiles of their input on counters
@@ -34,7 +37,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.core_step.fused_attention import attention_step, prefetch_blocks
+from pallas_kernels.core_step.fused_attention import (
+    attention_step,
+    blocks_beside,
+    prefetch_blocks,
+)
 from pallas_kernels.core_step.fused_inputs import KernelContext, scaled, sources
 from pallas_kernels.core_step.fused_plan import (
     DEFAULT_SCHEDULE,
@@ -102,6 +109,7 @@ def build_fused_core(
     phases, cols, layers = shape.phases, shape.unit_cols, shape.layers
     n_phases, n_kinds = len(phases), len(PRODUCT_KINDS)
     splits = splits_for(shape.heads, workers)
+    overlap = bool(schedule.overlap)
     steps_per_iteration = shape.steps_per_iteration
     barrier_of = {}  # step -> its barrier's place in the iteration, for the barriers kept
     for step, kind in enumerate(shape.step_kinds):
@@ -120,9 +128,11 @@ def build_fused_core(
             parts=parts, kv_new=kv_new, tables=tables, rope_bias=rope_bias, k_cache=k_cache,
             v_cache=v_cache, s=dict(zip(SCRATCH_NAMES, refs[n_kinds + 4 :], strict=True)),
             rope_types=rope_types, block_types=block_types, combine_types=combine_types,
-            kv_stages=kv_stages, kv_block=schedule.kv_block,
+            kv_stages=kv_stages, kv_block=schedule.kv_block, overlap=overlap,
             flags=pl.get_global(plgpu.SemaphoreType.REGULAR((shape.heads,)))
             if splits > 1 else None,
+            q_done=pl.get_global(plgpu.SemaphoreType.REGULAR) if overlap and workers > 1
+            else None,
         )  # fmt: skip
         s = k.s
         barrier = GridBarrier(workers, "wait", 0, 1) if k.reduce else None
@@ -140,16 +150,41 @@ def build_fused_core(
             if hands_over(p):
                 tile_base[p], counted = counted, counted + phases[p].tiles(cols)
         tile_done = pl.get_global(plgpu.SemaphoreType.REGULAR((counted,))) if counted else None
-        units = [p.units(cols) for p in phases]
-        first = [u * worker // workers for u in units]
-        count = [u * (worker + 1) // workers - f for u, f in zip(units, first, strict=True)]
+
+        def share(units, offset=0):
+            """(first unit, units) of the worker's even share of `units` units from `offset`."""
+            start = units * worker // workers
+            return offset + start, units * (worker + 1) // workers - start
+
+        def split_q(p):
+            """Whether product p's units are two ranges: q's tiles, then the rest (overlap)."""
+            return overlap and kind_of(phases[p].name)[0] == "qkv"
+
+        pieces = []  # per product, the worker's ranges of units (first, count), in its order
+        for p, phase in enumerate(phases):
+            units = phase.units(cols)
+            if split_q(p):
+                in_q = shape.q_tiles * phase.k_chunks
+                pieces.append((share(in_q), share(units - in_q, in_q)))
+            else:
+                pieces.append((share(units),))
+        first = [ranges[0][0] for ranges in pieces]
+        count = [sum(n for _, n in ranges) for ranges in pieces]
         cum = [sum(count[:q], jnp.int32(0)) for q in range(n_phases)]
         per_iteration = sum(count, jnp.int32(0))
+
+        def unit_of(p, i):
+            """The unit that is the worker's i-th of product p."""
+            (a0, na), *rest = pieces[p]
+            if not rest:
+                return a0 + i
+            ((b0, _),) = rest
+            return jnp.where(i < na, a0 + i, b0 + i - na)
 
         def send_unit(q, j, raw, send):
             """send(unit) of unit j of the worker's range in phase q (a [64, cols] GMEM ref);
             `raw`: the adapter's own rows (the first iteration's, whose state is not normed)."""
-            u = first[q] + j
+            u = unit_of(q, j)
             t = u // phases[q].k_chunks
             kc = u - t * phases[q].k_chunks
             kind, layer = kind_of(phases[q].name)
@@ -245,7 +280,7 @@ def build_fused_core(
 
         def product_in_scope(it, p, s, handed):
             kind, j = kind_of(phases[p].name)
-            kch, n, u0 = phases[p].k_chunks, count[p], first[p]
+            kch, n_all = phases[p].k_chunks, count[p]
             tiles = phases[p].tiles(cols)
             c0 = it * per_iteration + cum[p]
             src_a, src_b, sums, gain_col, store, residual = sources(shape, p)
@@ -258,10 +293,12 @@ def build_fused_core(
                     return e_part.at[rows, :]
                 return act.at[src, rows, :]
 
-            def is_owner(i):
-                u = u0 + i
+            owner_tiles = shape.q_tiles if split_q(p) else tiles
+
+            def is_owner(i):  # the owners are in the first range (q's tiles, split_q)
+                u = unit_of(p, i)
                 t = u // kch
-                return lax.rem(u - t * kch, tiles) == t
+                return jnp.logical_and(lax.rem(u - t * kch, owner_tiles) == t, i < pieces[p][0][1])
 
             def input_ready(i, kc):
                 """Before unit i's input copy, where p starts on p - 1's counters: the first
@@ -282,7 +319,7 @@ def build_fused_core(
 
             def issue_x(i):
                 slot = lax.rem(i, x_stages)
-                kc = lax.rem(u0 + i, kch)
+                kc = lax.rem(unit_of(p, i), kch)
                 rows = pl.ds(kc * UNIT, UNIT)
                 if handed is not None:
                     input_ready(i, kc)
@@ -334,56 +371,85 @@ def build_fused_core(
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(s["vst"], act.at[store, pl.ds(kc * UNIT, UNIT), :])
 
-            @pl.loop(u0 // kch, (u0 + n - 1) // kch + 1)
-            def _segment(t):
-                ua = jnp.maximum(u0, t * kch) - u0
-                ub = jnp.minimum(u0 + n, (t + 1) * kch) - u0
+            def run_range(start, n, i0, owners, carry=(), between=None):
+                """Units [start, start + n) of the product, the worker's i0-th on: one
+                accumulator per tile segment; `owners`: whether the range holds the chunks'
+                owners; between(i, carry) -> carry after the range's i-th unit's wgmma."""
 
-                def compute(acc):
-                    @pl.loop(ua, ub)
-                    def _unit(i):
-                        xs, bs = lax.rem(i, x_stages), lax.rem(i, lag + 1)
-                        kc = lax.rem(u0 + i, kch)
-                        plgpu.barrier_wait(s["bara"].at[xs])
-                        a = plgpu.load(s["xa"].at[xs, pl.ds(0, UNIT)], layout=WGMMA)
-                        b = None
-                        if gate_up:
-                            b = plgpu.load(s["xa"].at[xs, pl.ds(UNIT, UNIT)], layout=WGMMA)
-                        if src_b is not None:
-                            plgpu.barrier_wait(s["barb"].at[xs])
-                            b = plgpu.load(s["xbb"].at[xs], layout=WGMMA)
-                        inp, v = fn(a, b)
-                        if owned:
-                            pl.when(lax.rem(kc, tiles) == t)(lambda: own(i, kc, v))
-                        s["bt"].at[bs].T[...] = inp.astype(bf16)
+                def segment(t, carry):
+                    ua = jnp.maximum(start, t * kch) - start + i0
+                    ub = jnp.minimum(start + n, (t + 1) * kch) - start + i0
+
+                    def compute(acc):
+                        def unit(i, carry):
+                            xs, bs = lax.rem(i, x_stages), lax.rem(i, lag + 1)
+                            kc = lax.rem(start - i0 + i, kch)
+                            plgpu.barrier_wait(s["bara"].at[xs])
+                            a = plgpu.load(s["xa"].at[xs, pl.ds(0, UNIT)], layout=WGMMA)
+                            b = None
+                            if gate_up:
+                                b = plgpu.load(s["xa"].at[xs, pl.ds(UNIT, UNIT)], layout=WGMMA)
+                            if src_b is not None:
+                                plgpu.barrier_wait(s["barb"].at[xs])
+                                b = plgpu.load(s["xbb"].at[xs], layout=WGMMA)
+                            inp, v = fn(a, b)
+                            if owned and owners:
+                                pl.when(lax.rem(kc, owner_tiles) == t)(lambda: own(i, kc, v))
+                            s["bt"].at[bs].T[...] = inp.astype(bf16)
+                            plgpu.commit_smem()
+                            pl.when(i + x_stages < n_all)(lambda: issue_x(i + x_stages))
+                            slot = lax.rem(c0 + i, ring)
+                            plgpu.barrier_wait(s["wbar"].at[slot])
+                            plgpu.wgmma(acc, s["ring"].at[slot].T, s["bt"].at[bs].T)
+                            plgpu.wgmma_wait(lag)
+                            pl.when(i - lag >= ua)(lambda: release(it, p, i - lag))
+                            return carry if between is None else between(i - i0, carry)
+
+                        after = lax.fori_loop(ua, ub, unit, carry)
+                        partial = acc[...]
+                        for back in range(lag, 0, -1):
+                            jb = ub - back
+                            pl.when(jb >= ua)(lambda jb=jb: release(it, p, jb))
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        s["out"][...] = partial
                         plgpu.commit_smem()
-                        pl.when(i + x_stages < n)(lambda: issue_x(i + x_stages))
-                        slot = lax.rem(c0 + i, ring)
-                        plgpu.barrier_wait(s["wbar"].at[slot])
-                        plgpu.wgmma(acc, s["ring"].at[slot].T, s["bt"].at[bs].T)
-                        plgpu.wgmma_wait(lag)
-                        pl.when(i - lag >= ua)(lambda: release(it, p, i - lag))
+                        dst = act.at[dst_buf, pl.ds(dst_off + t * cols, cols), :]
+                        if k.reduce:
+                            plgpu.copy_smem_to_gmem(s["out"], dst, reduction_op="add")
+                        else:
+                            plgpu.copy_smem_to_gmem(s["out"], dst)
+                        return after
 
-                    partial = acc[...]
-                    for back in range(lag, 0, -1):
-                        jb = ub - back
-                        pl.when(jb >= ua)(lambda jb=jb: release(it, p, jb))
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    s["out"][...] = partial
-                    plgpu.commit_smem()
-                    dst = act.at[dst_buf, pl.ds(dst_off + t * cols, cols), :]
-                    if k.reduce:
-                        plgpu.copy_smem_to_gmem(s["out"], dst, reduction_op="add")
-                    else:
-                        plgpu.copy_smem_to_gmem(s["out"], dst)
+                    return pl.run_scoped(compute, plgpu.ACC((cols, N_PAD), f32))
 
-                pl.run_scoped(compute, plgpu.ACC((cols, N_PAD), f32))
+                return lax.fori_loop(start // kch, (start + n - 1) // kch + 1, segment, carry)
+
+            (a0, na), *rest = pieces[p]
+            run_range(a0, na, 0, True)
+            if rest:  # q's tiles are out: the first item's blocks beside the rest
+                ((b0, nb),) = rest
+                plgpu.wait_smem_to_gmem(0)
+                if k.reduce:
+                    plgpu.semaphore_signal(k.q_done, 1, memory_scope="gpu")
+                item = worker  # the worker's first item
+
+                def beside():
+                    def run_units(between, carry):
+                        return run_range(b0, nb, na, False, carry, between)
+
+                    blocks_beside(k, it, j, item, nb, run_units)
+
+                def alone():
+                    run_range(b0, nb, na, False)
+
+                pl.when(item < k.items)(beside)
+                pl.when(item >= k.items)(alone)
 
             if residual is not None:
                 plgpu.wait_smem_to_gmem(0)  # one worker: the product's tiles are written
                 add_residual(residual, residual_scale, dst_buf, s)
             if handed is not None:  # fewer units than `handover`: the arrivals waited for here
-                pl.when(n <= handover)(lambda: barrier.wait(handed))
+                pl.when(n_all <= handover)(lambda: barrier.wait(handed))
 
         def issue_residual(residual, c, s):
             """Copies of residual chunk c and its layer's gains (issued at the product's start

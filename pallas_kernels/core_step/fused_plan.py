@@ -52,8 +52,11 @@ class Schedule:
     after a proj, and after an MLP proj that a qkv follows, a worker takes that many units of
     the next product as soon as their input tiles are complete (per-tile counters), and only
     then waits for every worker to have finished the step before (0: a grid barrier).
-    Written RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION
-    [:HANDOVER]]]]]] (`parse`, `str`). The defaults are the kernel's, for its default
+    `overlap` 1: each qkv streams q's columns first, and a worker's first attention item
+    runs its cached blocks between the units of the k and v columns that follow (the new
+    position and the splits' combine stay after the barrier). Written RING:KV_STAGES
+    [:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION[:HANDOVER[:OVERLAP]]]]]]]
+    (`parse`, `str`). The defaults are the kernel's, for its default
     [64, 256] weight units: the shared memory bounds ring x unit width and kv_stages x
     kv_block together (3:3, 3:4, 4:2 and 3:2 with blocks of 128 fit at [64, 256] units, 6:3
     and 8:2 at [64, 128]; docs/core_step.md: how they compare), and the L2 prefetches were
@@ -67,6 +70,7 @@ class Schedule:
     l2_barrier: int = 0
     l2_attention: int = 0
     handover: int = 8
+    overlap: int = 0
 
     @property
     def l2_reach(self) -> int:
@@ -82,10 +86,10 @@ class Schedule:
         """6:3, 6:3:16:8, 4:2:0:0:128 or 3:3:0:0:64:0:0:0 (the fields left out take their
         defaults); ValueError otherwise."""
         parts = text.split(":")
-        if not 2 <= len(parts) <= 8 or not all(p.isdigit() for p in parts):
+        if not 2 <= len(parts) <= 9 or not all(p.isdigit() for p in parts):
             raise ValueError(
                 f"{text!r} is not RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK"
-                "[:L2_BARRIER[:L2_ATTENTION[:HANDOVER]]]]]] (6:3:16:8)"
+                "[:L2_BARRIER[:L2_ATTENTION[:HANDOVER[:OVERLAP]]]]]]] (6:3:16:8)"
             )
         return cls(*(int(p) for p in parts))
 
@@ -203,6 +207,12 @@ class FusedShape:
         return self.head_window(head, minimum)
 
     @property
+    def q_tiles(self) -> int:
+        """Output tiles of the qkv product that hold q's columns (the first, `Schedule.overlap`:
+        they also hold the first k columns of the tile that q ends in)."""
+        return -(-self.d // self.unit_cols)
+
+    @property
     def table_rows(self) -> int:
         """Rows of the RoPE tables and the qk bias: d, and the kp - head_dim that the last
         head's key window reads past it."""
@@ -301,6 +311,9 @@ def smem_bytes(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int) -
         if isinstance(t, plgpu.Barrier)
     )
     scopes = max(buffer_bytes(types) for types in groups[1:])
+    if schedule.overlap:  # the qkv's scope holds the RoPE's, then the blocks' (fused.py)
+        product, rope, blocks = (buffer_bytes(types) for types in groups[1:4])
+        scopes = max(scopes, product + max(rope, blocks))
     return buffer_bytes(groups[0]) + scopes + REDUCTION_SCRATCH + 8 * barriers
 
 
@@ -365,6 +378,8 @@ def check_fused(
         raise ValueError(f"schedule {schedule}: the L2 prefetches must be >= 0")
     if schedule.handover < 0:
         raise ValueError(f"schedule {schedule}: handover must be >= 0")
+    if schedule.overlap not in (0, 1):
+        raise ValueError(f"schedule {schedule}: overlap must be 0 or 1")
     if workers < 1:
         raise ValueError(f"workers={workers} must be at least 1")
     most = most_workers(shape, schedule)
