@@ -23,6 +23,7 @@ from pallas_kernels.core_step.fused_plan import (
     check_fused,
     most_workers,
     profile_ranges,
+    smem_bytes,
     tile_signals,
 )
 from pallas_kernels.core_step.fused_step import (
@@ -100,9 +101,7 @@ def kernel_run(w, batch, iterations, pos, *, workers, interpret, schedule, slot=
 # kv_stages 3 over 2 sequences x 2 blocks: the copies run ahead across a sequence's end; the L2
 # prefetches (no-ops when interpreted) are traced where they reach into the next product, per
 # unit or as each product ends (the last one's into the next iteration's adapter); blocks of 128
-# positions over 2 sequences x 2 blocks, the last one partly masked; the blocks of the first
-# item beside the qkv's k and v columns (the other items' after the qkv), with no cached
-# position and with several blocks
+# positions over 2 sequences x 2 blocks, the last one partly masked
 @pytest.mark.parametrize(
     "batch,iterations,pos,schedule,slot",
     [
@@ -110,8 +109,6 @@ def kernel_run(w, batch, iterations, pos, *, workers, interpret, schedule, slot=
         (2, 1, SLOT - 1, Schedule(ring=2, kv_stages=3, l2_units=1, l2_blocks=2), SLOT),
         (1, 2, 5, Schedule(ring=2, kv_stages=2, l2_barrier=1, l2_attention=1), SLOT),
         (2, 1, 200, Schedule(ring=2, kv_stages=2, kv_block=128), 2 * SLOT),
-        (1, 2, 0, Schedule(ring=3, kv_stages=2, overlap=1), SLOT),
-        (2, 1, SLOT - 1, Schedule(ring=3, kv_stages=2, overlap=1), SLOT),
     ],
 )
 def test_interpret_one_worker_matches_the_step_program(batch, iterations, pos, schedule, slot):
@@ -230,6 +227,22 @@ def test_interpret_key_blocks_of_the_heads_own_columns():
     check_against_the_step_program(
         dims, 1, 2, 1, 100, 128, (64, Schedule(2, 2)), interpret=plgpu.InterpretGPUParams()
     )
+
+
+def test_overlap_needs_both_warpgroups_buffers_one_item_per_worker_and_no_profile():
+    """`Schedule.overlap` at huginn-0125: 3:2 fits, 3:3 does not (both warpgroups' buffers at
+    once); 110 attention items fit on 132 workers, not on 100; no profile, no interpret mode."""
+    shape = FusedShape(5280, 55, 96, 17920, 4, 1)
+    check_fused(shape, 132, OVERLAP)
+    assert smem_bytes(shape, OVERLAP, 2, 1) > smem_bytes(shape, Schedule(3, 2), 2, 1)
+    with pytest.raises(ValueError, match="bytes of smem"):
+        check_fused(shape, 132, Schedule(3, 3, overlap=1))
+    with pytest.raises(ValueError, match="one attention item per worker"):
+        check_fused(shape, 50, OVERLAP)
+    with pytest.raises(ValueError, match="does not record two warpgroups"):
+        check_fused(shape, 132, OVERLAP, profiled_iterations=1)
+    with pytest.raises(ValueError, match="GPU only"):
+        build_fused_core(shape, 1, workers=1, eps=1e-6, schedule=OVERLAP, interpret=True)
 
 
 def test_gpu_configurations_fit():

@@ -125,8 +125,8 @@ def define_flags() -> None:
         "persistent_schedule",
         "",
         "The persistent impl's kernel schedule RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK"
-        "[:L2_BARRIER[:L2_ATTENTION[:HANDOVER]]]]]] (pallas_kernels.core_step.fused_plan."
-        "Schedule; '' = the kernel's default).",
+        "[:L2_BARRIER[:L2_ATTENTION[:HANDOVER[:OVERLAP]]]]]]] (pallas_kernels.core_step."
+        "fused_plan.Schedule; '' = the kernel's default).",
     )
     flags.DEFINE_bool(
         "command_buffers",

@@ -21,14 +21,17 @@ per schedule (its records take shared memory: a schedule that leaves too little 
 before any work). --unit_cols: the weight units' width, which the ring counts
 (`fused_plan.Schedule`'s defaults are for 256). --skip_barriers=proj,attn,...: a timing bound,
 the kernel without its grid barriers after those kinds of step (wrong results, marked "bound").
-A schedule RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION[:HANDOVER]]]]]]:
+A schedule RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION[:HANDOVER
+[:OVERLAP]]]]]]]:
 weight units in flight per worker and cached blocks in flight in the attention (the shared
 memory bounds the two together), the weight unit that many units further on prefetched into
 L2, each attention item's first blocks prefetched into L2, the cached positions per attention
 block, 64 or 128, the next product's units after the ring's prefetched into L2 at the barrier
 after each product but a qkv, and after a qkv, and the units that a worker takes after a proj
 (and after an MLP proj that a qkv follows) on tile counters before it waits for every worker
-(0: a grid barrier there; `fused_plan.Schedule`).
+(0: a grid barrier there), and 1 for a second warpgroup per worker that runs the attention's
+cached blocks while the first streams the qkv's k and v columns (not profiled;
+`fused_plan.Schedule`).
 --jobs=N: each (batch, schedule) in a process of its own, N at a time, so that their
 compilations overlap; the processes take turns on the GPU (a file lock around their work
 there, shared with other programs given the same --gpu_lock; the compilations run outside

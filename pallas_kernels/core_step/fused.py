@@ -18,8 +18,9 @@ so that most products take their input as it is, as the bare stream does:
   own rows (later ones by the rows with norm_4 folded in);
 - between qkv and proj, the attention step (`fused_attention.py`). With `Schedule.overlap`
   each worker's qkv units are two ranges, its share of the tiles that hold q, then of the
-  rest: once every worker has put out the first (a counter, not a barrier), a worker's first
-  attention item takes q and runs its cached blocks between the units of the second.
+  rest; once every worker has put out the first (a counter, not a barrier), a second
+  warpgroup per worker runs its attention item's cached blocks while the first streams the
+  second range. Each warpgroup's scopes of shared memory are then a union of their own.
 
 1 + 5 L hand-overs per iteration: grid barriers, but after proj and after an MLP proj that a qkv
 follows, where the next product's first units wait for the tiles of their input on counters
@@ -39,7 +40,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.core_step.fused_attention import (
     attention_step,
-    blocks_beside,
+    blocks_ahead,
     prefetch_blocks,
 )
 from pallas_kernels.core_step.fused_inputs import KernelContext, scaled, sources
@@ -47,6 +48,7 @@ from pallas_kernels.core_step.fused_plan import (
     DEFAULT_SCHEDULE,
     N_PAD,
     PRODUCT_KINDS,
+    REDUCTION_SCRATCH,
     SCALAR_ROWS,
     SHIFT,
     STEP_KINDS,
@@ -58,12 +60,18 @@ from pallas_kernels.core_step.fused_plan import (
     profile_ranges,
     scoped,
     scratch_types,
+    second_warpgroup_types,
     splits_for,
     tile_signals,
+    union_layout,
 )
 from pallas_kernels.core_step.plan import UNIT, pad_to
 from pallas_kernels.core_step.tiles import WGMMA, bcast_rows, col_of, in_row
 from pallas_kernels.looped_matmul.barrier import GridBarrier
+
+# With `Schedule.overlap`, the scopes of shared memory each warpgroup enters, one union each:
+# scopes cannot be entered by one warpgroup alone
+WARPGROUP_SCOPES = {"first": ("product", "rope", "combine"), "second": ("rope", "blocks")}
 
 
 def build_fused_core(
@@ -98,6 +106,8 @@ def build_fused_core(
         raise ValueError(f"skip_barriers={skip_barriers}: each must be one of {STEP_KINDS}")
     if interpret is not None and workers != 1:
         raise ValueError("interpret mode runs one worker only (no grid barrier)")
+    if schedule.overlap and interpret is not None:
+        raise ValueError("overlap runs two warpgroups per worker: on the GPU only")
     if interpret is None and (shape.head_dim % 16 or (shape.d - shape.kp) % 16):
         raise ValueError(
             f"head_dim={shape.head_dim} and d - {shape.kp} must be multiples of 16: a head's "
@@ -122,17 +132,17 @@ def build_fused_core(
         w_refs = dict(zip(PRODUCT_KINDS, refs[:n_kinds], strict=True))
         act, scal, parts, kv_new = refs[n_kinds : n_kinds + 4]
         worker = lax.axis_index("b")
+        named = dict(zip(SCRATCH_NAMES, refs[n_kinds + 4 :], strict=True))
         k = KernelContext(
             shape=shape, eps=eps, workers=workers, splits=splits, items=shape.heads * splits,
             reduce=workers > 1, worker=worker, meta=meta, pos=meta[0], act=act, scal=scal,
             parts=parts, kv_new=kv_new, tables=tables, rope_bias=rope_bias, k_cache=k_cache,
-            v_cache=v_cache, s=dict(zip(SCRATCH_NAMES, refs[n_kinds + 4 :], strict=True)),
-            rope_types=rope_types, block_types=block_types, combine_types=combine_types,
-            kv_stages=kv_stages, kv_block=schedule.kv_block, overlap=overlap,
+            v_cache=v_cache, s={name: named[name] for name in scratch},
+            scope=scopes_of(named, "first"), kv_stages=kv_stages, kv_block=schedule.kv_block,
+            overlap=overlap, parts_ready=named.get("second.parts_ready"),
             flags=pl.get_global(plgpu.SemaphoreType.REGULAR((shape.heads,)))
             if splits > 1 else None,
-            q_done=pl.get_global(plgpu.SemaphoreType.REGULAR) if overlap and workers > 1
-            else None,
+            q_done=pl.get_global(plgpu.SemaphoreType.REGULAR) if overlap else None,
         )  # fmt: skip
         s = k.s
         barrier = GridBarrier(workers, "wait", 0, 1) if k.reduce else None
@@ -276,7 +286,7 @@ def build_fused_core(
             """Product p, its buffers in a scope of their own (`fused_plan.scratch_types`).
             `handed`: the epoch of the barrier after product p - 1 where p starts on p - 1's
             tile counters (`hands_over`), else None."""
-            scoped(product_types, lambda ps: product_in_scope(it, p, {**s, **ps}, handed))
+            k.scope("product", lambda ps: product_in_scope(it, p, {**s, **ps}, handed))
 
         def product_in_scope(it, p, s, handed):
             kind, j = kind_of(phases[p].name)
@@ -371,17 +381,19 @@ def build_fused_core(
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(s["vst"], act.at[store, pl.ds(kc * UNIT, UNIT), :])
 
-            def run_range(start, n, i0, owners, carry=(), between=None):
+            def run_range(start, n, i0, owners):
                 """Units [start, start + n) of the product, the worker's i0-th on: one
                 accumulator per tile segment; `owners`: whether the range holds the chunks'
-                owners; between(i, carry) -> carry after the range's i-th unit's wgmma."""
+                owners."""
 
-                def segment(t, carry):
+                @pl.loop(start // kch, (start + n - 1) // kch + 1)
+                def _segment(t):
                     ua = jnp.maximum(start, t * kch) - start + i0
                     ub = jnp.minimum(start + n, (t + 1) * kch) - start + i0
 
                     def compute(acc):
-                        def unit(i, carry):
+                        @pl.loop(ua, ub)
+                        def _unit(i):
                             xs, bs = lax.rem(i, x_stages), lax.rem(i, lag + 1)
                             kc = lax.rem(start - i0 + i, kch)
                             plgpu.barrier_wait(s["bara"].at[xs])
@@ -403,9 +415,7 @@ def build_fused_core(
                             plgpu.wgmma(acc, s["ring"].at[slot].T, s["bt"].at[bs].T)
                             plgpu.wgmma_wait(lag)
                             pl.when(i - lag >= ua)(lambda: release(it, p, i - lag))
-                            return carry if between is None else between(i - i0, carry)
 
-                        after = lax.fori_loop(ua, ub, unit, carry)
                         partial = acc[...]
                         for back in range(lag, 0, -1):
                             jb = ub - back
@@ -418,32 +428,17 @@ def build_fused_core(
                             plgpu.copy_smem_to_gmem(s["out"], dst, reduction_op="add")
                         else:
                             plgpu.copy_smem_to_gmem(s["out"], dst)
-                        return after
 
-                    return pl.run_scoped(compute, plgpu.ACC((cols, N_PAD), f32))
-
-                return lax.fori_loop(start // kch, (start + n - 1) // kch + 1, segment, carry)
+                    pl.run_scoped(compute, plgpu.ACC((cols, N_PAD), f32))
 
             (a0, na), *rest = pieces[p]
             run_range(a0, na, 0, True)
-            if rest:  # q's tiles are out: the first item's blocks beside the rest
+            if rest:  # q's tiles are out: the second warpgroup can take q (blocks_ahead)
                 ((b0, nb),) = rest
                 plgpu.wait_smem_to_gmem(0)
-                if k.reduce:
-                    plgpu.semaphore_signal(k.q_done, 1, memory_scope="gpu")
-                item = worker  # the worker's first item
-
-                def beside():
-                    def run_units(between, carry):
-                        return run_range(b0, nb, na, False, carry, between)
-
-                    blocks_beside(k, it, j, item, nb, run_units)
-
-                def alone():
-                    run_range(b0, nb, na, False)
-
-                pl.when(item < k.items)(beside)
-                pl.when(item >= k.items)(alone)
+                plgpu.semaphore_signal(k.q_done, 1, memory_scope="gpu")
+                run_range(b0, nb, na, False)
+                pl.when(worker < k.items)(lambda: plgpu.barrier_wait(k.parts_ready))
 
             if residual is not None:
                 plgpu.wait_smem_to_gmem(0)  # one worker: the product's tiles are written
@@ -551,33 +546,33 @@ def build_fused_core(
             else:
                 go()
 
-        # Prologue: the ring's first fill; a, both scalar tiles and the qkv buffers' padding
-        # rows zeroed; one barrier.
-        for g in range(ring):
-            issue_weight(0, g, g, True)
-        for g in range(ring, ring + l2_units):
-            prefetch_weight(0, g, True)
-        s["zero"][...] = jnp.zeros((UNIT, N_PAD), f32)
-        plgpu.commit_smem()
+        def prologue():
+            """The ring's first fill; a, both scalar tiles and the qkv buffers' padding rows
+            zeroed; one barrier."""
+            for g in range(ring):
+                issue_weight(0, g, g, True)
+            for g in range(ring, ring + l2_units):
+                prefetch_weight(0, g, True)
+            s["zero"][...] = jnp.zeros((UNIT, N_PAD), f32)
+            plgpu.commit_smem()
 
-        @pl.when(worker == 0)
-        def _pads():
-            for parity in range(2):
-                plgpu.copy_smem_to_gmem(s["zero"].at[pl.ds(0, SCALAR_ROWS)], scal.at[parity])
-            for j in range(layers):  # the rows around the product that RoPE's windows read
-                for r in (0, SHIFT + phases[1].n):
-                    dst = act.at[Buffers.of("qkv", j), pl.ds(r, SHIFT), :]
-                    plgpu.copy_smem_to_gmem(s["zero"].at[pl.ds(0, SHIFT)], dst)
+            @pl.when(worker == 0)
+            def _pads():
+                for parity in range(2):
+                    plgpu.copy_smem_to_gmem(s["zero"].at[pl.ds(0, SCALAR_ROWS)], scal.at[parity])
+                for j in range(layers):  # the rows around the product that RoPE's windows read
+                    for r in (0, SHIFT + phases[1].n):
+                        dst = act.at[Buffers.of("qkv", j), pl.ds(r, SHIFT), :]
+                        plgpu.copy_smem_to_gmem(s["zero"].at[pl.ds(0, SHIFT)], dst)
 
-        if k.reduce:
-            zero_rows(Buffers.A, 0, phases[0].n)
-        plgpu.wait_smem_to_gmem(0)
-        if k.reduce:
-            barrier.arrive()
-            barrier.wait(1)
+            if k.reduce:
+                zero_rows(Buffers.A, 0, phases[0].n)
+            plgpu.wait_smem_to_gmem(0)
+            if k.reduce:
+                barrier.arrive()
+                barrier.wait(1)
 
-        @pl.loop(0, iterations)
-        def _iteration(it):
+        def iteration(it):
             step, handed = 0, None
             for p in range(n_phases):
                 with jax.named_scope(phases[p].name):
@@ -596,10 +591,63 @@ def build_fused_core(
                     cross(it, step, "attn")
                     step += 1
 
-    scratch, product_types, rope_types, block_types, combine_types = scratch_types(
-        shape, schedule, x_stages, lag
-    )
-    SCRATCH_NAMES, kp = tuple(scratch), shape.kp
+        def streams():
+            prologue()
+            pl.loop(0, iterations)(iteration)
+
+        if not overlap:
+            streams()
+            return
+        # Two warpgroups: the second runs the attention items' blocks (`blocks_ahead`) inside
+        # a scope of its own, so that its reductions across warps take other bytes of shared
+        # memory than the first's.
+        wg = lax.axis_index("wg")
+        k2 = KernelContext(**{
+            **k.__dict__, "scope": scopes_of(named, "second"),
+            "s": {**s, **{name: named["second." + name] for name in second}},
+        })  # fmt: skip
+
+        def second_warpgroup(pad):
+            del pad
+
+            @pl.when(jnp.logical_and(wg == 1, worker < k.items))
+            def _():
+                @pl.loop(0, iterations)
+                def _(it):
+                    for j in range(layers):
+                        blocks_ahead(k2, it, j, worker)
+
+        pad = plgpu.SMEM((REDUCTION_SCRATCH,), jnp.int8)
+        pl.run_scoped(second_warpgroup, pad, collective_axes="wg")
+        pl.when(wg == 0)(streams)
+
+    scratch, *scopes = scratch_types(shape, schedule, x_stages, lag)
+    groups = dict(zip(("product", "rope", "blocks", "combine"), scopes, strict=True))
+    second = second_warpgroup_types(shape)
+    layout = dict(scratch)
+    if overlap:
+        for union, names in WARPGROUP_SCOPES.items():
+            layout |= union_layout(union, {g: groups[g] for g in names})
+        layout |= {"second." + name: t for name, t in second.items()}
+
+    def scopes_of(named, union):
+        """k.scope(name, fn): fn(the buffers and barriers of scope `name`), those of `union`
+        (`WARPGROUP_SCOPES`) where two warpgroups run, else inside `fused_plan.scoped`."""
+        if not overlap:
+            return lambda name, fn: scoped(groups[name], fn)
+        members = dict(zip(WARPGROUP_SCOPES[union], named[union], strict=True))
+
+        def scope(name, fn):
+            barriers = {
+                b: named[f"{union}.{name}.{b}"]
+                for b, t in groups[name].items()
+                if isinstance(t, plgpu.Barrier)
+            }
+            return fn({**members[name], **barriers})
+
+        return scope
+
+    SCRATCH_NAMES, kp = tuple(layout), shape.kp
     out_type = (
         jax.ShapeDtypeStruct((Buffers.count(layers), shape.buffer_rows, N_PAD), f32),
         jax.ShapeDtypeStruct((2, SCALAR_ROWS, N_PAD), f32),
@@ -610,12 +658,14 @@ def build_fused_core(
     if profile_dir:
         ranges = profile_ranges(shape, workers, iterations)
         params = plgpu.CompilerParams(profile_space=ranges, profile_dir=profile_dir)
+    threads = dict(num_threads=2, thread_name="wg") if overlap else {}
     return plgpu.kernel(
         body,
         out_type=out_type,
-        scratch_types=tuple(scratch.values()),
+        scratch_types=tuple(layout.values()),
         grid=(workers,),
         grid_names=("b",),
         compiler_params=params,
         interpret=interpret,
+        **threads,
     )

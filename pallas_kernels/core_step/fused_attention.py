@@ -15,10 +15,11 @@ huginn-0125's 96 are), v that of the cached value blocks (`FusedShape.head_windo
   and, once the others' flags count their partials, combines them and adds the head's rows into
   the attention output; it also writes the new k and v rows for the caller's cache write.
 
-With `Schedule.overlap`, a worker's first item takes q and runs its blocks inside the qkv
-product, between the units of the k and v columns (`blocks_beside`), and puts its partials out
-before the barrier after the qkv; after it, the first split merges them all with the new
-position (no flags: the barrier orders them).
+With `Schedule.overlap`, a second warpgroup per worker takes its item's q as soon as every
+worker has put out its units of q's tiles, runs the item's blocks while the first warpgroup
+streams the qkv's k and v columns, and puts its partials out before the barrier after the qkv
+(`blocks_ahead`); after it, the first split merges them all with the new position (no flags:
+the barrier orders them).
 
 The windows and tables, the blocks, and the combine each take a scope of shared memory
 (`fused_plan.scratch_types`) that the products' scopes reuse.
@@ -40,7 +41,6 @@ from pallas_kernels.core_step.fused_plan import (
     SHIFT,
     Buffers,
     ScalarRows,
-    scoped,
 )
 from pallas_kernels.core_step.tiles import WGMMA, bcast_rows, in_row, round_bf16, row_of
 
@@ -49,17 +49,12 @@ MASKED = -1e30  # the model's masked score: finite, so exp(MASKED - m) is 0, nev
 
 def attention_step(k, it, j) -> None:
     """Layer j's attention at iteration `it`; `k`: the kernel's `fused.KernelContext`. With
-    `k.overlap`, the worker's first item's blocks ran inside the qkv (`blocks_beside`)."""
+    `k.overlap`, the worker's first item's blocks ran during the qkv (`blocks_ahead`)."""
 
     @pl.loop(0, -(-k.items // k.workers))
     def _item(rr):
-        item = k.worker + rr * k.workers
-        present = item < k.items
-        if k.overlap:
-            first = jnp.logical_and(present, rr == 0)
-            pl.when(first)(lambda: _head_item(k, it, j, item, True))
-            present = jnp.logical_and(present, rr > 0)
-        pl.when(present)(lambda: _head_item(k, it, j, item, False))
+        item = k.worker + rr * k.workers  # with overlap, one item per worker at most
+        pl.when(item < k.items)(lambda: _head_item(k, it, j, item, k.overlap))
 
 
 def _masks(k, h, starts):
@@ -75,24 +70,21 @@ def _masks(k, h, starts):
 
 
 def _head_item(k, it, j, item, beside: bool) -> None:
-    """One item; `beside`: its blocks ran inside the qkv and every split's partials are out,
+    """One item; `beside`: its blocks ran during the qkv and every split's partials are out,
     so only a head's first split has work left."""
     h, split, starts = _window(k, item)
     masks = _masks(k, h, starts)
 
     def run():
         with jax.named_scope("rope"):
-            q, k_new, v_new = scoped(k.rope_types, lambda s: _rope(k, it, j, starts, masks, s))
+            q, k_new, v_new = k.scope("rope", lambda s: _rope(k, it, j, starts, masks, s))
         parts = None
         if not beside:
             with jax.named_scope("blocks"):
-                parts = scoped(k.block_types, lambda s: _own_blocks(k, it, j, q, starts, split, s))
+                parts = k.scope("blocks", lambda s: _own_blocks(k, it, j, q, starts, split, s))
         of, new = (h, split, item), (q, k_new, v_new)
         with jax.named_scope("combine"):
-            scoped(
-                k.combine_types,
-                lambda s: _combine(k, it, j, of, starts[1], masks[1], new, parts, s),
-            )
+            k.scope("combine", lambda s: _combine(k, it, j, of, starts[1], masks[1], new, parts, s))
 
     if beside:
         pl.when(split == 0)(run)
@@ -100,33 +92,18 @@ def _head_item(k, it, j, item, beside: bool) -> None:
         run()
 
 
-def blocks_beside(k, it, j, item, units, run_units) -> None:
-    """Item `item`'s q and cached blocks while the qkv's k and v columns stream
-    (`Schedule.overlap`): once every worker has put out its units of q's tiles, q is RoPE'd,
-    then `run_units(between, carry)` runs the product's remaining `units` units, calling
-    between(i, carry) -> carry after unit i (i from 0), which takes the blocks due by then:
-    an even share of them per unit, all by the last. The item's partials then go out."""
+def blocks_ahead(k, it, j, item) -> None:
+    """Item `item`'s q and cached blocks, run by the worker's second warpgroup (`k` its
+    context, `Schedule.overlap`) while the first streams the qkv's k and v columns: once every
+    worker has put out its units of q's tiles, q is RoPE'd and the blocks taken; the partials
+    go out, then the first warpgroup is told (`parts_ready`)."""
     h, split, starts = _window(k, item)
-    if k.reduce:
-        target = k.workers * (it * k.shape.layers + j + 1)
-        plgpu.semaphore_wait(k.q_done, target, decrement=False, memory_scope="gpu")
-    with jax.named_scope("rope_q"):
-        q = scoped(k.rope_types, lambda s: _rope(k, it, j, starts, _masks(k, h, starts), s)[0])
-
-    def run(s):
-        blocks = _BlockPass(k, it, j, q, starts, split, {**k.s, **s})
-
-        def due(x):  # blocks due after x units
-            return jnp.minimum(blocks.total, blocks.total * x // jnp.maximum(units, 1))
-
-        def between(i, carry):
-            return lax.fori_loop(due(i), due(i + 1), blocks.step, carry)
-
-        carry = run_units(between, blocks.init())
-        carry = lax.fori_loop(due(units), blocks.total, blocks.step, carry)  # units == 0
-        _partials_out(k, item, blocks.finish(carry), k.s["pin"])
-
-    scoped(k.block_types, run)
+    target = k.workers * (it * k.shape.layers + j + 1)
+    plgpu.semaphore_wait(k.q_done, target, decrement=False, memory_scope="gpu")
+    q = k.scope("rope", lambda s: _rope(k, it, j, starts, _masks(k, h, starts), s)[0])
+    parts = k.scope("blocks", lambda s: _own_blocks(k, it, j, q, starts, split, s))
+    _partials_out(k, item, parts, k.s["pin"])
+    plgpu.barrier_arrive(k.parts_ready)
 
 
 def _scale(k, it, j):
@@ -195,7 +172,7 @@ def _combine(k, it, j, of, c0, valid, new, parts, s) -> None:
     merged, the head's rows added into the attention output. `of`: (head, split, item); `c0`:
     the first column of the value window, whose rows the output holds; `new`: (q, k_new,
     v_new); `parts`: the item's (max, sum, weighted values) from its blocks, or None where
-    every split's are out already (`blocks_beside`); `s`: the combine's scope."""
+    every split's are out already (`blocks_ahead`); `s`: the combine's scope."""
     s = {**k.s, **s}
     kp = k.shape.kp
     h, split, item = of
@@ -326,61 +303,39 @@ def prefetch_blocks(k, it, j, count: int) -> None:
 
 
 def _own_blocks(k, it, j, q, starts, split, s):
-    """This split's (sequence, block) pairs in one pass (`_BlockPass`): (max, sum, weighted
-    values), each [kp, 8]."""
-    blocks = _BlockPass(k, it, j, q, starts, split, s)
-    return blocks.finish(lax.fori_loop(0, blocks.total, blocks.step, blocks.init()))
-
-
-class _BlockPass:
     """This split's (sequence, block) pairs (`_Pairs`), one pass over them with `kv_stages`
-    copies in flight, an online softmax per sequence: `step(f, carry)` takes pair f, from
-    `init()`; `finish(carry)` gives (max, sum, weighted values), each [kp, 8] (column b the
-    sequence b's; the [8] ones broadcast over the rows). The scores are those of every q column
-    against sequence b's keys, of which column b is kept (q rounded to bf16 for the wgmma).
-    The softmax's sums are kept per row of a block and summed over the rows once, after the
-    pass: a block's step reduces across its rows (over the warps) for the max only. `starts`:
-    the first columns (ck, c0) of the key and value windows; q is in the key window's rows,
-    whose first `key_cols` the key blocks hold. The copies of the first pairs are issued here."""
+    copies in flight, an online softmax per sequence: (max, sum, weighted values), each [kp, 8]
+    (column b the sequence b's; the [8] ones broadcast over the rows). The scores are those of
+    every q column against sequence b's keys, of which column b is kept (q rounded to bf16 for
+    the wgmma). The softmax's sums are kept per row of a block and summed over the rows once,
+    after the pass: a block's step reduces across its rows (over the warps) for the max only.
+    `starts`: the first columns (ck, c0) of the key and value windows; q is in the key
+    window's rows, whose first `key_cols` the key blocks hold."""
+    kp, block, f32 = k.shape.kp, k.kv_block, jnp.float32
+    pairs = _Pairs(k, it, j, split)
+    lo, hi, total = pairs.lo, pairs.hi, pairs.total
+    colidx = plgpu.broadcasted_iota(jnp.int32, (kp, N_PAD), 1, layout=WGMMA)
+    block_cols = plgpu.broadcasted_iota(jnp.int32, (block, N_PAD), 1, layout=WGMMA)
+    rows = plgpu.broadcasted_iota(jnp.int32, (block, N_PAD), 0, layout=WGMMA)
+    s["btq"].T[...] = q.astype(jnp.bfloat16)
+    plgpu.commit_smem()
+    q_keys = s["btq"].at[:, pl.ds(0, k.shape.key_cols)].T
 
-    def __init__(self, k, it, j, q, starts, split, s):
-        self.k, self.s = k, s
-        kp, block = k.shape.kp, k.kv_block
-        self.pairs = _Pairs(k, it, j, split)
-        self.total = self.pairs.total
-        self.colidx = plgpu.broadcasted_iota(jnp.int32, (kp, N_PAD), 1, layout=WGMMA)
-        self.block_cols = plgpu.broadcasted_iota(jnp.int32, (block, N_PAD), 1, layout=WGMMA)
-        self.rows = plgpu.broadcasted_iota(jnp.int32, (block, N_PAD), 0, layout=WGMMA)
-        s["btq"].T[...] = q.astype(jnp.bfloat16)
-        plgpu.commit_smem()
-        self.q_keys = s["btq"].at[:, pl.ds(0, k.shape.key_cols)].T
-        self.take = self.pairs.stream(starts, s)
+    take = pairs.stream(starts, s)
 
-    def init(self):
-        kp, block, f32 = self.k.shape.kp, self.k.kv_block, jnp.float32
-
-        def tile(rows, value):
-            return plgpu.layout_cast(jnp.full((rows, N_PAD), value, f32), WGMMA)
-
-        m0 = plgpu.layout_cast(jnp.full((N_PAD,), MASKED, f32), WGMMA.reduce(0))
-        zeros_kp, zeros_block = tile(kp, 0.0), tile(block, 0.0)
-        return m0, zeros_block, zeros_kp, tile(kp, MASKED), zeros_block, zeros_kp
-
-    def step(self, f, carry):
-        k, s, pairs = self.k, self.s, self.pairs
-        kp, block, f32 = k.shape.kp, k.kv_block, jnp.float32
+    def step(f, carry):
         m, ll, acc, m_all, l_all, acc_all = carry  # ll, l_all: [block, 8] sums per row
         b, blk = pairs.pair(f)
-        st = self.take(f)
-        keep = (blk != pairs.lo).astype(f32)  # 0 at a sequence's first block: start afresh
+        st = take(f)
+        keep = (blk != lo).astype(f32)  # 0 at a sequence's first block: start afresh
         m, ll, acc = m * keep + MASKED * (1.0 - keep), ll * keep, acc * keep
 
         def scores_of(acc_ref):
-            plgpu.wgmma(acc_ref, s["kblk"].at[st], self.q_keys)
+            plgpu.wgmma(acc_ref, s["kblk"].at[st], q_keys)
             return acc_ref[...]
 
         sc = pl.run_scoped(scores_of, plgpu.ACC((block, N_PAD), f32))
-        sc = jnp.where(self.rows + blk * block < k.pos, sc, MASKED)
+        sc = jnp.where(rows + blk * block < k.pos, sc, MASKED)
         m_new = jnp.maximum(m, jnp.max(sc, axis=0))
         alpha = jnp.exp(m - m_new)
         pr = jnp.exp(sc - bcast_rows(m_new, block))
@@ -393,12 +348,16 @@ class _BlockPass:
             return acc_ref[...]
 
         acc = acc * bcast_rows(alpha, kp) + pl.run_scoped(pv, plgpu.ACC((kp, N_PAD), f32))
-        last = jnp.where(blk == pairs.hi - 1, b, -1)  # column b at its last block
-        m_all = jnp.where(self.colidx == last, bcast_rows(m_new, kp), m_all)
-        l_all = jnp.where(self.block_cols == last, ll, l_all)
-        acc_all = jnp.where(self.colidx == last, acc, acc_all)
+        last = jnp.where(blk == hi - 1, b, -1)  # column b at its last block
+        m_all = jnp.where(colidx == last, bcast_rows(m_new, kp), m_all)
+        l_all = jnp.where(block_cols == last, ll, l_all)
+        acc_all = jnp.where(colidx == last, acc, acc_all)
         return m_new, ll, acc, m_all, l_all, acc_all
 
-    def finish(self, carry):
-        _, _, _, m_all, l_rows, acc_all = carry
-        return m_all, bcast_rows(jnp.sum(l_rows, axis=0), self.k.shape.kp), acc_all
+    def tile(rows, value):
+        return plgpu.layout_cast(jnp.full((rows, N_PAD), value, f32), WGMMA)
+
+    m0 = plgpu.layout_cast(jnp.full((N_PAD,), MASKED, f32), WGMMA.reduce(0))
+    init = (m0, tile(block, 0.0), tile(kp, 0.0), tile(kp, MASKED), tile(block, 0.0), tile(kp, 0.0))
+    _, _, _, m_all, l_rows, acc_all = lax.fori_loop(0, total, step, init)
+    return m_all, bcast_rows(jnp.sum(l_rows, axis=0), kp), acc_all

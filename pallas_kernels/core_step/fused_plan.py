@@ -52,11 +52,11 @@ class Schedule:
     after a proj, and after an MLP proj that a qkv follows, a worker takes that many units of
     the next product as soon as their input tiles are complete (per-tile counters), and only
     then waits for every worker to have finished the step before (0: a grid barrier).
-    `overlap` 1: each qkv streams q's columns first, and a worker's first attention item
-    runs its cached blocks between the units of the k and v columns that follow (the new
-    position and the splits' combine stay after the barrier). Written RING:KV_STAGES
-    [:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION[:HANDOVER[:OVERLAP]]]]]]]
-    (`parse`, `str`). The defaults are the kernel's, for its default
+    `overlap` 1: each qkv streams q's columns first, and a second warpgroup per worker runs
+    its attention item's cached blocks while the first streams the k and v columns (the new
+    position and the splits' combine stay after the barrier; one item per worker at most).
+    Written RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION
+    [:HANDOVER[:OVERLAP]]]]]]] (`parse`, `str`). The defaults are the kernel's, for its default
     [64, 256] weight units: the shared memory bounds ring x unit width and kv_stages x
     kv_block together (3:3, 3:4, 4:2 and 3:2 with blocks of 128 fit at [64, 256] units, 6:3
     and 8:2 at [64, 128]; docs/core_step.md: how they compare), and the L2 prefetches were
@@ -293,7 +293,9 @@ def splits_for(heads: int, workers: int) -> int:
 def smem_bytes(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int) -> int:
     """Shared memory of one block, from `scratch_types`: the kernel-wide buffers, then the
     largest of the step scopes (they reuse the same bytes one after the other), each buffer
-    aligned to 1 KiB as Pallas allocates them, 8 bytes per mbarrier."""
+    aligned to 1 KiB as Pallas allocates them, 8 bytes per mbarrier. With `Schedule.overlap`
+    the two warpgroups' scopes (`fused.WARPGROUP_SCOPES`) and reductions take bytes of their
+    own, at once."""
     groups = scratch_types(shape, schedule, x_stages, lag)
 
     def buffer_bytes(types: dict) -> int:
@@ -311,9 +313,17 @@ def smem_bytes(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int) -
         if isinstance(t, plgpu.Barrier)
     )
     scopes = max(buffer_bytes(types) for types in groups[1:])
-    if schedule.overlap:  # the qkv's scope holds the RoPE's, then the blocks' (fused.py)
-        product, rope, blocks = (buffer_bytes(types) for types in groups[1:4])
-        scopes = max(scopes, product + max(rope, blocks))
+    if schedule.overlap:  # each warpgroup's scopes in a union of its own, both at once
+        product, rope, blocks, combine = (buffer_bytes(types) for types in groups[1:])
+        second = second_warpgroup_types(shape)
+        scopes = max(product, rope, combine) + max(rope, blocks) + buffer_bytes(second)
+        barriers += sum(  # the second warpgroup's own, and those of its RoPE and blocks
+            math.prod(t.num_barriers)
+            for types in (second, *groups[2:4])
+            for t in types.values()
+            if isinstance(t, plgpu.Barrier)
+        )
+        return buffer_bytes(groups[0]) + scopes + 2 * REDUCTION_SCRATCH + 8 * barriers
     return buffer_bytes(groups[0]) + scopes + REDUCTION_SCRATCH + 8 * barriers
 
 
@@ -368,7 +378,8 @@ def check_fused(
     the wgmma lag, the ring and the L2 lookahead shorter than every worker's units of each
     product (the lookahead reaches into the next product only), so at least 1 and at most
     `most_workers` workers, at least 2 stages of cached blocks, buffers that fit (with the
-    profiler's records of `profiled_iterations`, where it runs)."""
+    profiler's records of `profiled_iterations`, where it runs; `Schedule.overlap`: both
+    warpgroups' buffers at once, one attention item per worker, no profile)."""
     ring, kv_stages = schedule.ring, schedule.kv_stages
     if not 1 <= ring <= MAX_RING or not 0 <= lag < ring or not 1 <= x_stages <= ring:
         raise ValueError(f"need 0 <= lag={lag} < ring={ring} <= {MAX_RING}, x_stages <= ring")
@@ -380,6 +391,14 @@ def check_fused(
         raise ValueError(f"schedule {schedule}: handover must be >= 0")
     if schedule.overlap not in (0, 1):
         raise ValueError(f"schedule {schedule}: overlap must be 0 or 1")
+    items = shape.heads * splits_for(shape.heads, workers)
+    if schedule.overlap and items > workers:
+        raise ValueError(
+            f"schedule {schedule}: overlap runs one attention item per worker, not {items} on "
+            f"{workers} workers"
+        )
+    if schedule.overlap and profiled_iterations:
+        raise ValueError(f"schedule {schedule}: the profile does not record two warpgroups")
     if workers < 1:
         raise ValueError(f"workers={workers} must be at least 1")
     most = most_workers(shape, schedule)
@@ -452,6 +471,19 @@ def scratch_types(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int
     return kernel_wide, product, rope, blocks, combine
 
 
+def second_warpgroup_types(shape: FusedShape) -> dict:
+    """What the second warpgroup of `Schedule.overlap` has besides its RoPE's and blocks'
+    scopes: its own scalar tiles and partials buffer, and the barrier it tells the first
+    warpgroup on that its item's partials are out."""
+    f32 = jnp.float32
+    return dict(
+        sc=plgpu.SMEM((2, SCALAR_ROWS, N_PAD), f32),
+        scbar=plgpu.Barrier(),
+        pin=plgpu.SMEM((shape.kp + SCALAR_ROWS, N_PAD), f32),
+        parts_ready=plgpu.Barrier(),
+    )
+
+
 def attention_transforms(shape: FusedShape) -> tuple:
     """The shared-memory tiling and swizzle of the attention's wgmma operands (a wgmma's
     operands share a swizzle): tiles of `FusedShape.attention_tile` bf16 columns, 128 bytes
@@ -459,6 +491,22 @@ def attention_transforms(shape: FusedShape) -> tuple:
     multiples of 16)."""
     cols = shape.attention_tile
     return plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(2 * cols)
+
+
+def union_layout(prefix: str, groups: dict) -> dict:
+    """Scratch entries for scopes that run at once with another warpgroup's (`Schedule.overlap`;
+    a multithreaded kernel cannot enter a scope in one warpgroup alone): `prefix`, a union of
+    the groups' buffers, in order, and each group's barriers as "prefix.group.name"."""
+
+    def buffers(types):
+        return {n: t for n, t in types.items() if not isinstance(t, plgpu.Barrier)}
+
+    out = {prefix: plgpu.RefUnion(*(buffers(types) for types in groups.values()))}
+    for group, types in groups.items():
+        for name, t in types.items():
+            if isinstance(t, plgpu.Barrier):
+                out[f"{prefix}.{group}.{name}"] = t
+    return out
 
 
 def scoped(types: dict, fn):
