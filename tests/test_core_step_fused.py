@@ -25,6 +25,7 @@ from pallas_kernels.core_step.fused_plan import (
     profile_ranges,
     smem_bytes,
     tile_signals,
+    unit_ranges,
 )
 from pallas_kernels.core_step.fused_step import (
     fused_core_decode,
@@ -155,7 +156,7 @@ HUGINN = (5280, 55, 17920, 4)
 # worker owns more units than the ring, with 3 cached blocks in flight; each shape also with
 # blocks of 128 positions; the small shape also with a grid barrier after every product (no
 # hand-over on tile counters); huginn-0125 at batch 8 also with 4 cached blocks in flight; each
-# shape with the first items' blocks beside the qkv's k and v columns (`Schedule.overlap`)
+# shape with the attention's blocks in a second warpgroup (`Schedule.overlap`)
 SMALL_SCHEDULE = (64, Schedule(3, 3, 0, 0))
 OVERLAP = Schedule(3, 2, overlap=1)
 GPU_CASES = [
@@ -231,7 +232,7 @@ def test_interpret_key_blocks_of_the_heads_own_columns():
 
 def test_overlap_needs_both_warpgroups_buffers_one_item_per_worker_and_no_profile():
     """`Schedule.overlap` at huginn-0125: 3:2 fits, 3:3 does not (both warpgroups' buffers at
-    once); 110 attention items fit on 132 workers, not on 100; no profile, no interpret mode."""
+    once); 110 attention items fit on 132 workers, 55 not on 50; no profile, no interpret mode."""
     shape = FusedShape(5280, 55, 96, 17920, 4, 1)
     check_fused(shape, 132, OVERLAP)
     assert smem_bytes(shape, OVERLAP, 2, 1) > smem_bytes(shape, Schedule(3, 2), 2, 1)
@@ -243,6 +244,28 @@ def test_overlap_needs_both_warpgroups_buffers_one_item_per_worker_and_no_profil
         check_fused(shape, 132, OVERLAP, profiled_iterations=1)
     with pytest.raises(ValueError, match="GPU only"):
         build_fused_core(shape, 1, workers=1, eps=1e-6, schedule=OVERLAP, interpret=True)
+
+
+@pytest.mark.parametrize("dims,workers", [(HUGINN, 132), (SMALL, 16)])
+def test_overlap_takes_q_tiles_first_and_every_unit_once(dims, workers):
+    """`unit_ranges` with overlap: in a qkv every worker's first range lies in q's tiles, the
+    first ranges cover them and the second ranges the rest, every unit once; other products
+    are one even share, as without overlap."""
+    d, heads, f, layers = dims
+    shape = FusedShape(d, heads, d // heads, f, layers, 1, 64 if dims == SMALL else 256)
+    for phase in shape.phases:
+        taken = []
+        for w in range(workers):
+            ranges = unit_ranges(shape, phase, w, workers, True)
+            taken.append([list(range(a, a + n)) for a, n in ranges])
+            if not phase.name.startswith("qkv"):
+                assert ranges == unit_ranges(shape, phase, w, workers, False)
+        units = sorted(u for ranges in taken for r in ranges for u in r)
+        assert units == list(range(phase.units(shape.unit_cols)))
+        if phase.name.startswith("qkv"):
+            in_q = shape.q_tiles * phase.k_chunks
+            assert shape.q_tiles * shape.unit_cols >= d > (shape.q_tiles - 1) * shape.unit_cols
+            assert sorted(u for ranges in taken for u in ranges[0]) == list(range(in_q))
 
 
 def test_gpu_configurations_fit():

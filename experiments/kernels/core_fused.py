@@ -83,8 +83,8 @@ def define_flags() -> None:
         "prefetched into L2, cached positions per block (64 or 128), the next product's units "
         "prefetched into L2 at the barrier after a product (not a qkv), and after a qkv, units "
         "taken on tile counters after a proj and an MLP proj (0: a grid barrier), 1 to run the "
-        "first attention items' cached blocks beside the qkv's k and v columns (default: the "
-        "kernel's default).",
+        "attention's cached blocks in a second warpgroup while the qkv's k and v columns "
+        "stream (default: the kernel's default).",
     )  # fmt: skip
     flags.DEFINE_integer(
         "unit_cols", DEFAULT_UNIT_COLS,

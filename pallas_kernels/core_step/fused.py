@@ -50,8 +50,10 @@ from pallas_kernels.core_step.fused_plan import (
     PRODUCT_KINDS,
     REDUCTION_SCRATCH,
     SCALAR_ROWS,
+    SCOPES,
     SHIFT,
     STEP_KINDS,
+    WARPGROUP_SCOPES,
     Buffers,
     FusedShape,
     Schedule,
@@ -64,14 +66,11 @@ from pallas_kernels.core_step.fused_plan import (
     splits_for,
     tile_signals,
     union_layout,
+    unit_ranges,
 )
 from pallas_kernels.core_step.plan import UNIT, pad_to
 from pallas_kernels.core_step.tiles import WGMMA, bcast_rows, col_of, in_row
 from pallas_kernels.looped_matmul.barrier import GridBarrier
-
-# With `Schedule.overlap`, the scopes of shared memory each warpgroup enters, one union each:
-# scopes cannot be entered by one warpgroup alone
-WARPGROUP_SCOPES = {"first": ("product", "rope", "combine"), "second": ("rope", "blocks")}
 
 
 def build_fused_core(
@@ -161,23 +160,13 @@ def build_fused_core(
                 tile_base[p], counted = counted, counted + phases[p].tiles(cols)
         tile_done = pl.get_global(plgpu.SemaphoreType.REGULAR((counted,))) if counted else None
 
-        def share(units, offset=0):
-            """(first unit, units) of the worker's even share of `units` units from `offset`."""
-            start = units * worker // workers
-            return offset + start, units * (worker + 1) // workers - start
+        # per product, the worker's ranges of units (first, count), in the order it takes them
+        pieces = [unit_ranges(shape, phase, worker, workers, overlap) for phase in phases]
 
         def split_q(p):
             """Whether product p's units are two ranges: q's tiles, then the rest (overlap)."""
-            return overlap and kind_of(phases[p].name)[0] == "qkv"
+            return len(pieces[p]) > 1
 
-        pieces = []  # per product, the worker's ranges of units (first, count), in its order
-        for p, phase in enumerate(phases):
-            units = phase.units(cols)
-            if split_q(p):
-                in_q = shape.q_tiles * phase.k_chunks
-                pieces.append((share(in_q), share(units - in_q, in_q)))
-            else:
-                pieces.append((share(units),))
         first = [ranges[0][0] for ranges in pieces]
         count = [sum(n for _, n in ranges) for ranges in pieces]
         cum = [sum(count[:q], jnp.int32(0)) for q in range(n_phases)]
@@ -622,7 +611,7 @@ def build_fused_core(
         pl.when(wg == 0)(streams)
 
     scratch, *scopes = scratch_types(shape, schedule, x_stages, lag)
-    groups = dict(zip(("product", "rope", "blocks", "combine"), scopes, strict=True))
+    groups = dict(zip(SCOPES, scopes, strict=True))
     second = second_warpgroup_types(shape)
     layout = dict(scratch)
     if overlap:

@@ -33,6 +33,10 @@ STEP_KINDS = (*PRODUCT_KINDS, "attn")  # the steps a grid barrier can follow
 DEFAULT_UNIT_COLS = 256  # output columns of the kernel's [64, unit_cols] weight units
 REDUCTION_SCRATCH = 2048  # bytes Mosaic GPU adds for reductions across warps
 PROFILE_RANGE_BYTES = 16  # shared memory per range of Mosaic GPU's on-device profiler
+SCOPES = ("product", "rope", "blocks", "combine")  # the step scopes of `scratch_types`
+# With `Schedule.overlap`, the scopes each warpgroup enters, held at once as a union each
+# (`union_layout`): a kernel of two warpgroups enters a scope with both or not at all
+WARPGROUP_SCOPES = {"first": ("product", "rope", "combine"), "second": ("rope", "blocks")}
 
 
 def kind_of(name: str) -> tuple[str, int]:
@@ -208,8 +212,8 @@ class FusedShape:
 
     @property
     def q_tiles(self) -> int:
-        """Output tiles of the qkv product that hold q's columns (the first, `Schedule.overlap`:
-        they also hold the first k columns of the tile that q ends in)."""
+        """The qkv product's first output tiles, those that hold q's columns (the last of them
+        also the first k columns): `Schedule.overlap` streams them first."""
         return -(-self.d // self.unit_cols)
 
     @property
@@ -294,8 +298,8 @@ def smem_bytes(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int) -
     """Shared memory of one block, from `scratch_types`: the kernel-wide buffers, then the
     largest of the step scopes (they reuse the same bytes one after the other), each buffer
     aligned to 1 KiB as Pallas allocates them, 8 bytes per mbarrier. With `Schedule.overlap`
-    the two warpgroups' scopes (`fused.WARPGROUP_SCOPES`) and reductions take bytes of their
-    own, at once."""
+    the two warpgroups' scopes (`WARPGROUP_SCOPES`) and reductions take bytes of their own, at
+    once."""
     groups = scratch_types(shape, schedule, x_stages, lag)
 
     def buffer_bytes(types: dict) -> int:
@@ -314,12 +318,14 @@ def smem_bytes(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int) -
     )
     scopes = max(buffer_bytes(types) for types in groups[1:])
     if schedule.overlap:  # each warpgroup's scopes in a union of its own, both at once
-        product, rope, blocks, combine = (buffer_bytes(types) for types in groups[1:])
+        named = dict(zip(SCOPES, groups[1:], strict=True))
         second = second_warpgroup_types(shape)
-        scopes = max(product, rope, combine) + max(rope, blocks) + buffer_bytes(second)
-        barriers += sum(  # the second warpgroup's own, and those of its RoPE and blocks
+        scopes = buffer_bytes(second) + sum(
+            max(buffer_bytes(named[g]) for g in names) for names in WARPGROUP_SCOPES.values()
+        )
+        barriers += sum(  # the second warpgroup's own, and those of its scopes
             math.prod(t.num_barriers)
-            for types in (second, *groups[2:4])
+            for types in (second, *(named[g] for g in WARPGROUP_SCOPES["second"]))
             for t in types.values()
             if isinstance(t, plgpu.Barrier)
         )
@@ -335,6 +341,22 @@ def most_workers(shape: FusedShape, schedule: Schedule) -> int:
     up to u // (reach + 1)."""
     reach = schedule.ring + schedule.l2_reach
     return min(p.units(shape.unit_cols) // (reach + 1) for p in shape.phases)
+
+
+def unit_ranges(shape: FusedShape, phase: Phase, worker, workers: int, overlap: bool) -> tuple:
+    """The ranges (first unit, units) of `phase` that `worker` of `workers` takes, in order:
+    its even share of the units (`plan.unit_range`), or with `overlap`, in a qkv, its share of
+    the tiles that hold q (`FusedShape.q_tiles`), then of the rest. `worker` may be traced."""
+
+    def share(units, offset=0):
+        start = units * worker // workers
+        return offset + start, units * (worker + 1) // workers - start
+
+    units = phase.units(shape.unit_cols)
+    if overlap and kind_of(phase.name)[0] == "qkv":
+        in_q = shape.q_tiles * phase.k_chunks
+        return share(in_q), share(units - in_q, in_q)
+    return (share(units),)
 
 
 def tile_signals(phase: Phase, cols: int, workers: int, residual_chunks: int, t):
