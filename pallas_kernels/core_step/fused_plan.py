@@ -18,7 +18,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.core_step.plan import UNIT, Phase, check_unit_cols, pad_to, pad_unit
+from pallas_kernels.core_step.plan import (
+    UNIT,
+    Phase,
+    check_unit_cols,
+    even_share,
+    pad_to,
+    pad_unit,
+)
 from pallas_kernels.core_step.stream import MAX_RING, SMEM_ALIGN, SMEM_LIMIT, SWIZZLE_128
 
 N_PAD = 8  # batch columns of every activation tile: the wgmma N
@@ -329,8 +336,8 @@ def smem_bytes(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int) -
             for t in types.values()
             if isinstance(t, plgpu.Barrier)
         )
-        return buffer_bytes(groups[0]) + scopes + 2 * REDUCTION_SCRATCH + 8 * barriers
-    return buffer_bytes(groups[0]) + scopes + REDUCTION_SCRATCH + 8 * barriers
+    reductions = 2 if schedule.overlap else 1  # each warpgroup's reductions take bytes of their own
+    return buffer_bytes(groups[0]) + scopes + reductions * REDUCTION_SCRATCH + 8 * barriers
 
 
 def most_workers(shape: FusedShape, schedule: Schedule) -> int:
@@ -345,12 +352,12 @@ def most_workers(shape: FusedShape, schedule: Schedule) -> int:
 
 def unit_ranges(shape: FusedShape, phase: Phase, worker, workers: int, overlap: bool) -> tuple:
     """The ranges (first unit, units) of `phase` that `worker` of `workers` takes, in order:
-    its even share of the units (`plan.unit_range`), or with `overlap`, in a qkv, its share of
+    its even share of the units (`plan.even_share`), or with `overlap`, in a qkv, its share of
     the tiles that hold q (`FusedShape.q_tiles`), then of the rest. `worker` may be traced."""
 
     def share(units, offset=0):
-        start = units * worker // workers
-        return offset + start, units * (worker + 1) // workers - start
+        start, end = even_share(units, workers, worker)
+        return offset + start, end - start
 
     units = phase.units(shape.unit_cols)
     if overlap and kind_of(phase.name)[0] == "qkv":

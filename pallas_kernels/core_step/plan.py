@@ -108,7 +108,12 @@ def check_chained(phases: tuple[Phase, ...], unit_cols: int = UNIT) -> None:
 def unit_range(phase: Phase, workers: int, worker: int, unit_cols: int = UNIT) -> tuple[int, int]:
     """[first, end) of the units `worker` owns in `phase` (plain ints; the kernel computes the
     same expression on its traced worker index)."""
-    units = phase.units(unit_cols)
+    return even_share(phase.units(unit_cols), workers, worker)
+
+
+def even_share(units, workers: int, worker) -> tuple:
+    """[first, end) of worker `worker`'s even share of `units` units among `workers` (each
+    within one unit of the others); `worker` may be traced."""
     return units * worker // workers, units * (worker + 1) // workers
 
 
