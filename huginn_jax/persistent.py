@@ -32,12 +32,8 @@ from flax import nnx
 from huginn_jax.config import HuginnConfig
 from huginn_jax.kv_cache import KVCache
 from huginn_jax.model import Core, Huginn
-from pallas_kernels.core_step.fused_plan import (
-    DEFAULT_UNIT_COLS,
-    FusedShape,
-    Schedule,
-    most_workers,
-)
+from pallas_kernels.core_step.fused_fit import most_workers
+from pallas_kernels.core_step.fused_plan import DEFAULT_UNIT_COLS, FusedShape, Schedule
 from pallas_kernels.core_step.step_program import LayerWeights, Pending, StepWeights
 
 CACHE_MULTIPLE = Schedule().kv_block  # the default schedule reads cached positions in such blocks
@@ -128,7 +124,7 @@ def workers_for(
     unit_cols: int = DEFAULT_UNIT_COLS,
 ) -> int:
     """Workers for a Core of `config` on a GPU of `sm_count` SMs: one per SM, but no more than
-    `schedule` (None: the default) allows at the Core's shapes (`fused_plan.most_workers`), and
+    `schedule` (None: the default) allows at the Core's shapes (`fused_fit.most_workers`), and
     at least one, so that where not even one fits the kernel's own check says why.
     ValueError for shapes the kernel refuses."""
     most = most_workers(fused_shape(config, batch, unit_cols), schedule or Schedule())

@@ -17,16 +17,8 @@ from huginn_jax.config import HuginnConfig
 from huginn_jax.persistent import fused_shape
 from pallas_kernels.core_step import Pending, StepWeights, core_iteration, rope_row
 from pallas_kernels.core_step.fused import build_fused_core
-from pallas_kernels.core_step.fused_plan import (
-    FusedShape,
-    Schedule,
-    check_fused,
-    most_workers,
-    profile_ranges,
-    smem_bytes,
-    tile_signals,
-    unit_ranges,
-)
+from pallas_kernels.core_step.fused_fit import check_fused, most_workers, profile_ranges, smem_bytes
+from pallas_kernels.core_step.fused_plan import FusedShape, Schedule, tile_signals, unit_ranges
 from pallas_kernels.core_step.fused_step import (
     fused_core_decode,
     interleave_halves,

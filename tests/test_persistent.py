@@ -174,7 +174,7 @@ def test_why_not_passes_huginn_0125_on_an_h200():
 
 def test_workers_on_a_gpu_are_its_sms_capped_for_the_shapes():
     """`small`'s fewest units (8 of [64, 128], 16 of [64, 64]) hold the default ring of 6 for one
-    worker, a ring of 3 for 4; huginn-0125 keeps every SM given (`fused_plan.most_workers`).
+    worker, a ring of 3 for 4; huginn-0125 keeps every SM given (`fused_fit.most_workers`).
     Where not even one worker fits, one is taken so that the kernel's check says why."""
     small, huginn = (HuginnConfig.from_name(name) for name in ("small", "huginn_0125"))
     assert workers_for(small, 1, 132) == 1

@@ -398,7 +398,8 @@ def main(argv: list[str]) -> None:
     if FLAGS.iterations < 1 or FLAGS.reps < 1 or FLAGS.jobs < 1:
         raise UserError("--iterations, --reps and --jobs must be >= 1")
     schedules = [parse_schedule(text) for text in FLAGS.schedules]
-    from pallas_kernels.core_step.fused_plan import STEP_KINDS, check_fused
+    from pallas_kernels.core_step.fused_fit import check_fused
+    from pallas_kernels.core_step.fused_plan import STEP_KINDS
 
     if unknown := set(FLAGS.skip_barriers) - set(STEP_KINDS):
         raise UserError(f"--skip_barriers: {sorted(unknown)} not among {', '.join(STEP_KINDS)}")

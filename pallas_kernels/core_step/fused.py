@@ -42,27 +42,29 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.core_step.fused_attention import attention_step, blocks_ahead
+from pallas_kernels.core_step.fused_fit import (
+    REDUCTION_SCRATCH,
+    SCOPES,
+    WARPGROUP_SCOPES,
+    check_fused,
+    profile_ranges,
+    scoped,
+    scratch_types,
+    second_warpgroup_types,
+    union_layout,
+)
 from pallas_kernels.core_step.fused_inputs import KernelContext
 from pallas_kernels.core_step.fused_plan import (
     DEFAULT_SCHEDULE,
     N_PAD,
     PRODUCT_KINDS,
-    REDUCTION_SCRATCH,
     SCALAR_ROWS,
-    SCOPES,
     STEP_KINDS,
-    WARPGROUP_SCOPES,
     Buffers,
     FusedShape,
     Schedule,
-    check_fused,
     kind_of,
-    profile_ranges,
-    scoped,
-    scratch_types,
-    second_warpgroup_types,
     splits_for,
-    union_layout,
 )
 from pallas_kernels.core_step.fused_products import Products
 from pallas_kernels.looped_matmul.barrier import GridBarrier
@@ -92,7 +94,7 @@ def build_fused_core(
     slower on the H200 than without: docs/core_step.md).
     Interpret mode: one worker (no global semaphores; prefetches are no-ops). `profile_dir`:
     Mosaic GPU's on-device profiler records every step's, barrier's (also by the kind of step
-    it follows: after_qkv, after_attn, ...) and attention part's (`fused_plan.ATTENTION_PARTS`)
+    it follows: after_qkv, after_attn, ...) and attention part's (`fused_fit.ATTENTION_PARTS`)
     entry and exit (SM clock) there. `skip_barriers`: kinds of step (`fused_plan.STEP_KINDS`)
     after which the grid barrier is left out, the last of an iteration kept: a timing bound of
     what those barriers cost, whose results are wrong."""
@@ -224,7 +226,7 @@ def build_fused_core(
 
     def scopes_of(named, union):
         """k.scope(name, fn): fn(the buffers and barriers of scope `name`), those of `union`
-        (`WARPGROUP_SCOPES`) where two warpgroups run, else inside `fused_plan.scoped`."""
+        (`WARPGROUP_SCOPES`) where two warpgroups run, else inside `fused_fit.scoped`."""
         if not overlap:
             return lambda name, fn: scoped(groups[name], fn)
         members = dict(zip(WARPGROUP_SCOPES[union], named[union], strict=True))

@@ -22,7 +22,7 @@ streams the qkv's k and v columns, and puts its partials out before the barrier 
 the barrier orders them).
 
 The windows and tables, the blocks, and the combine each take a scope of shared memory
-(`fused_plan.scratch_types`) that the products' scopes reuse.
+(`fused_fit.scratch_types`) that the products' scopes reuse.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The static layout of the fused Core decode kernel (`fused.py`): shapes, buffers, scalar rows,
-shared memory.
+"""The static layout of the fused Core decode kernel (`fused.py`): shapes, schedules, buffers,
+scalar rows, and each worker's units (its shared memory: `fused_fit.py`).
 
 Activations are kept transposed, [rows, 8] float32 (row = feature, column = sequence of the
 batch, padded to the wgmma N of 8), in one array of buffers `act` (`Buffers`). Per-row scalars
@@ -15,8 +15,6 @@ import dataclasses
 import math
 
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.core_step.plan import (
     UNIT,
@@ -26,7 +24,6 @@ from pallas_kernels.core_step.plan import (
     pad_to,
     pad_unit,
 )
-from pallas_kernels.core_step.stream import MAX_RING, SMEM_ALIGN, SMEM_LIMIT, SWIZZLE_128
 
 N_PAD = 8  # batch columns of every activation tile: the wgmma N
 MAX_BATCH = N_PAD
@@ -38,12 +35,6 @@ BUFFER_KINDS = ("qkv", "att", "o", "fc", "m")
 PRODUCT_KINDS = ("adapter", "qkv", "proj", "fc", "mlp_proj")  # the phases' names less the layer
 STEP_KINDS = (*PRODUCT_KINDS, "attn")  # the steps a grid barrier can follow
 DEFAULT_UNIT_COLS = 256  # output columns of the kernel's [64, unit_cols] weight units
-REDUCTION_SCRATCH = 2048  # bytes Mosaic GPU adds for reductions across warps
-PROFILE_RANGE_BYTES = 16  # shared memory per range of Mosaic GPU's on-device profiler
-SCOPES = ("product", "rope", "blocks", "combine")  # the step scopes of `scratch_types`
-# With `Schedule.overlap`, the scopes each warpgroup enters, held at once as a union each
-# (`union_layout`): a kernel of two warpgroups enters a scope with both or not at all
-WARPGROUP_SCOPES = {"first": ("product", "rope", "combine"), "second": ("rope", "blocks")}
 
 
 def kind_of(name: str) -> tuple[str, int]:
@@ -301,55 +292,6 @@ def splits_for(heads: int, workers: int) -> int:
     return max(1, workers // heads)
 
 
-def smem_bytes(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int) -> int:
-    """Shared memory of one block, from `scratch_types`: the kernel-wide buffers, then the
-    largest of the step scopes (they reuse the same bytes one after the other), each buffer
-    aligned to 1 KiB as Pallas allocates them, 8 bytes per mbarrier. With `Schedule.overlap`
-    the two warpgroups' scopes (`WARPGROUP_SCOPES`) and reductions take bytes of their own, at
-    once."""
-    groups = scratch_types(shape, schedule, x_stages, lag)
-
-    def buffer_bytes(types: dict) -> int:
-        sizes = [
-            math.prod(t.shape) * jnp.dtype(t.dtype).itemsize
-            for t in types.values()
-            if not isinstance(t, plgpu.Barrier)
-        ]
-        return sum(-(-b // SMEM_ALIGN) * SMEM_ALIGN for b in sizes)
-
-    barriers = sum(
-        math.prod(t.num_barriers)
-        for types in groups
-        for t in types.values()
-        if isinstance(t, plgpu.Barrier)
-    )
-    scopes = max(buffer_bytes(types) for types in groups[1:])
-    if schedule.overlap:  # each warpgroup's scopes in a union of its own, both at once
-        named = dict(zip(SCOPES, groups[1:], strict=True))
-        second = second_warpgroup_types(shape)
-        scopes = buffer_bytes(second) + sum(
-            max(buffer_bytes(named[g]) for g in names) for names in WARPGROUP_SCOPES.values()
-        )
-        barriers += sum(  # the second warpgroup's own, and those of its scopes
-            math.prod(t.num_barriers)
-            for types in (second, *(named[g] for g in WARPGROUP_SCOPES["second"]))
-            for t in types.values()
-            if isinstance(t, plgpu.Barrier)
-        )
-    reductions = 2 if schedule.overlap else 1  # each warpgroup's reductions take bytes of their own
-    return buffer_bytes(groups[0]) + scopes + reductions * REDUCTION_SCRATCH + 8 * barriers
-
-
-def most_workers(shape: FusedShape, schedule: Schedule) -> int:
-    """The most workers `check_fused` lets `schedule` run `shape` on (0 where not even one):
-    each worker must own more units of every product than the ring and its furthest L2
-    prefetch reach (ring + `Schedule.l2_reach`). Of a product's u
-    units the fewest a worker owns among w is u // w, which stays above that reach for every w
-    up to u // (reach + 1)."""
-    reach = schedule.ring + schedule.l2_reach
-    return min(p.units(shape.unit_cols) // (reach + 1) for p in shape.phases)
-
-
 def unit_ranges(shape: FusedShape, phase: Phase, worker, workers: int, overlap: bool) -> tuple:
     """The ranges (first unit, units) of `phase` that `worker` of `workers` takes, in order:
     its even share of the units (`plan.even_share`), or with `overlap`, in a qkv, its share of
@@ -381,168 +323,6 @@ def tile_signals(phase: Phase, cols: int, workers: int, residual_chunks: int, t)
     if residual_chunks:
         signals = signals + jnp.clip(residual_chunks - t * per_tile, 0, per_tile)
     return signals
-
-
-ATTENTION_PARTS = ("rope", "blocks", "combine")  # the attention step's profiled parts
-
-
-def profile_ranges(shape: FusedShape, workers: int, iterations: int) -> int:
-    """Ranges the on-device profiler keeps room for: each step's, each barrier's twice (as a
-    barrier and by the kind of step it follows), the parts (`ATTENTION_PARTS`) of each of a
-    worker's attention items, and a few more."""
-    items = -(-shape.heads * splits_for(shape.heads, workers) // workers)
-    per_iteration = 3 * shape.steps_per_iteration + len(ATTENTION_PARTS) * items * shape.layers
-    return iterations * per_iteration + 8
-
-
-def check_fused(
-    shape: FusedShape,
-    workers: int,
-    schedule: Schedule,
-    x_stages: int = 2,
-    lag: int = 1,
-    profiled_iterations: int = 0,
-) -> None:
-    """ValueError unless the schedule can run (as `stream.check_schedule`): a ring longer than
-    the wgmma lag, the ring and the L2 lookahead shorter than every worker's units of each
-    product (the lookahead reaches into the next product only), so at least 1 and at most
-    `most_workers` workers, at least 2 stages of cached blocks, buffers that fit (with the
-    profiler's records of `profiled_iterations`, where it runs; `Schedule.overlap`: both
-    warpgroups' buffers at once, one attention item per worker, no profile)."""
-    ring, kv_stages = schedule.ring, schedule.kv_stages
-    if not 1 <= ring <= MAX_RING or not 0 <= lag < ring or not 1 <= x_stages <= ring:
-        raise ValueError(f"need 0 <= lag={lag} < ring={ring} <= {MAX_RING}, x_stages <= ring")
-    if not 2 <= kv_stages <= MAX_RING:
-        raise ValueError(f"kv_stages={kv_stages} must be in [2, {MAX_RING}]")
-    if min(schedule.l2_units, schedule.l2_barrier, schedule.l2_attention) < 0:
-        raise ValueError(f"schedule {schedule}: the L2 prefetches must be >= 0")
-    if schedule.handover < 0:
-        raise ValueError(f"schedule {schedule}: handover must be >= 0")
-    if schedule.overlap not in (0, 1):
-        raise ValueError(f"schedule {schedule}: overlap must be 0 or 1")
-    items = shape.heads * splits_for(shape.heads, workers)
-    if schedule.overlap and items > workers:
-        raise ValueError(
-            f"schedule {schedule}: overlap runs one attention item per worker, not {items} on "
-            f"{workers} workers"
-        )
-    if schedule.overlap and profiled_iterations:
-        raise ValueError(f"schedule {schedule}: the profile does not record two warpgroups")
-    if workers < 1:
-        raise ValueError(f"workers={workers} must be at least 1")
-    most = most_workers(shape, schedule)
-    if workers > most:
-        fewest = min(p.units(shape.unit_cols) // workers for p in shape.phases)
-        fits = f"{most} workers at most fit" if most else "not even one worker fits"
-        raise ValueError(
-            f"a worker owns {fewest} units of some product with {workers} workers: the ring "
-            f"({ring}) and the L2 lookahead ({schedule.l2_reach}) must be shorter ({fits})"
-        )
-    need = smem_bytes(shape, schedule, x_stages, lag)
-    if need > SMEM_LIMIT:
-        raise ValueError(f"schedule {schedule}: {need} bytes of smem > {SMEM_LIMIT}")
-    if profiled_iterations:
-        profiler = PROFILE_RANGE_BYTES * profile_ranges(shape, workers, profiled_iterations)
-        if need + profiler > SMEM_LIMIT:
-            raise ValueError(
-                f"schedule {schedule}: {need} bytes of smem and {profiler} for the profiler's "
-                f"records of {profiled_iterations} iterations > {SMEM_LIMIT}"
-            )
-
-
-def scratch_types(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int):
-    """The kernel's shared memory and barriers, by name, as five dicts: the kernel-wide ones
-    (the weight ring, zeros, scalar tiles, partials in), then those of four scopes that take
-    the same bytes in turn: a product's, the attention's RoPE (its windows and tables), its
-    blocks and its combine (`smem_bytes` counts them)."""
-    attention = attention_transforms(shape)
-    bf16, f32, cols = jnp.bfloat16, jnp.float32, shape.unit_cols
-    ring, kv_stages, kv_block = schedule.ring, schedule.kv_stages, schedule.kv_block
-    kp, chunk = shape.kp, (UNIT, N_PAD)
-    win = kp + 2 * SHIFT
-    kernel_wide = dict(
-        ring=plgpu.SMEM((ring, UNIT, cols), bf16, transforms=SWIZZLE_128),
-        wbar=plgpu.Barrier(num_barriers=ring),
-        zero=plgpu.SMEM((UNIT, N_PAD), f32),
-        sc=plgpu.SMEM((2, *chunk), f32),
-        scbar=plgpu.Barrier(),
-        pin=plgpu.SMEM((kp + SCALAR_ROWS, N_PAD), f32),
-        pbar=plgpu.Barrier(),
-    )
-    product = dict(
-        xa=plgpu.SMEM((x_stages, 2 * UNIT, N_PAD), f32),  # 2 chunks: the MLP's gate and up
-        xbb=plgpu.SMEM((x_stages, *chunk), f32),
-        xg=plgpu.SMEM((x_stages, *chunk), f32),
-        bara=plgpu.Barrier(num_barriers=x_stages),
-        barb=plgpu.Barrier(num_barriers=x_stages),
-        barg=plgpu.Barrier(num_barriers=x_stages),
-        bt=plgpu.SMEM((lag + 1, N_PAD, UNIT), bf16, transforms=SWIZZLE_128),
-        out=plgpu.SMEM((cols, N_PAD), f32),
-        vst=plgpu.SMEM(chunk, f32),
-        sst=plgpu.SMEM(chunk, f32),
-        rx=plgpu.SMEM((2, *chunk), f32),
-        rbar=plgpu.Barrier(num_arrivals=2),
-        rsum=plgpu.SMEM(chunk, f32),
-    )
-    rope = dict(
-        win=plgpu.SMEM((3, win, N_PAD), f32),
-        tab=plgpu.SMEM((5, kp, N_PAD), f32),
-        abar=plgpu.Barrier(num_arrivals=5),
-    )
-    blocks = dict(
-        kblk=plgpu.SMEM((kv_stages, kv_block, shape.key_cols), bf16, transforms=attention),
-        vblk=plgpu.SMEM((kv_stages, kv_block, kp), bf16, transforms=attention),
-        kvbar=plgpu.Barrier(num_arrivals=2, num_barriers=kv_stages),
-        btq=plgpu.SMEM((N_PAD, kp), bf16, transforms=attention),
-        pb=plgpu.SMEM((N_PAD, kv_block), bf16, transforms=attention),
-    )
-    combine = dict(pout=plgpu.SMEM((2 * kp, N_PAD), f32))
-    return kernel_wide, product, rope, blocks, combine
-
-
-def second_warpgroup_types(shape: FusedShape) -> dict:
-    """What the second warpgroup of `Schedule.overlap` has besides its RoPE's and blocks'
-    scopes: its own scalar tiles and partials buffer, and the barrier it tells the first
-    warpgroup on that its item's partials are out."""
-    f32 = jnp.float32
-    return dict(
-        sc=plgpu.SMEM((2, SCALAR_ROWS, N_PAD), f32),
-        scbar=plgpu.Barrier(),
-        pin=plgpu.SMEM((shape.kp + SCALAR_ROWS, N_PAD), f32),
-        parts_ready=plgpu.Barrier(),
-    )
-
-
-def attention_transforms(shape: FusedShape) -> tuple:
-    """The shared-memory tiling and swizzle of the attention's wgmma operands (a wgmma's
-    operands share a swizzle): tiles of `FusedShape.attention_tile` bf16 columns, 128 bytes
-    (64 columns), 64 bytes (32, huginn-0125: head_dim 96) or 32 (16: the kernel needs
-    multiples of 16)."""
-    cols = shape.attention_tile
-    return plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(2 * cols)
-
-
-def union_layout(prefix: str, groups: dict) -> dict:
-    """Scratch entries for scopes that run at once with another warpgroup's (`Schedule.overlap`;
-    a multithreaded kernel cannot enter a scope in one warpgroup alone): `prefix`, a union of
-    the groups' buffers, in order, and each group's barriers as "prefix.group.name"."""
-
-    def buffers(types):
-        return {n: t for n, t in types.items() if not isinstance(t, plgpu.Barrier)}
-
-    out = {prefix: plgpu.RefUnion(*(buffers(types) for types in groups.values()))}
-    for group, types in groups.items():
-        for name, t in types.items():
-            if isinstance(t, plgpu.Barrier):
-                out[f"{prefix}.{group}.{name}"] = t
-    return out
-
-
-def scoped(types: dict, fn):
-    """fn(refs) inside a scope that holds the buffers and barriers of `types` (a dict of
-    scratch types, as `scratch_types` gives) by name; returns what fn returns."""
-    names = tuple(types)
-    return pl.run_scoped(lambda *refs: fn(dict(zip(names, refs, strict=True))), *types.values())
 
 
 __all__ = ["BLOCK", "N_PAD", "SHIFT", "UNIT", "Buffers", "FusedShape", "ScalarRows"]

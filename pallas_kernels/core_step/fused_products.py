@@ -122,7 +122,7 @@ class Products:
                 pl.when(c < self.chunks_d)(lambda: signal(c // self.per_tile))
 
     def product(self, it, p, handed):
-        """Product p, its buffers in a scope of their own (`fused_smem.scratch_types`).
+        """Product p, its buffers in a scope of their own (`fused_fit.scratch_types`).
         `handed`: the epoch of the barrier after product p - 1 where p starts on p - 1's
         tile counters (`hands_over`), else None."""
         s = self.k.s
