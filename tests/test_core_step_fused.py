@@ -22,6 +22,7 @@ from pallas_kernels.core_step.fused_plan import FusedShape, Schedule, tile_signa
 from pallas_kernels.core_step.fused_step import (
     fused_core_decode,
     interleave_halves,
+    lowered_for_hopper,
     pack_weights,
     random_step_weights,
     write_new_rows,
@@ -319,28 +320,13 @@ def test_most_workers_keeps_every_sm_of_an_h200_for_huginn_0125(batch):
         check_fused(shape, most + 1, Schedule())
 
 
-def lowered(shape: FusedShape, positions: int, **kernel_options):
-    """`build_fused_core(shape, 2, ...)` lowered for sm_90 on abstract inputs of its shapes,
-    each (iteration, layer) a cache slot of `positions`."""
-    f = build_fused_core(shape, 2, eps=1e-6, **kernel_options)
-    sd, f32, slots = jax.ShapeDtypeStruct, jnp.float32, 2 * shape.layers
-    cache = sd((slots, shape.batch, positions, shape.d), jnp.bfloat16)
-    args = [
-        sd((1 + slots,), jnp.int32), sd((shape.k_d, 8), f32), sd((shape.k_d, 8), f32),
-        sd((shape.layers, shape.k_d, 8), f32), sd((3, shape.table_rows, 8), f32),
-        sd((shape.layers, 2, shape.table_rows, 8), f32), cache, cache,
-        *(sd(w, jnp.bfloat16) for w in shape.weight_shapes()),
-    ]  # fmt: skip
-    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
-
-
 # the batch is a loop bound: 1 lowers the same code
 @pytest.mark.parametrize("batch,schedule", [(8, Schedule()), (8, OVERLAP)])
 def test_lowers_for_cuda_with_every_sm(batch, schedule):
     """Traces and lowers the kernel for sm_90 at huginn-0125's shapes (one Core layer, to keep
     the test short): catches API misuse, unprovable tile alignment and smem overflow."""
     shape = FusedShape(5280, 55, 96, 17920, 1, batch)
-    text = lowered(shape, 1024, workers=132, schedule=schedule).as_text()
+    text = lowered_for_hopper(shape, 2, 1024, workers=132, schedule=schedule).as_text()
     assert "mosaic_gpu" in text
 
 
@@ -348,9 +334,8 @@ def test_barriers_are_left_out_only_after_kinds_of_step():
     """The timing bound (`skip_barriers`) lowers without the barriers after proj and the
     attention, and refuses a kind of step that has none."""
     shape = FusedShape(5280, 55, 96, 17920, 1, 1)
-    assert (
-        "mosaic_gpu" in lowered(shape, 256, workers=132, skip_barriers=("proj", "attn")).as_text()
-    )
+    bound = lowered_for_hopper(shape, 2, 256, workers=132, skip_barriers=("proj", "attn"))
+    assert "mosaic_gpu" in bound.as_text()
     with pytest.raises(ValueError, match="each must be one of"):
         build_fused_core(shape, 2, eps=1e-6, workers=132, skip_barriers=("mlp",))
 
@@ -374,8 +359,8 @@ def test_tma_descriptors_do_not_grow_with_the_layers(monkeypatch):
     counts = []
     for layers in (1, 2):
         made.clear()
-        lowered(FusedShape(512, 8, 64, 1024, layers, 1, 64), 128, workers=16,
-                schedule=Schedule(3, 3))  # fmt: skip
+        shape = FusedShape(512, 8, 64, 1024, layers, 1, 64)
+        lowered_for_hopper(shape, 2, 128, workers=16, schedule=Schedule(3, 3))
         counts.append(sum(made))
     assert counts[0] == counts[1] and 0 < counts[0] <= 20
 

@@ -6,8 +6,10 @@ the grid barriers (`stream.py`); its schedule is `plan.py`, its plain-JAX refere
 `core_iteration`: the plain-JAX specification of the whole fused iteration, as the steps between
 its grid barriers (`step_program.py`).
 The whole iteration in one kernel: `fused_step.fused_core_decode` over `pack_weights`' packed
-weights (the kernel `fused.py`, its attention step `fused_attention.py`, what each product reads
-`fused_inputs.py`, its layout and shared memory `fused_plan.py`, register tiles `tiles.py`).
+weights (the kernel's steps and barriers `fused.py`, its products `fused_products.py` and their
+weight ring `fused_ring.py`, its attention step `fused_attention.py`, what each product reads
+`fused_inputs.py`, its layout `fused_plan.py`, its shared memory and what fits `fused_fit.py`,
+register tiles `tiles.py`).
 """
 
 from pallas_kernels.core_step.plan import Phase, core_phases, stream_bytes

@@ -260,6 +260,22 @@ def fused_core_decode(
     return Pending(z, fw.last_norm), new[0].astype(k_cache.dtype), new[1].astype(v_cache.dtype)
 
 
+def lowered_for_hopper(shape: FusedShape, iterations: int, positions: int, **kernel_options):
+    """`build_fused_core(shape, iterations, ...)` lowered for sm_90 on abstract inputs of its
+    shapes (no GPU needed), each (iteration, layer) a cache slot of `positions`: a
+    `jax.stages.Lowered` whose text holds the kernel's Mosaic GPU module."""
+    f = build_fused_core(shape, iterations, eps=1e-6, **kernel_options)
+    sd, f32, slots = jax.ShapeDtypeStruct, jnp.float32, iterations * shape.layers
+    cache = sd((slots, shape.batch, positions, shape.d), jnp.bfloat16)
+    args = [
+        sd((1 + slots,), jnp.int32), sd((shape.k_d, N_PAD), f32), sd((shape.k_d, N_PAD), f32),
+        sd((shape.layers, shape.k_d, N_PAD), f32), sd((3, shape.table_rows, N_PAD), f32),
+        sd((shape.layers, 2, shape.table_rows, N_PAD), f32), cache, cache,
+        *(sd(w, jnp.bfloat16) for w in shape.weight_shapes()),
+    ]  # fmt: skip
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+
+
 def write_new_rows(k_cache, v_cache, slots, pos, k_new, v_new):
     """The caches with each (iteration, layer)'s new row written at `pos` of its slot."""
     flat = slots.reshape(-1)
