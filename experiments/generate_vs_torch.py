@@ -9,7 +9,8 @@ a fixed `num_steps`, a zero initial state (init_scale 0), greedy tokens and the 
 token's compiled step is dispatched before the token before it is read, and the latency of a
 token is the time from the token before it being ready to it being ready.
 `--core_decode=persistent`: its decode steps' Core in the persistent kernel (the row
-`jax_persistent`; `xla` with a line saying why where it cannot run). PyTorch (`--torch_impls`,
+`jax_persistent`; `xla` with a line saying why where it cannot run), with the kernel's schedule
+`--persistent_schedule` (its default unless given). PyTorch (`--torch_impls`,
 `experiments.torch_ref.huginn.run_loop`), the same weights (DLPack on CUDA):
 - torch_compile: gpt-fast style, the position a tensor; prelude, one Core iteration and coda
   compiled once each (`--torch_compile_mode`), the whole token in one CUDA graph replayed at
@@ -125,6 +126,11 @@ def define_flags() -> None:
         "JAX's Core decode steps: xla (run_core) or persistent (huginn_jax.persistent: one "
         "persistent kernel; xla, with a line saying why, where it cannot run).",
     )  # fmt: skip
+    flags.DEFINE_string(
+        "persistent_schedule", "",
+        "With --core_decode=persistent, the kernel's schedule RING:KV_STAGES[:...] "
+        "(pallas_kernels.core_step.fused_plan.Schedule); '': its default.",
+    )  # fmt: skip
     flags.DEFINE_list(
         "torch_impls", list(TORCH_LOOPS), f"PyTorch loops to run, of {', '.join(TORCH_LOOPS)}."
     )
@@ -193,6 +199,7 @@ def _plan(config: HuginnConfig) -> Plan:
         strategy="full",
         seed=FLAGS.seed,
         core_decode=FLAGS.core_decode,
+        persistent_schedule=FLAGS.persistent_schedule,
     )
     check_memory(config, plan, FLAGS.batch, _DTYPES[FLAGS.dtype])
     return dataclasses.replace(plan, ids=np.tile(plan.ids, (FLAGS.batch, 1)))

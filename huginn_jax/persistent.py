@@ -93,6 +93,12 @@ def target_for(workers: int | None = None, device=None) -> tuple[Target | None, 
     return Target(int(workers)), None
 
 
+def schedule_named(text: str) -> Schedule:
+    """The kernel's schedule written as `Schedule.parse` reads it (RING:KV_STAGES[:...]), ''
+    for its default. ValueError for a bad one."""
+    return Schedule.parse(text) if text else Schedule()
+
+
 def core_target(
     config: HuginnConfig,
     batch: int,

@@ -119,7 +119,7 @@ def test_cli_refuses_bad_values_before_any_loading(args, message):
 
 def test_cli_kernel_flags_offer_the_configs_names():
     """--decode_attention and --decode_gemv accept exactly HuginnConfig's lists of names, and
-    --core_decode config.CORE_DECODE_IMPLS."""
+    --core_decode config.CORE_DECODE_IMPLS; --persistent_schedule is the kernel's default."""
     from absl import flags
 
     from huginn_jax.config import CORE_DECODE_IMPLS, DECODE_ATTENTION_IMPLS, DECODE_GEMV_IMPLS
@@ -133,6 +133,7 @@ def test_cli_kernel_flags_offer_the_configs_names():
     assert (fv.decode_attention, fv.decode_gemv) == ("pallas", "pallas")
     assert fv["core_decode"].parser.enum_values == list(CORE_DECODE_IMPLS)
     assert fv.core_decode == "xla"  # the default: run_core
+    assert fv.persistent_schedule == ""  # the persistent kernel's default schedule
 
 
 def test_cli_kernel_choices(tmp_path):

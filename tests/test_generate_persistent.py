@@ -18,6 +18,9 @@ import pytest
 import huginn_jax
 from huginn_jax.config import HuginnConfig
 from huginn_jax.generate import generate, make_plan
+from huginn_jax.generate.loop import persistent_core
+from huginn_jax.kv_cache import KVCache
+from pallas_kernels.core_step.fused_plan import Schedule
 from tests.tolerance import rel_fro
 
 SMALL = HuginnConfig.from_name("small")  # D 256, 4 heads of 64: the kernel's checks pass
@@ -36,6 +39,7 @@ def test_persistent_decode_steps_give_the_xla_logits():
     settings = dict(init_scale=0.0, return_logits=True)
     got = generate(small_bf16(), ids, 3, 1, core_decode="persistent", **settings)
     assert got.stats["core_decode"] == "persistent" and got.stats["core_decode_fallback"] is None
+    assert got.stats["persistent_schedule"] == str(Schedule())  # the kernel's default
     assert got.cache.max_len == 64  # 8 positions rounded up to a block
     want = generate(small_bf16(), ids, 3, 1, cache_len=64, **settings)
     assert want.stats["core_decode"] == "xla"
@@ -73,6 +77,30 @@ def test_plan_rounds_the_default_cache_length_for_persistent():
     assert long.cache_len == 128  # 120 positions, at most the block size
     with pytest.raises(ValueError, match="core_decode='fused' must be one of"):
         make_plan(SMALL, ids, 3, core_decode="fused")
+
+
+def test_plan_takes_the_persistent_schedule_and_its_blocks():
+    """A schedule's blocks of 128 cached positions round the default cache length to 128; a
+    schedule that does not parse, or one without core_decode="persistent", is refused."""
+    ids = np.zeros((1, 5), np.int32)
+    plan = make_plan(SMALL, ids, 3, core_decode="persistent", persistent_schedule="3:2:0:0:128")
+    assert (plan.persistent_schedule, plan.cache_len) == ("3:2:0:0:128", 128)
+    with pytest.raises(ValueError, match="persistent_schedule: '3' is not RING:KV_STAGES"):
+        make_plan(SMALL, ids, 3, core_decode="persistent", persistent_schedule="3")
+    with pytest.raises(ValueError, match="persistent_schedule='2:2' needs core_decode="):
+        make_plan(SMALL, ids, 3, persistent_schedule="2:2")
+
+
+def test_persistent_core_is_prepared_with_the_plans_schedule():
+    """The decode steps' kernel takes the plan's schedule (checked by the kernel for the case,
+    then packed for it)."""
+    ids = np.zeros((1, 5), np.int32)
+    plan = make_plan(SMALL, ids, 3, 1, core_decode="persistent", persistent_schedule="2:2")
+    model = small_bf16()
+    sizes = dict(batch=1, max_len=plan.cache_len, num_steps=1, dtype=jnp.bfloat16)
+    cache = jax.eval_shape(lambda: KVCache.create(SMALL, **sizes))
+    prepared, reason = persistent_core(model, plan, cache)
+    assert reason is None and prepared.schedule == Schedule(2, 2)
 
 
 def test_falls_back_to_xla_for_an_exit_criterion(capfd):

@@ -169,6 +169,9 @@ def _print_table(stats: dict) -> None:
     achieved = fmt(stats["achieved_gb_s"], 1, " GB/s")
     if "pct_of_roofline_bandwidth" in stats:
         achieved += f" ({stats['pct_of_roofline_bandwidth']:.1f} % of {stats['roofline_device']})"
+    core_decode = stats.get("core_decode") or "-"
+    if stats.get("persistent_schedule"):
+        core_decode += f" (schedule {stats['persistent_schedule']})"
     rows = [
         ("compile prefill / decode", f"{compile_s['prefill']:.2f} s / {compile_s['decode']:.2f} s"),
         ("prefill", f"{fmt(stats['prefill_s'], 1e3, ' ms')} ({stats['prompt_len']} tokens)"),
@@ -176,7 +179,7 @@ def _print_table(stats: dict) -> None:
         ("latency budget", fmt(stats.get("latency_budget_s"), 1e3, " ms/token")),
         ("tokens/s", fmt(stats["tokens_per_s"])),
         ("steps/token", fmt(stats["steps_per_token"])),
-        ("core decode", stats.get("core_decode") or "-"),
+        ("core decode", core_decode),
         ("achieved", achieved),
         (
             "cache / weights",
@@ -231,6 +234,7 @@ def _main(argv, F, flag_names) -> None:
         cache_len=F.cache_len or None,
         attention_window=F.attention_window,
         core_decode=F.core_decode,
+        persistent_schedule=F.persistent_schedule,
     )
     check_memory(config, plan, F.batch, _DTYPES[F.dtype])
     plan = dataclasses.replace(plan, ids=np.tile(plan.ids, (F.batch, 1)))

@@ -65,9 +65,10 @@ def generate(
       0 reads the whole cache at every step.
     - `core_decode`: "xla" (`run_core`) or "persistent": the decode steps' Core iterations in
       the persistent kernel (`huginn_jax.persistent`; the Core's weights packed once per call,
-      cache_len rounded up to whole blocks of 64 positions). Where it cannot run (an exit
-      criterion, the device, the shapes: `why_not_persistent`) the decode steps run "xla" and
-      one line on stderr says why.
+      cache_len rounded up to whole blocks of the schedule's cached positions, 64 by default).
+      `persistent_schedule`: the kernel's schedule as `fused_plan.Schedule.parse` reads it ('':
+      its default). Where it cannot run (an exit criterion, the device, the shapes:
+      `why_not_persistent`) the decode steps run "xla" and one line on stderr says why.
 
     Every argument is checked before any work (`make_plan`); bad ones raise ValueError. `stats`
     holds compile seconds (apart), the prefill time, per-token decode latencies (the time between
@@ -169,6 +170,7 @@ def run_plan(
     stats["attention_windows"] = sorted(set(windows))
     stats["core_decode"] = "xla" if persistent is None else "persistent"
     stats["core_decode_fallback"] = fallback
+    stats["persistent_schedule"] = None if persistent is None else str(persistent.schedule)
     return Generation(tokens, steps, values, logits, stats, out.cache.with_read_len(0))
 
 
@@ -181,6 +183,7 @@ def persistent_core(model: Huginn, plan: Plan, cache) -> tuple[Any, str | None]:
     from huginn_jax import persistent
 
     batch = plan.ids.shape[0]
+    schedule = persistent.schedule_named(plan.persistent_schedule)
     if plan.spec.criterion is not None:
         reason = (
             f"the exit criterion {plan.spec.criterion!r} runs a number of iterations per "
@@ -188,12 +191,12 @@ def persistent_core(model: Huginn, plan: Plan, cache) -> tuple[Any, str | None]:
         )
     else:
         reason = persistent.why_not_persistent(
-            model.config, batch, cache, num_steps=plan.spec.num_steps
+            model.config, batch, cache, num_steps=plan.spec.num_steps, schedule=schedule
         )
     if reason is not None:
         print(f"core_decode=persistent: decoding with xla instead: {reason}", file=sys.stderr)
         return None, reason
-    prepared = persistent.PersistentCore.prepare(model, batch)
+    prepared = persistent.PersistentCore.prepare(model, batch, schedule=schedule)
     if prepared.interpret is not None:
         print("core_decode=persistent: no GPU, the kernel runs interpreted (slow)", file=sys.stderr)
     return prepared, None

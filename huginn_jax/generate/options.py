@@ -154,6 +154,13 @@ FLAGS = (
     ),
     (
         "string",
+        "persistent_schedule",
+        "",
+        "With --core_decode=persistent, the kernel's schedule RING:KV_STAGES[:...] "
+        "(pallas_kernels.core_step.fused_plan.Schedule); '': its default.",
+    ),
+    (
+        "string",
         "mesh",
         "",
         "Tensor parallelism: model:N splits every layer's heads and MLP columns over the first N "

@@ -33,6 +33,7 @@ class Plan:
     min_steps: int
     attention_window: int = ATTENTION_WINDOW  # decode reads the cache in windows of this many
     core_decode: str = "xla"  # the decode steps' Core: one of config.CORE_DECODE_IMPLS
+    persistent_schedule: str = ""  # the persistent kernel's schedule ('' = its default)
 
     def decode_windows(self) -> list[int]:
         """Cache positions each decode step reads, in order: the positions visible to it (all
@@ -72,14 +73,28 @@ def make_plan(
     cache_len: int | None = None,
     attention_window: int = ATTENTION_WINDOW,
     core_decode: str = "xla",
+    persistent_schedule: str = "",
 ) -> Plan:
     """Checks a request against `config` without touching weights (see `generate`).
 
     Raises ValueError with one clear sentence for an empty or out-of-vocabulary prompt, an
-    unknown criterion, strategy or core_decode, a prompt + max_new_tokens beyond the cache or
+    unknown criterion, strategy or core_decode, a persistent_schedule without core_decode
+    "persistent" or that does not parse, a prompt + max_new_tokens beyond the cache or
     block_size, and out-of-range settings."""
     if core_decode not in CORE_DECODE_IMPLS:
         raise ValueError(f"core_decode={core_decode!r} must be one of {CORE_DECODE_IMPLS}")
+    block = 0  # the persistent kernel reads whole blocks of this many cached positions
+    if core_decode == "persistent":
+        from huginn_jax.persistent import schedule_named
+
+        try:
+            block = schedule_named(persistent_schedule).kv_block
+        except ValueError as e:
+            raise ValueError(f"persistent_schedule: {e}") from None
+    elif persistent_schedule:
+        raise ValueError(
+            f"persistent_schedule={persistent_schedule!r} needs core_decode='persistent'"
+        )
     ids = _check_prompt(input_ids, config)
     prompt_len = ids.shape[1]
     crit_name = None if criterion in (None, "none") else criterion
@@ -107,10 +122,8 @@ def make_plan(
         raise ValueError(f"{what} exceed the model's block_size={config.block_size}")
     if cache_len is None:
         cache_len = needed
-        if core_decode == "persistent":  # the kernel reads whole blocks of cached positions
-            from huginn_jax.persistent import CACHE_MULTIPLE
-
-            cache_len = min(config.block_size, -(-needed // CACHE_MULTIPLE) * CACHE_MULTIPLE)
+        if block:
+            cache_len = min(config.block_size, -(-needed // block) * block)
     if cache_len > config.block_size:
         raise ValueError(
             f"cache_len={cache_len} exceeds the model's block_size={config.block_size}"
@@ -141,6 +154,7 @@ def make_plan(
         min_steps,
         attention_window,
         core_decode,
+        persistent_schedule,
     )
 
 
