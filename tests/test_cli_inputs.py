@@ -122,6 +122,11 @@ BAD = [
     Bad("experiments.generate_vs_torch", "--checkpoint={four}", "key 'n_heads' is \"four\""),
     Bad("experiments.generate_vs_torch", "--torch_impls=bogus", "--torch_impls: unknown bogus"),
     Bad("experiments.generate_vs_torch", "--prompt_len=100000000", "exceeds the model's block"),
+    Bad(
+        "experiments.generate_vs_torch",
+        "--core_decode=persistent --persistent_schedule=6",
+        "persistent_schedule: '6' is not RING:KV_STAGES",
+    ),
     # allreduce
     Bad("experiments.allreduce", "--chain=0", "--chain"),
     # kernels
@@ -156,6 +161,7 @@ BAD = [
     Bad(GENERATE, f"{MICRO} --mesh=model:x", "--mesh=model:x: expected model:N"),
     Bad(GENERATE, f"{MICRO} --mesh=model:64", "needs 64 devices; 1 present"),
     Bad(GENERATE, f"{MICRO} --mesh=model:2 --decode_gemv=pallas", "--decode_gemv=pallas is a"),
+    Bad(GENERATE, f"{MICRO} --persistent_schedule=3:3", "needs core_decode='persistent'"),
 ]
 
 HELP = [

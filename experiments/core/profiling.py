@@ -26,12 +26,10 @@ NCU_CALLS = 2  # calls inside the child's profiler range
 def persistent_schedule():
     """The persistent impl's `fused_plan.Schedule` (--persistent_schedule); UserError for a bad
     one."""
-    from pallas_kernels.core_step.fused_plan import Schedule
+    from huginn_jax.persistent import schedule_named
 
     try:
-        return (
-            Schedule.parse(FLAGS.persistent_schedule) if FLAGS.persistent_schedule else Schedule()
-        )
+        return schedule_named(FLAGS.persistent_schedule)
     except ValueError as e:
         raise UserError(f"--persistent_schedule: {e}") from None
 
