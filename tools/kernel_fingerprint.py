@@ -1,8 +1,8 @@
 """Fingerprints of the fused Core kernel as Mosaic GPU compiles it, to check that a change of its
 Python leaves the kernel the same (a refactor): no GPU needed.
 
-    python3 tools/kernel_fingerprint.py > before.txt   # at one commit
-    python3 tools/kernel_fingerprint.py > after.txt    # at the next
+    python3 tools/kernel_fingerprint.py [NAME...] > before.txt   # at one commit
+    python3 tools/kernel_fingerprint.py [NAME...] > after.txt    # at the next
     diff before.txt after.txt
 
 Per configuration (the default schedule at huginn-0125's shapes at batch 1 and 8, the
@@ -11,13 +11,14 @@ with L2 prefetches, blocks of 128 positions, prefetches at the barriers): the ke
 for sm_90 (`fused_step.lowered_for_hopper`), its Mosaic GPU module printed without source
 locations, then that text's length and SHA-256. Lines moved between files change no
 fingerprint; an operation added, removed or reordered changes its configuration's. The names
-of global semaphores count up over the kernels traced in one process, so compare whole runs of
-this program, not lines of runs that traced different configurations.
+of global semaphores count up over the kernels traced in one process, so compare runs of the
+same NAMEs (all by default), not lines of runs that traced different configurations.
 """
 
 from __future__ import annotations
 
 import hashlib
+import sys
 
 from jax._src.interpreters import mlir
 from jax._src.lib.mlir import ir
@@ -71,12 +72,17 @@ def mosaic_modules(lowered) -> str:
     return "\n".join(texts)
 
 
-def main() -> None:
-    for name, (shape, positions, options) in CONFIGURATIONS.items():
+def main(names: list[str]) -> None:
+    """Fingerprints of the configurations named (all where none is)."""
+    if unknown := set(names) - set(CONFIGURATIONS):
+        known = ", ".join(CONFIGURATIONS)
+        sys.exit(f"kernel_fingerprint: unknown {', '.join(sorted(unknown))}; known: {known}")
+    for name in names or CONFIGURATIONS:
+        shape, positions, options = CONFIGURATIONS[name]
         text = mosaic_modules(lowered_for_hopper(shape, 2, positions, **options))
         digest = hashlib.sha256(text.encode()).hexdigest()[:16]
         print(f"{name:20s} {len(text):9d} {digest}", flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
