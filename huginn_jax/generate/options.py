@@ -149,7 +149,8 @@ FLAGS = (
         "xla",
         "The decode steps' Core iterations: xla (run_core) or persistent (one persistent kernel, "
         "huginn_jax.persistent: an sm_90 GPU, a fixed --num_steps; otherwise xla, with a line "
-        "saying why). persistent rounds the default --cache_len up to a multiple of 64.",
+        "saying why). persistent rounds the default --cache_len up to a multiple of the "
+        "schedule's blocks of cached positions (64 by default).",
         CORE_DECODE_IMPLS,
     ),
     (
