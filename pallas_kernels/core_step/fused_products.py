@@ -24,6 +24,7 @@ from pallas_kernels.core_step.fused_plan import (
 from pallas_kernels.core_step.fused_ring import WeightRing
 from pallas_kernels.core_step.plan import UNIT, pad_to
 from pallas_kernels.core_step.tiles import WGMMA, bcast_rows, col_of, in_row
+from pallas_kernels.looped_matmul.barrier import GridBarrier
 
 
 class Products:
@@ -42,7 +43,7 @@ class Products:
         lag: int,
         skip_barriers: tuple[str, ...],
         inputs: dict,
-        barrier,
+        barrier: GridBarrier | None,
     ):
         self.k, self.schedule, self.iterations = k, schedule, iterations
         self.x_stages, self.lag, self.skip_barriers = x_stages, lag, skip_barriers
@@ -100,6 +101,7 @@ class Products:
         return self.chunks_d if sources(self.k.shape, p)[5] is not None else 0
 
     def tile_adds(self, p, t):
+        """The signals that complete output tile t of product p (`fused_plan.tile_signals`)."""
         k = self.k
         return tile_signals(self.phases[p], self.cols, k.workers, self.residual_chunks(p), t)
 
