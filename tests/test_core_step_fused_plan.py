@@ -1,0 +1,137 @@
+"""The fused Core decode kernel's plan (pallas_kernels/core_step/fused_plan.py, fused_fit.py) on
+CPU: schedules as written and parsed, the workers' unit ranges and the tile counters' signals,
+how many workers and which schedules fit, and the profiler's records."""
+
+from __future__ import annotations
+
+import pytest
+
+from huginn_jax.config import HuginnConfig
+from huginn_jax.persistent import fused_shape
+from pallas_kernels.core_step.fused import build_fused_core
+from pallas_kernels.core_step.fused_fit import check_fused, most_workers, profile_ranges, smem_bytes
+from pallas_kernels.core_step.fused_plan import FusedShape, Schedule, tile_signals, unit_ranges
+
+SMALL = (512, 8, 768, 2)  # d, heads (of 64), MLP width, layers: 16 workers, 2 splits per head
+HUGINN = (5280, 55, 17920, 4)
+OVERLAP = Schedule(3, 2, overlap=1)  # the attention's blocks in a second warpgroup
+
+
+def test_overlap_needs_both_warpgroups_buffers_one_item_per_worker_and_no_profile():
+    """`Schedule.overlap` at huginn-0125: 3:2 fits, 3:3 does not (both warpgroups' buffers at
+    once); 110 attention items fit on 132 workers, 55 not on 50; no profile, no interpret mode."""
+    shape = FusedShape(5280, 55, 96, 17920, 4, 1)
+    check_fused(shape, 132, OVERLAP)
+    assert smem_bytes(shape, OVERLAP, 2, 1) > smem_bytes(shape, Schedule(3, 2), 2, 1)
+    with pytest.raises(ValueError, match="bytes of smem"):
+        check_fused(shape, 132, Schedule(3, 3, overlap=1))
+    with pytest.raises(ValueError, match="one attention item per worker"):
+        check_fused(shape, 50, OVERLAP)
+    with pytest.raises(ValueError, match="does not record two warpgroups"):
+        check_fused(shape, 132, OVERLAP, profiled_iterations=1)
+    with pytest.raises(ValueError, match="GPU only"):
+        build_fused_core(shape, 1, workers=1, eps=1e-6, schedule=OVERLAP, interpret=True)
+
+
+@pytest.mark.parametrize("dims,workers", [(HUGINN, 132), (SMALL, 16)])
+def test_overlap_takes_q_tiles_first_and_every_unit_once(dims, workers):
+    """`unit_ranges` with overlap: in a qkv every worker's first range lies in q's tiles, the
+    first ranges cover them and the second ranges the rest, every unit once; other products
+    are one even share, as without overlap."""
+    d, heads, f, layers = dims
+    shape = FusedShape(d, heads, d // heads, f, layers, 1, 64 if dims == SMALL else 256)
+    for phase in shape.phases:
+        taken = []
+        for w in range(workers):
+            ranges = unit_ranges(shape, phase, w, workers, True)
+            taken.append([list(range(a, a + n)) for a, n in ranges])
+            if not phase.name.startswith("qkv"):
+                assert ranges == unit_ranges(shape, phase, w, workers, False)
+        units = sorted(u for ranges in taken for r in ranges for u in r)
+        assert units == list(range(phase.units(shape.unit_cols)))
+        if phase.name.startswith("qkv"):
+            in_q = shape.q_tiles * phase.k_chunks
+            assert shape.q_tiles * shape.unit_cols >= d > (shape.q_tiles - 1) * shape.unit_cols
+            assert sorted(u for ranges in taken for u in ranges[0]) == list(range(in_q))
+
+
+@pytest.mark.parametrize("cols,workers", [(256, 132), (256, 7), (64, 16), (128, 132)])
+def test_tile_signals_count_the_workers_and_residual_chunks_of_each_tile(cols, workers):
+    """Every tile of huginn-0125's proj and MLP proj (and of a small shape's) expects as many
+    signals as workers own units of it (their ranges, as the kernel splits the units) plus
+    the residual's chunks in it; without a residual, the workers only."""
+    for shape in (FusedShape(5280, 55, 96, 17920, 1, 1, cols), FusedShape(256, 4, 64, 688, 1, 1)):
+        for phase in shape.phases[2:5:2]:  # proj, mlp proj
+            if phase.units(cols) < workers:
+                continue
+            units, kch, chunks = phase.units(cols), phase.k_chunks, shape.k_d // 64
+            ranges = [
+                range(units * w // workers, units * (w + 1) // workers) for w in range(workers)
+            ]
+            for t in range(phase.tiles(cols)):
+                tile = range(t * kch, (t + 1) * kch)
+                owners = sum(1 for r in ranges if r.start < tile.stop and tile.start < r.stop)
+                residual = sum(1 for c in range(chunks) if c * 64 // cols == t)
+                assert int(tile_signals(phase, cols, workers, chunks, t)) == owners + residual
+                assert int(tile_signals(phase, cols, workers, 0, t)) == owners
+
+
+def test_most_workers_is_what_check_fused_allows():
+    """The `small` preset (D 256, 4 heads of 64, MLP width 688 padded to 704, 4 layers) in
+    [64, 128] units: adapter 4 x 2, per layer qkv 4 x 6, proj 4 x 2, fc 4 x 11, mlp proj 11 x 2.
+    Every worker must own more of each than a ring of 6: 8 // 7 workers. Past the most,
+    check_fused says how many fit; a ring of 8 leaves not even one."""
+    shape = fused_shape(HuginnConfig.from_name("small"), 1, 128)
+    units = [p.units(128) for p in shape.phases]
+    assert units == [4 * 2] + [4 * 6, 4 * 2, 4 * 11, 11 * 2] * 4
+    six = Schedule(ring=6)
+    most = min(units) // (six.ring + six.l2_units + 1)
+    assert most_workers(shape, six) == most == 1
+    check_fused(shape, most, six)
+    with pytest.raises(ValueError, match=rf"with {most + 1} workers: .*\({most} workers at most"):
+        check_fused(shape, most + 1, six)
+    assert most_workers(shape, Schedule(ring=8)) == 0
+    with pytest.raises(ValueError, match="not even one worker fits"):
+        check_fused(shape, 1, Schedule(ring=8))
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_most_workers_keeps_every_sm_of_an_h200_for_huginn_0125(batch):
+    """huginn-0125's fewest units are the adapter's and each proj's (83 row chunks by 21 column
+    tiles of 256): far more workers than an H200's 132 SMs fit the default schedule."""
+    shape = fused_shape(HuginnConfig.from_name("huginn_0125"), batch)
+    most = most_workers(shape, Schedule())
+    assert most == 83 * 21 // 4 and most >= 132
+    check_fused(shape, most, Schedule())
+    with pytest.raises(ValueError, match="L2 lookahead"):
+        check_fused(shape, most + 1, Schedule())
+
+
+def test_schedule_is_written_as_parsed():
+    assert Schedule.parse("3:2:0:0:64:0:0:8:1") == OVERLAP
+    assert str(OVERLAP) == "3:2:0:0:64:0:0:8:1"
+    assert Schedule.parse("6:3") == Schedule(6, 3, 0, 0)
+    assert str(Schedule.parse("6:3:16:8")) == "6:3:16:8"
+    assert str(Schedule(6, 3, 16, 0)) == "6:3:16" and str(Schedule(6, 3, 0, 8)) == "6:3:0:8"
+    assert Schedule.parse("4:2:0:0:128") == Schedule(4, 2, kv_block=128)
+    assert str(Schedule(4, 2, kv_block=128)) == "4:2:0:0:128"
+    assert str(Schedule.parse("6:3:0:0:64")) == "6:3"
+    assert Schedule.parse("6:3:0:0:64:4:16") == Schedule(6, 3, l2_barrier=4, l2_attention=16)
+    assert str(Schedule(6, 3, l2_attention=16)) == "6:3:0:0:64:0:16"
+    assert Schedule.parse("3:3:0:0:64:0:0:0") == Schedule(3, 3, handover=0)
+    assert str(Schedule(3, 3, handover=0)) == "3:3:0:0:64:0:0:0"
+    for bad in ("6", "6:3:1:2:64:4:5:6:1:7", "6:x"):
+        with pytest.raises(ValueError, match="is not RING:KV_STAGES"):
+            Schedule.parse(bad)
+    with pytest.raises(ValueError, match="kv_block=96 must be one of"):
+        Schedule.parse("6:3:0:0:96")
+
+
+def test_profiler_records_each_attention_item_parts():
+    """Room for every step's range and its barrier's two, and the parts of each of a worker's
+    items: one item each with 110 of 132 workers busy, four with 16 workers (55 heads, one
+    split)."""
+    four_layers = FusedShape(5280, 55, 96, 17920, 4, 1)
+    per_step = 3 * four_layers.steps_per_iteration
+    assert profile_ranges(four_layers, 132, 8) == 8 * (per_step + 3 * 4) + 8
+    assert profile_ranges(four_layers, 16, 8) == 8 * (per_step + 3 * 4 * 4) + 8
