@@ -59,6 +59,7 @@ from absl import flags  # noqa: E402
 from experiments import cli, program  # noqa: E402
 from experiments.cli import UserError  # noqa: E402
 from experiments.kernels import scopes  # noqa: E402
+from experiments.kernels.core_fused_report import format_table, row_times  # noqa: E402
 from experiments.measure import ceilings as ceilings_lib  # noqa: E402
 from experiments.measure.device_time import cupti_us  # noqa: E402
 from experiments.measure.gpu_lock import held  # noqa: E402
@@ -257,53 +258,6 @@ def parse_schedule(text: str):
         raise UserError(f"--schedules: {e}") from None
 
 
-def format_table(rows: list[dict], profiles: list[dict]) -> str:
-    from pallas_kernels.core_step.fused_plan import Schedule
-
-    head = (
-        f"{'batch':>5}  {'impl':<8}{'unit':>6}{'schedule':>20}{'context':>8}{'ms/iter':>9}"
-        f"{'floor ms':>10}{'% floor':>9}  err"
-    )
-    lines = [head, "-" * len(head)]
-    fields = [f.name for f in dataclasses.fields(Schedule)]
-    for r in rows:
-        ms, floor = r.get("ms_per_iteration"), r.get("floor_ms")
-        cells = f"{ms:9.3f}" if ms else f"{'-':>9}"
-        cells += f"{floor:10.3f}{r['pct_floor']:8.1f}%" if floor and ms else f"{'-':>10}{'-':>9}"
-        err = f"{r['rel_err']:.1e}" if "rel_err" in r else "-"
-        if r.get("skip_barriers"):
-            err = "bound"
-        sched = str(Schedule(*(r[f] for f in fields))) if "kv_stages" in r else r["ring"]
-        unit = f"{r['unit_cols']:>6}"
-        lines.append(
-            f"{r['batch']:>5}  {r['impl']:<8}{unit}{sched:>20}{r['context']:>8}{cells}  {err}"
-        )
-    for prof in profiles:
-        lines.append(
-            f"\ncycles per iteration (median over {prof['workers']} workers, p10-p90), "
-            f"context {prof['context']}, batch 1, [64, {prof['unit_cols']}] units, "
-            f"schedule {prof['schedule']}:"
-        )
-        for kind, c in prof["cycles_per_iteration"].items():
-            lines.append(f"  {kind:<10}{c['median']:>12.0f}   {c['p10']:.0f}-{c['p90']:.0f}")
-        lines.append(
-            "  per iteration, over each step's or barrier's occurrences: slowest worker - mean "
-            "(late), median - fewest (waited); repeat: whether the same workers are slow"
-        )
-        for kind, c in prof["spread_per_iteration"].items():
-            lines.append(
-                f"  {kind:<16}late {c['late']:>8.0f}  waited {c['waited']:>8.0f}  "
-                f"repeat {c['repeat']:+.2f}"
-            )
-    skipped = sorted({", ".join(r["skip_barriers"]) for r in rows if r.get("skip_barriers")})
-    for kinds in skipped:
-        lines.append(
-            f"bound: no grid barrier after {kinds} (the last of an iteration kept); the "
-            "results are wrong, the time is what the kernel takes without those barriers"
-        )
-    return "\n".join(lines)
-
-
 def measure(batches: list[int], contexts: list[int], schedules: list, ceiling):
     """(rows, profiles) of this process: per batch its stream row (--stream) and each
     schedule's rows, then with --profile each schedule's profile."""
@@ -375,19 +329,6 @@ def _run_jobs(batches: list[int], schedules: list[str], work: Path):
             )
     ordered = [results[n] for n in range(len(cases))]
     return [r for c in ordered for r in c["rows"]], [p for c in ordered for p in c["profiles"]]
-
-
-def row_times(rows: list[dict]) -> str:
-    """A finished case's rows in a line (so that a run stopped from outside has printed them):
-    each timed row's impl, context and ms per iteration."""
-    timed = [r for r in rows if "ms_per_iteration" in r]
-    return (
-        "; ".join(
-            f"{r['impl']} context {r['context']} {r['ms_per_iteration']:.3f} ms/iteration"
-            for r in timed
-        )
-        or "no row timed"
-    )
 
 
 def main(argv: list[str]) -> None:
