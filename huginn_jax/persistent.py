@@ -36,7 +36,6 @@ from pallas_kernels.core_step.fused_fit import most_workers
 from pallas_kernels.core_step.fused_plan import DEFAULT_UNIT_COLS, FusedShape, Schedule
 from pallas_kernels.core_step.step_program import LayerWeights, Pending, StepWeights
 
-CACHE_MULTIPLE = Schedule().kv_block  # the default schedule reads cached positions in such blocks
 HOPPER = "9.0"  # the compute capability the kernel is built for (wgmma, TMA)
 
 
@@ -97,6 +96,13 @@ def schedule_named(text: str) -> Schedule:
     """The kernel's schedule written as `Schedule.parse` reads it (RING:KV_STAGES[:...]), ''
     for its default. ValueError for a bad one."""
     return Schedule.parse(text) if text else Schedule()
+
+
+def cache_positions(positions: int, schedule: Schedule | None = None) -> int:
+    """`positions` rounded up to whole blocks of cached positions, which the kernel reads with
+    `schedule` (None: its default)."""
+    block = (schedule or Schedule()).kv_block
+    return -(-positions // block) * block
 
 
 def core_target(

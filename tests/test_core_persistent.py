@@ -8,6 +8,7 @@ from pathlib import Path
 
 from experiments.core import cases, runners
 from experiments.measure import compare
+from huginn_jax.persistent import cache_positions
 from pallas_kernels.core_step.fused_plan import Schedule
 
 REPO = Path(__file__).resolve().parent.parent
@@ -77,11 +78,11 @@ def test_persistent_reasons_per_case():
     cfg = cases.core_config("small")
     decode = cases.Case("decode", batch=1, context=63, iterations=2)
     assert runners.why_not_persistent(cfg, decode, "bf16") is None
-    assert runners.persistent_positions(decode.max_len) == 64
-    assert runners.persistent_positions(65) == 128
+    assert cache_positions(decode.max_len) == 64
+    assert cache_positions(65) == 128
     blocks_128 = Schedule(4, 2, kv_block=128)
-    assert runners.persistent_positions(129) == 192
-    assert runners.persistent_positions(129, blocks_128) == 256
+    assert cache_positions(129) == 192
+    assert cache_positions(129, blocks_128) == 256
     prefill = cases.Case("prefill", batch=1, context=64, iterations=2)
     assert "decode steps" in runners.why_not_persistent(cfg, prefill, "bf16")
     wide = cases.Case("decode", batch=9, context=63, iterations=1)

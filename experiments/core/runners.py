@@ -141,13 +141,6 @@ class XlaRunner(CompiledRunner):
         self.cache = self.compiled = None
 
 
-def persistent_positions(max_len: int, schedule=None) -> int:
-    """The persistent impl's cache positions: max_len rounded up to whole blocks of `schedule`
-    (None: the kernel's default)."""
-    block = schedule.kv_block if schedule else persistent.CACHE_MULTIPLE
-    return -(-max_len // block) * block
-
-
 def why_not_persistent(cfg, case: Case, dtype_name: str, schedule=None) -> str | None:
     """Why the persistent impl cannot run `case` with `schedule` (None: the kernel's default)
     here (None: it can)."""
@@ -155,7 +148,7 @@ def why_not_persistent(cfg, case: Case, dtype_name: str, schedule=None) -> str |
         return "it runs decode steps (one new position)"
     cache = jax.eval_shape(
         lambda: KVCache.create(
-            cfg, batch=case.batch, max_len=persistent_positions(case.max_len, schedule),
+            cfg, batch=case.batch, max_len=persistent.cache_positions(case.max_len, schedule),
             num_steps=case.iterations, dtype=jax_dtype(dtype_name),
         )
     )  # fmt: skip
@@ -175,7 +168,7 @@ class PersistentRunner(CompiledRunner):
             nnx.merge(graphdef, params), case.batch, schedule=schedule
         )
         pad = [(0, 0)] * cache.k.ndim
-        pad[2] = (0, persistent_positions(cache.max_len, schedule) - cache.max_len)
+        pad[2] = (0, persistent.cache_positions(cache.max_len, schedule) - cache.max_len)
         self.cache = dataclasses.replace(cache, k=jnp.pad(cache.k, pad), v=jnp.pad(cache.v, pad))
 
         def core(prepared, state, embedded, cache, start):

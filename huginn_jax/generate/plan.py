@@ -83,12 +83,12 @@ def make_plan(
     block_size, and out-of-range settings."""
     if core_decode not in CORE_DECODE_IMPLS:
         raise ValueError(f"core_decode={core_decode!r} must be one of {CORE_DECODE_IMPLS}")
-    block = 0  # the persistent kernel reads whole blocks of this many cached positions
+    schedule = None  # the persistent kernel's, which reads whole blocks of cached positions
     if core_decode == "persistent":
-        from huginn_jax.persistent import schedule_named
+        from huginn_jax.persistent import cache_positions, schedule_named
 
         try:
-            block = schedule_named(persistent_schedule).kv_block
+            schedule = schedule_named(persistent_schedule)
         except ValueError as e:
             raise ValueError(f"persistent_schedule: {e}") from None
     elif persistent_schedule:
@@ -122,8 +122,8 @@ def make_plan(
         raise ValueError(f"{what} exceed the model's block_size={config.block_size}")
     if cache_len is None:
         cache_len = needed
-        if block:
-            cache_len = min(config.block_size, -(-needed // block) * block)
+        if schedule is not None:
+            cache_len = min(config.block_size, cache_positions(needed, schedule))
     if cache_len > config.block_size:
         raise ValueError(
             f"cache_len={cache_len} exceeds the model's block_size={config.block_size}"
