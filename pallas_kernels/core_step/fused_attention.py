@@ -54,7 +54,7 @@ def attention_step(k, it, j) -> None:
     @pl.loop(0, -(-k.items // k.workers))
     def _item(rr):
         item = k.worker + rr * k.workers  # with overlap, one item per worker at most
-        pl.when(item < k.items)(lambda: _head_item(k, it, j, item, k.overlap))
+        pl.when(item < k.items)(lambda: _head_item(k, it, j, item))
 
 
 def _masks(k, h, starts):
@@ -69,9 +69,9 @@ def _masks(k, h, starts):
     return head_rows(h * hd - ck), head_rows(h * hd - c0)
 
 
-def _head_item(k, it, j, item, beside: bool) -> None:
-    """One item; `beside`: its blocks ran during the qkv and every split's partials are out,
-    so only a head's first split has work left."""
+def _head_item(k, it, j, item) -> None:
+    """One item. With `k.overlap` its blocks ran during the qkv and every split's partials are
+    out, so only a head's first split has work left."""
     h, split, starts = _window(k, item)
     masks = _masks(k, h, starts)
 
@@ -79,14 +79,14 @@ def _head_item(k, it, j, item, beside: bool) -> None:
         with jax.named_scope("rope"):
             q, k_new, v_new = k.scope("rope", lambda s: _rope(k, it, j, starts, masks, s))
         parts = None
-        if not beside:
+        if not k.overlap:
             with jax.named_scope("blocks"):
                 parts = k.scope("blocks", lambda s: _own_blocks(k, it, j, q, starts, split, s))
         of, new = (h, split, item), (q, k_new, v_new)
         with jax.named_scope("combine"):
             k.scope("combine", lambda s: _combine(k, it, j, of, starts[1], masks[1], new, parts, s))
 
-    if beside:
+    if k.overlap:
         pl.when(split == 0)(run)
     else:
         run()
