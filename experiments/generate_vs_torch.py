@@ -10,8 +10,8 @@ token's compiled step is dispatched before the token before it is read, and the 
 token is the time from the token before it being ready to it being ready.
 `--core_decode=persistent`: its decode steps' Core in the persistent kernel (the row
 `jax_persistent`; `xla` with a line saying why where it cannot run), with the kernel's schedule
-`--persistent_schedule` (its default unless given). PyTorch (`--torch_impls`,
-`experiments.torch_ref.huginn.run_loop`), the same weights (DLPack on CUDA):
+`--persistent_schedule` (unless given, the case's: `persistent.default_schedule`). PyTorch
+(`--torch_impls`, `experiments.torch_ref.huginn.run_loop`), the same weights (DLPack on CUDA):
 - torch_compile: gpt-fast style, the position a tensor; prelude, one Core iteration and coda
   compiled once each (`--torch_compile_mode`), the whole token in one CUDA graph replayed at
   every position (Inductor's own graphs with reduce-overhead);
@@ -129,7 +129,7 @@ def define_flags() -> None:
     flags.DEFINE_string(
         "persistent_schedule", "",
         "With --core_decode=persistent, the kernel's schedule RING:KV_STAGES[:...] "
-        "(pallas_kernels.core_step.fused_plan.Schedule); '': its default.",
+        "(pallas_kernels.core_step.fused_plan.Schedule); '': the case's default.",
     )  # fmt: skip
     flags.DEFINE_list(
         "torch_impls", list(TORCH_LOOPS), f"PyTorch loops to run, of {', '.join(TORCH_LOOPS)}."

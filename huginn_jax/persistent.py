@@ -32,7 +32,7 @@ from flax import nnx
 from huginn_jax.config import HuginnConfig
 from huginn_jax.kv_cache import KVCache
 from huginn_jax.model import Core, Huginn
-from pallas_kernels.core_step.fused_fit import most_workers
+from pallas_kernels.core_step.fused_fit import check_fused, most_workers
 from pallas_kernels.core_step.fused_plan import DEFAULT_UNIT_COLS, FusedShape, Schedule
 from pallas_kernels.core_step.step_program import LayerWeights, Pending, StepWeights
 
@@ -60,13 +60,23 @@ def step_weights(model: Core | Huginn) -> StepWeights:
     return StepWeights(model.adapter.kernel[...], layers, head_dim=cfg.head_dim, eps=cfg.norm_eps)
 
 
+# The schedule where none is given: at these batches the cached blocks in a second warpgroup
+# (`Schedule.overlap`), the fastest there in the kernel and in the model's call
+# (docs/core_step.md, "Cached blocks in a second warpgroup"), where the case's attention items
+# fit one per worker; the kernel's default `Schedule()` elsewhere.
+SECOND_WARPGROUP = Schedule(ring=3, kv_stages=2, overlap=1)
+SECOND_WARPGROUP_BATCHES = (1,)
+
+
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """Where the kernel runs: `workers` blocks (one per SM on a GPU); `interpret` None compiles
-    it for the GPU, else Pallas' GPU interpreter params (one worker)."""
+    """Where and how the kernel runs: `workers` blocks (one per SM on a GPU); `interpret` None
+    compiles it for the GPU, else Pallas' GPU interpreter params (one worker); `schedule`, the
+    kernel's (`core_target` chooses it where none is given)."""
 
     workers: int
     interpret: Any = None
+    schedule: Schedule = Schedule()
 
 
 def target_for(workers: int | None = None, device=None) -> tuple[Target | None, str | None]:
@@ -92,15 +102,15 @@ def target_for(workers: int | None = None, device=None) -> tuple[Target | None, 
     return Target(int(workers)), None
 
 
-def schedule_named(text: str) -> Schedule:
-    """The kernel's schedule written as `Schedule.parse` reads it (RING:KV_STAGES[:...]), ''
-    for its default. ValueError for a bad one."""
-    return Schedule.parse(text) if text else Schedule()
+def schedule_named(text: str) -> Schedule | None:
+    """The kernel's schedule written as `Schedule.parse` reads it (RING:KV_STAGES[:...]); None
+    for '' (each case's default, `default_schedule`). ValueError for a bad one."""
+    return Schedule.parse(text) if text else None
 
 
 def cache_positions(positions: int, schedule: Schedule | None = None) -> int:
     """`positions` rounded up to whole blocks of cached positions, which the kernel reads with
-    `schedule` (None: its default)."""
+    `schedule` (None: the default schedules', which all read blocks of `Schedule()`'s)."""
     block = (schedule or Schedule()).kv_block
     return -(-positions // block) * block
 
@@ -114,18 +124,40 @@ def core_target(
     unit_cols: int = DEFAULT_UNIT_COLS,
     device=None,
 ) -> tuple[Target | None, str | None]:
-    """`target_for(workers, device)` for a Core of `config` run on `batch` sequences: workers
-    None on a GPU takes its SM count capped by `workers_for` ((None, why) where that finds
-    shapes the kernel refuses); given workers are kept as they are (the kernel's checks refuse
-    too many)."""
+    """`target_for(workers, device)` for a Core of `config` run on `batch` sequences, with
+    `schedule` (None: `default_schedule`'s): workers None on a GPU takes its SM count capped by
+    `workers_for` ((None, why) where that finds shapes the kernel refuses); given workers are
+    kept as they are (the kernel's checks refuse too many)."""
     target, reason = target_for(workers, device)
-    if reason or workers is not None or target.interpret is not None:
+    if reason:
         return target, reason
+    if schedule is None:
+        schedule = default_schedule(config, batch, target.workers, unit_cols)
+    target = dataclasses.replace(target, schedule=schedule)
+    if workers is not None or target.interpret is not None:
+        return target, None
     try:
         fitting = workers_for(config, batch, target.workers, schedule, unit_cols)
     except ValueError as e:
         return None, _first_line(e)
     return dataclasses.replace(target, workers=fitting), None
+
+
+def default_schedule(
+    config: HuginnConfig, batch: int, workers: int, unit_cols: int = DEFAULT_UNIT_COLS
+) -> Schedule:
+    """The schedule for a Core of `config` on `batch` sequences and at most `workers` workers
+    where none is given: `SECOND_WARPGROUP` at `SECOND_WARPGROUP_BATCHES` where the kernel's
+    checks take it (its attention items one per worker), else the kernel's default."""
+    if batch in SECOND_WARPGROUP_BATCHES:
+        try:
+            shape = fused_shape(config, batch, unit_cols)
+            fitting = max(1, min(workers, most_workers(shape, SECOND_WARPGROUP)))
+            check_fused(shape, fitting, SECOND_WARPGROUP)
+        except ValueError:  # refused shapes or too few workers: the kernel's default
+            return Schedule()
+        return SECOND_WARPGROUP
+    return Schedule()
 
 
 def workers_for(
@@ -136,7 +168,7 @@ def workers_for(
     unit_cols: int = DEFAULT_UNIT_COLS,
 ) -> int:
     """Workers for a Core of `config` on a GPU of `sm_count` SMs: one per SM, but no more than
-    `schedule` (None: the default) allows at the Core's shapes (`fused_fit.most_workers`), and
+    `schedule` (None: `Schedule()`) allows at the Core's shapes (`fused_fit.most_workers`), and
     at least one, so that where not even one fits the kernel's own check says why.
     ValueError for shapes the kernel refuses."""
     most = most_workers(fused_shape(config, batch, unit_cols), schedule or Schedule())
@@ -181,8 +213,8 @@ class PersistentCore:
     ) -> PersistentCore:
         """Packs `model`'s Core for `batch` sequences (one compiled pass over the weights).
         `workers` None: one per SM, capped for the Core's shapes (`core_target`); one in
-        interpret mode on a CPU. `schedule`: the kernel's (None: its default,
-        `fused_plan.Schedule()`). ValueError where the kernel cannot run (`core_target`, or
+        interpret mode on a CPU. `schedule`: the kernel's (None: the case's default,
+        `default_schedule`). ValueError where the kernel cannot run (`core_target`, or
         shapes it refuses)."""
         cfg = model.config
         target, reason = core_target(
@@ -197,7 +229,7 @@ class PersistentCore:
             rope_base=cfg.rope_base,
             unit_cols=unit_cols,
         )
-        return cls(packed, target.workers, schedule or Schedule(), target.interpret)
+        return cls(packed, target.workers, target.schedule, target.interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("heads", "batch", "rope_base", "unit_cols"))
@@ -319,7 +351,7 @@ def why_not_persistent(
     if reason:
         return reason
     try:
-        _trace_kernel(config, batch, cache, num_steps, target, schedule or Schedule(), unit_cols)
+        _trace_kernel(config, batch, cache, num_steps, target, unit_cols)
     except ValueError as e:
         return _first_line(e)
     return None
@@ -330,7 +362,7 @@ def _first_line(error: ValueError) -> str:
     return str(error).strip().splitlines()[0]
 
 
-def _trace_kernel(config, batch, cache, num_steps, target: Target, schedule, unit_cols) -> None:
+def _trace_kernel(config, batch, cache, num_steps, target: Target, unit_cols) -> None:
     """Traces `pack_weights` and `fused_core_decode` on abstract arguments of this case's
     shapes: the kernel's checks raise ValueError for what it cannot run."""
     from pallas_kernels.core_step.fused_step import fused_core_decode
@@ -341,7 +373,7 @@ def _trace_kernel(config, batch, cache, num_steps, target: Target, schedule, uni
         fused_core_decode,
         iterations=num_steps,
         workers=target.workers,
-        schedule=schedule,
+        schedule=target.schedule,
         interpret=target.interpret,
     )
     row = jax.ShapeDtypeStruct((batch, config.n_embd), dtype)

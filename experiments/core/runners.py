@@ -142,7 +142,7 @@ class XlaRunner(CompiledRunner):
 
 
 def why_not_persistent(cfg, case: Case, dtype_name: str, schedule=None) -> str | None:
-    """Why the persistent impl cannot run `case` with `schedule` (None: the kernel's default)
+    """Why the persistent impl cannot run `case` with `schedule` (None: the case's default)
     here (None: it can)."""
     if case.mode != "decode":
         return "it runs decode steps (one new position)"

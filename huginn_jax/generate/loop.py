@@ -67,8 +67,9 @@ def generate(
       the persistent kernel (`huginn_jax.persistent`; the Core's weights packed once per call,
       cache_len rounded up to whole blocks of the schedule's cached positions, 64 by default).
       `persistent_schedule`: the kernel's schedule as `fused_plan.Schedule.parse` reads it ('':
-      its default). Where it cannot run (an exit criterion, the device, the shapes:
-      `why_not_persistent`) the decode steps run "xla" and one line on stderr says why.
+      the case's, `persistent.default_schedule`). Where it cannot run (an exit criterion, the
+      device, the shapes: `why_not_persistent`) the decode steps run "xla" and one line on
+      stderr says why.
 
     Every argument is checked before any work (`make_plan`); bad ones raise ValueError. `stats`
     holds compile seconds (apart), the prefill time, per-token decode latencies (the time between

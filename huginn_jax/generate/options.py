@@ -158,7 +158,7 @@ FLAGS = (
         "persistent_schedule",
         "",
         "With --core_decode=persistent, the kernel's schedule RING:KV_STAGES[:...] "
-        "(pallas_kernels.core_step.fused_plan.Schedule); '': its default.",
+        "(pallas_kernels.core_step.fused_plan.Schedule); '': the case's default.",
     ),
     (
         "string",

@@ -33,7 +33,7 @@ class Plan:
     min_steps: int
     attention_window: int = ATTENTION_WINDOW  # decode reads the cache in windows of this many
     core_decode: str = "xla"  # the decode steps' Core: one of config.CORE_DECODE_IMPLS
-    persistent_schedule: str = ""  # the persistent kernel's schedule ('' = its default)
+    persistent_schedule: str = ""  # the persistent kernel's schedule ('' = the case's default)
 
     def decode_windows(self) -> list[int]:
         """Cache positions each decode step reads, in order: the positions visible to it (all
@@ -122,7 +122,7 @@ def make_plan(
         raise ValueError(f"{what} exceed the model's block_size={config.block_size}")
     if cache_len is None:
         cache_len = needed
-        if schedule is not None:
+        if core_decode == "persistent":  # schedule None: the case's default
             cache_len = min(config.block_size, cache_positions(needed, schedule))
     if cache_len > config.block_size:
         raise ValueError(
