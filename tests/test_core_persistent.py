@@ -53,6 +53,8 @@ def test_cli_times_persistent_beside_xla_and_skips_what_it_cannot_run(tmp_path):
     assert timed == {("decode", "xla"), ("prefill", "xla"), ("decode", "persistent")}
     record = next(r for r in data["records"] if r["impl"] == "persistent")
     assert record["ms_per_iteration"] > 0 and "vs_best" in record
+    assert record["schedule"] == str(Schedule())  # one interpreted worker: the kernel's default
+    assert f"persistent decode r=1 B=1 ctx=63: schedule {Schedule()}" in bf16.stdout
     assert all("back_to_back_ms_per_iteration" not in r for r in data["records"])
     [check] = [c for c in data["checks"] if c["impl"] == "persistent"]
     assert check["reference"] == "xla" and check["passed"], check

@@ -134,8 +134,9 @@ def scaling_lines(records: list[dict]) -> list[str]:
 
 
 def report_lines(result: dict) -> list[str]:
-    """What is printed before the table: one line per agreement check, per record its XLA
-    executable's summary and its per-kernel trace (when taken), then the scaling lines."""
+    """What is printed before the table: one line per agreement check, per record the
+    persistent kernel's schedule or its XLA executable's summary and its per-kernel trace (when
+    taken), then the scaling lines."""
     lines = []
     for check in result["checks"]:
         lines.append(
@@ -144,6 +145,11 @@ def report_lines(result: dict) -> list[str]:
             f"(tolerance {check['tolerance']:.1e}){'' if check['passed'] else ' FAILED'}"
         )
     for rec in result["records"]:
+        if "schedule" in rec:
+            lines.append(
+                f"{rec['impl']} {rec['mode']} r={rec['iterations']} B={rec['batch']} "
+                f"ctx={rec['context']}: schedule {rec['schedule']}"
+            )
         if "xla_report" in rec:
             rep = rec["xla_report"]
             lines.append(
