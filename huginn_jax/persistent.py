@@ -14,8 +14,9 @@ The kernel runs on an sm_90 GPU with one worker per SM unless given a worker cou
 many as its schedule allows at the Core's shapes (`workers_for`: each worker must own more weight
 units of every product than the schedule keeps in flight, so a small Core runs on fewer workers
 than the SMs), and on a CPU in Pallas' GPU interpret mode with one worker (exact enough to test
-against `run_core`, far too slow to use). It is imported inside the functions that call it, so
-that importing this module (for `step_weights`) does not load it.
+against `run_core`, far too slow to use). Where no schedule is given, `default_schedule` chooses
+one for the case. The kernel is imported inside the functions that call it, so that importing
+this module (for `step_weights`) does not load it.
 """
 
 from __future__ import annotations
@@ -110,7 +111,8 @@ def schedule_named(text: str) -> Schedule | None:
 
 def cache_positions(positions: int, schedule: Schedule | None = None) -> int:
     """`positions` rounded up to whole blocks of cached positions, which the kernel reads with
-    `schedule` (None: the default schedules', which all read blocks of `Schedule()`'s)."""
+    `schedule` (None: a case's default, `default_schedule`; every default reads blocks of
+    `Schedule().kv_block` positions)."""
     block = (schedule or Schedule()).kv_block
     return -(-positions // block) * block
 
