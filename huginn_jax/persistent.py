@@ -154,8 +154,7 @@ def default_schedule(
     if batch in SECOND_WARPGROUP_BATCHES:
         try:
             shape = fused_shape(config, batch, unit_cols)
-            fitting = max(1, min(workers, most_workers(shape, SECOND_WARPGROUP)))
-            check_fused(shape, fitting, SECOND_WARPGROUP)
+            check_fused(shape, _fitting(shape, workers, SECOND_WARPGROUP), SECOND_WARPGROUP)
         except ValueError:  # refused shapes or too few workers: the kernel's default
             return Schedule()
         return SECOND_WARPGROUP
@@ -173,8 +172,12 @@ def workers_for(
     `schedule` (None: `Schedule()`) allows at the Core's shapes (`fused_fit.most_workers`), and
     at least one, so that where not even one fits the kernel's own check says why.
     ValueError for shapes the kernel refuses."""
-    most = most_workers(fused_shape(config, batch, unit_cols), schedule or Schedule())
-    return max(1, min(sm_count, most))
+    return _fitting(fused_shape(config, batch, unit_cols), sm_count, schedule or Schedule())
+
+
+def _fitting(shape: FusedShape, sm_count: int, schedule: Schedule) -> int:
+    """`workers_for` at the kernel's `shape`: min(sm_count, `most_workers`), at least one."""
+    return max(1, min(sm_count, most_workers(shape, schedule)))
 
 
 def fused_shape(config: HuginnConfig, batch: int, unit_cols: int = DEFAULT_UNIT_COLS) -> FusedShape:
