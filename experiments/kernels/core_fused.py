@@ -91,11 +91,6 @@ def define_flags() -> None:
         "unit_cols", DEFAULT_UNIT_COLS,
         "Output columns of a [64, unit_cols] weight unit: 64, 128 or 256.",
     )  # fmt: skip
-    flags.DEFINE_bool(
-        "deal_units", False,
-        "Store each product's weight units dealt to the workers (`FusedShape.dealt_to`): the "
-        "units the workers take at once side by side, not a worker's share apart.",
-    )  # fmt: skip
     flags.DEFINE_list(
         "skip_barriers", [],
         "A timing bound: the kinds of step (adapter, qkv, attn, proj, fc, mlp_proj) after which "
@@ -120,12 +115,7 @@ def fused_shape(batch: int):
     from pallas_kernels.core_step.fused_plan import FusedShape
 
     d, heads, f, layers = SHAPE
-    return FusedShape(d, heads, d // heads, f, layers, batch, FLAGS.unit_cols, dealt_to())
-
-
-def dealt_to() -> int:
-    """`FusedShape.dealt_to` of --deal_units."""
-    return WORKERS if FLAGS.deal_units else 0
+    return FusedShape(d, heads, d // heads, f, layers, batch, FLAGS.unit_cols)
 
 
 def floor_bytes(batch: int, context: int) -> tuple[int, int]:
@@ -165,10 +155,7 @@ def compiled_decode(w, batch: int, slot_len: int, schedule, profile_dir: str = "
     d, heads, _, _ = SHAPE
     with held(FLAGS.gpu_lock):
         state, embedded, k, v, slots = decode_inputs(batch, slot_len)
-        fw = pack_weights(
-            w, heads=heads, batch=batch, rope_base=10000.0, unit_cols=FLAGS.unit_cols,
-            dealt_to=dealt_to(),
-        )  # fmt: skip
+        fw = pack_weights(w, heads=heads, batch=batch, rope_base=10000.0, unit_cols=FLAGS.unit_cols)
         args = jax.block_until_ready((fw, Pending(state), embedded, k, v, slots))
     decode = fused_core_decode.lower(
         *args, jnp.int32(0), iterations=FLAGS.iterations, workers=WORKERS,
@@ -192,7 +179,6 @@ def fused_rows(w, batch: int, contexts: list[int], schedule, ceiling) -> list[di
                 batch=batch,
                 context=context,
                 unit_cols=FLAGS.unit_cols,
-                dealt_to=dealt_to(),
                 **dataclasses.asdict(schedule),
                 skip_barriers=FLAGS.skip_barriers,
             )
@@ -307,7 +293,7 @@ def _run_jobs(batches: list[int], schedules: list[str], work: Path):
             sys.executable, "-m", "experiments.kernels.core_fused", f"--batch={batch}",
             f"--schedules={sch}", f"--contexts={','.join(FLAGS.contexts)}",
             f"--iterations={FLAGS.iterations}", f"--reps={FLAGS.reps}",
-            f"--unit_cols={FLAGS.unit_cols}", f"--deal_units={FLAGS.deal_units}",
+            f"--unit_cols={FLAGS.unit_cols}",
             f"--skip_barriers={','.join(FLAGS.skip_barriers)}",
             f"--stream={FLAGS.stream and first_of_batch}",
             f"--profile={FLAGS.profile and profiled}", f"--gpu_lock={lock}", "--jobs=1",

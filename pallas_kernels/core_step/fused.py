@@ -134,7 +134,6 @@ def build_fused_core(
             v_cache=v_cache, s={name: named[name] for name in scratch},
             scope=scopes_of(named, "first"), kv_stages=kv_stages, kv_block=schedule.kv_block,
             overlap=overlap, parts_ready=named.get("second.parts_ready"),
-            own_parts=named.get("second.pin"),
             flags=pl.get_global(plgpu.SemaphoreType.REGULAR((shape.heads,)))
             if splits > 1 else None,
             q_done=pl.get_global(plgpu.SemaphoreType.REGULAR) if overlap else None,

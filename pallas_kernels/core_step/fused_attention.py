@@ -19,8 +19,7 @@ With `Schedule.overlap`, a second warpgroup per worker takes its item's q as soo
 worker has put out its units of q's tiles, runs the item's blocks while the first warpgroup
 streams the qkv's k and v columns, and puts its partials out before the barrier after the qkv
 (`blocks_ahead`); after it, the first split merges them all with the new position (no flags:
-the barrier orders them): its own from the second warpgroup's shared memory, the next split's
-copied in beside the RoPE's windows.
+the barrier orders them).
 
 The windows and tables, the blocks, and the combine each take a scope of shared memory
 (`fused_fit.scratch_types`) that the products' scopes reuse.
@@ -77,8 +76,6 @@ def _head_item(k, it, j, item) -> None:
     masks = _masks(k, h, starts)
 
     def run():
-        if k.overlap and k.splits > 1:  # the next split's partials, out before the barrier
-            plgpu.copy_gmem_to_smem(k.parts.at[h * k.splits + 1], k.s["pin"], k.s["pbar"])
         with jax.named_scope("rope"):
             q, k_new, v_new = k.scope("rope", lambda s: _rope(k, it, j, starts, masks, s))
         parts = None
@@ -194,27 +191,20 @@ def _combine(k, it, j, of, c0, valid, new, parts, s) -> None:
         wa, wo = jnp.exp(m_all - m_new), jnp.exp(m_o - m_new)
         return m_new, l_all * wa + l_o * wo, acc_all * wa + acc_o * wo
 
-    def partials_in(buf):
-        acc_o = plgpu.load(buf.at[pl.ds(0, kp)], layout=WGMMA)
-        ml = plgpu.load(buf.at[pl.ds(kp, SCALAR_ROWS)], layout=WGMMA)
-        return row_of(ml, 0, kp), row_of(ml, 1, kp), acc_o
-
     def first_split():
         s_new = bcast_rows(jnp.sum(q * k_new, axis=0), kp)
         merged = (s_new, jnp.ones_like(s_new), v_new)
-        if parts is None:  # every split's out: its own still in the second warpgroup's buffer
-            merged = merge(*merged, *partials_in(k.own_parts))
-        else:
+        if parts is not None:
             merged = merge(*parts, *merged)
         if k.splits > 1 and parts is not None:
             target = jnp.asarray((it * k.shape.layers + j + 1) * (k.splits - 1), jnp.int32)
             plgpu.semaphore_wait(k.flags.at[h], target, decrement=False, memory_scope="gpu")
-        for other in range(1, k.splits):
-            if parts is not None or other > 1:  # the next split's is copied in by `_head_item`
-                src = k.parts.at[h * k.splits + other]
-                plgpu.copy_gmem_to_smem(src, s["pin"], s["pbar"])
+        for other in range(0 if parts is None else 1, k.splits):
+            plgpu.copy_gmem_to_smem(k.parts.at[h * k.splits + other], s["pin"], s["pbar"])
             plgpu.barrier_wait(s["pbar"])
-            merged = merge(*merged, *partials_in(s["pin"]))
+            acc_o = plgpu.load(s["pin"].at[pl.ds(0, kp)], layout=WGMMA)
+            ml = plgpu.load(s["pin"].at[pl.ds(kp, SCALAR_ROWS)], layout=WGMMA)
+            merged = merge(*merged, row_of(ml, 0, kp), row_of(ml, 1, kp), acc_o)
         _, l_fin, acc_fin = merged
         out = jnp.where(valid, acc_fin / l_fin, 0.0)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)

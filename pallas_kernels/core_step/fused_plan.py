@@ -117,13 +117,9 @@ class FusedShape:
     layers: int
     batch: int
     unit_cols: int = DEFAULT_UNIT_COLS
-    dealt_to: int = 0  # the weight units stored as dealt to this many workers
-    # (`plan.dealt_slot`); 0: in each product's order
 
     def __post_init__(self):
         check_unit_cols(self.unit_cols)
-        if self.dealt_to < 0:
-            raise ValueError(f"dealt_to={self.dealt_to} must be a count of workers, or 0")
         if self.heads * self.head_dim != self.d:
             raise ValueError(f"d={self.d} must be heads * head_dim")
         if self.head_dim % 2 or self.kp > 128 or self.kp > self.d:

@@ -14,7 +14,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.core_step.fused_attention import prefetch_blocks
 from pallas_kernels.core_step.fused_inputs import KernelContext
 from pallas_kernels.core_step.fused_plan import Schedule, kind_of, unit_ranges
-from pallas_kernels.core_step.plan import UNIT, dealt_slot
+from pallas_kernels.core_step.plan import UNIT
 
 
 class WeightRing:
@@ -48,14 +48,11 @@ class WeightRing:
         return jnp.where(i < na, a0 + i, b0 + i - na)
 
     def send_unit(self, q, j, raw, send):
-        """send(unit) of unit j of the worker's range in phase q (a [64, cols] GMEM ref, where
-        the shape's `dealt_to` stores it);
+        """send(unit) of unit j of the worker's range in phase q (a [64, cols] GMEM ref);
         `raw`: the adapter's own rows (the first iteration's, whose state is not normed)."""
-        u, phase, dealt_to = self.unit_of(q, j), self.phases[q], self.k.shape.dealt_to
-        if dealt_to:
-            u = dealt_slot(u, phase.units(self.k.shape.unit_cols), dealt_to)
-        t = u // phase.k_chunks
-        kc = u - t * phase.k_chunks
+        u = self.unit_of(q, j)
+        t = u // self.phases[q].k_chunks
+        kc = u - t * self.phases[q].k_chunks
         kind, layer = kind_of(self.phases[q].name)
         if kind == "adapter":  # [with norm_4 folded in, raw]
             layer = jnp.asarray(raw, jnp.int32)

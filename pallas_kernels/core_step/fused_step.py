@@ -28,7 +28,7 @@ from pallas_kernels.core_step.fused_plan import (
     FusedShape,
     Schedule,
 )
-from pallas_kernels.core_step.plan import UNIT, dealt_slot
+from pallas_kernels.core_step.plan import UNIT
 from pallas_kernels.core_step.step_program import LayerWeights, Pending, StepWeights, rope_row
 
 
@@ -54,19 +54,13 @@ def _pad2(x, rows: int, cols: int, dtype=jnp.bfloat16):
 
 
 def core_shape(
-    w: StepWeights,
-    *,
-    heads: int,
-    batch: int,
-    unit_cols: int = DEFAULT_UNIT_COLS,
-    dealt_to: int = 0,
+    w: StepWeights, *, heads: int, batch: int, unit_cols: int = DEFAULT_UNIT_COLS
 ) -> FusedShape:
     """The kernel's shapes for the Core of `w` (arrays, or their shapes from `jax.eval_shape`)
     run on `batch` sequences: D from the adapter, the MLP width from the mlp proj. ValueError
     for shapes the kernel refuses (`FusedShape`)."""
     d, intermediate = w.adapter.shape[1], w.layers[0].mlp_proj.shape[0]
-    layers = len(w.layers)
-    return FusedShape(d, heads, w.head_dim, intermediate, layers, batch, unit_cols, dealt_to)
+    return FusedShape(d, heads, w.head_dim, intermediate, len(w.layers), batch, unit_cols)
 
 
 def interleave_halves(x: jax.Array) -> jax.Array:
@@ -79,27 +73,21 @@ def interleave_halves(x: jax.Array) -> jax.Array:
 
 
 def pack_weights(
-    w: StepWeights,
-    *,
-    heads: int,
-    batch: int,
-    rope_base: float,
-    unit_cols: int = DEFAULT_UNIT_COLS,
-    dealt_to: int = 0,
+    w: StepWeights, *, heads: int, batch: int, rope_base: float, unit_cols: int = DEFAULT_UNIT_COLS
 ) -> FusedWeights:
     """Pads every product to the kernel's shapes with the norms' gains folded into its rows
     (rms_norm(z, g) @ W = (z @ (g W)) rsqrt(mean(z²) + eps)): the adapter's state rows by the
     last layer's norm_4 (and once as they are, for the first iteration), qkv by norm_4 of the
     layer before and norm_1, fc by norm_2 and norm_3. Per layer, the gain tile holds what the
     kernel still multiplies by: norm_4 of the layer before (ones for layer 0) and norm_2, for the
-    sums of squares and the residuals. `dealt_to`: the units stored in the order that so many
-    workers take them (`plan.dealt_slot`), 0 in each product's own."""
-    shape = core_shape(w, heads=heads, batch=batch, unit_cols=unit_cols, dealt_to=dealt_to)
+    sums of squares and the residuals."""
+    shape = core_shape(w, heads=heads, batch=batch, unit_cols=unit_cols)
     d = shape.d
     phases = iter(shape.phases)
     ones = jnp.ones((d,), jnp.float32)
     adapter = w.adapter[:d].astype(jnp.float32)
     kn = _kn(next(phases))
+    cols = shape.unit_cols
     adapters = [_pad2(w.layers[-1].norm_4[:, None] * adapter, *kn), _pad2(adapter, *kn)]
     per_layer, tiles = [], []
     for j, lw in enumerate(w.layers):
@@ -116,14 +104,14 @@ def pack_weights(
             (lw.norm_2 * lw.norm_3)[:, None] * fc,
             lw.mlp_proj,
         )
-        per_layer.append([store_units(_pad2(x, *_kn(next(phases))), shape) for x in folded])
+        per_layer.append([tile_columns(_pad2(x, *_kn(next(phases))), cols) for x in folded])
         tiles.append(jnp.stack([g4_prev, lw.norm_2], axis=-1))
     gains = jnp.stack(tiles).astype(jnp.float32)
     gains = jnp.pad(gains, ((0, 0), (0, shape.k_d - d), (0, N_PAD - 2)))
     bias = [
         jnp.zeros((2, d)) if lw.qk_bias is None else lw.qk_bias.reshape(2, d) for lw in w.layers
     ]
-    products = [jnp.stack([store_units(x, shape) for x in adapters])]
+    products = [jnp.stack([tile_columns(x, cols) for x in adapters])]
     products += [jnp.stack(kind) for kind in zip(*per_layer, strict=True)]
     return FusedWeights(
         products=tuple(products),
@@ -146,18 +134,6 @@ def tile_columns(w: jax.Array, cols: int) -> jax.Array:
     [64, cols] weight unit, and a worker's run of units down a tile, is one contiguous read."""
     k, n = w.shape
     return w.reshape(k, n // cols, cols).transpose(1, 0, 2)
-
-
-def store_units(w: jax.Array, shape: FusedShape) -> jax.Array:
-    """[k, n] -> [n / cols, k, cols] (`tile_columns`), its [64, cols] units in the order of
-    `shape.dealt_to` (`plan.dealt_slot`)."""
-    tiled = tile_columns(w, shape.unit_cols)
-    if not shape.dealt_to:
-        return tiled
-    tiles, k, cols = tiled.shape
-    units = tiles * (k // UNIT)
-    order = np.argsort(dealt_slot(np.arange(units), units, shape.dealt_to))
-    return tiled.reshape(units, UNIT, cols)[order].reshape(tiles, k, cols)
 
 
 def rope_tables(pos, head_dim: int, d: int, base: float) -> jax.Array:

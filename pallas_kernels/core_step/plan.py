@@ -20,9 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
-import numpy as np
-
 UNIT = 64  # rows of a weight unit (the k-chunk), and the default tile width
 UNIT_COLS = (64, 128, 256)  # tile widths: multiples of the wgmma M (64), at most a TMA box (256)
 
@@ -118,20 +115,6 @@ def even_share(units, workers: int, worker) -> tuple:
     """[first, end) of worker `worker`'s even share of `units` units among `workers` (each
     within one unit of the others); `worker` may be traced."""
     return units * worker // workers, units * (worker + 1) // workers
-
-
-def dealt_slot(u, units: int, workers: int):
-    """Where unit u of a product's `units` lies when they are stored dealt to `workers` workers:
-    the j-th unit of every worker's even share (`even_share`) side by side, worker w's at
-    j * workers + w, then the longer shares' last units in the workers' order. The units that
-    the workers take at once then lie together, not a share apart. u: an int, a numpy array of
-    them, or traced."""
-    xp = np if isinstance(u, (int, np.ndarray)) else jnp
-    share = units // workers
-    w = ((u + 1) * workers - 1) // units
-    first = units * w // workers
-    j = u - first
-    return xp.where(j < share, j * workers + w, share * workers + first - share * w)
 
 
 def min_units(phases: tuple[Phase, ...], workers: int, unit_cols: int = UNIT) -> int:
