@@ -1,0 +1,81 @@
+"""tools/dataflow_estimate.py's replays on synthetic profiles: every worker's cycles per step set
+by hand, so that what each replay must give is known."""
+
+from __future__ import annotations
+
+import pytest
+
+from pallas_kernels.core_step.plan import even_share
+from tools.dataflow_estimate import BARRIER, SHAPE, WORKERS, replay, run_units
+
+STEPS = ["adapter"] + [
+    f"{kind}{j}" for j in range(SHAPE.layers) for kind in ("qkv", "attn", "proj", "fc", "mlp_proj")
+]
+
+
+def profile(cycles_of) -> dict:
+    """One iteration's occurrences: {step: [{worker + 1: cycles_of(step, worker)}]}."""
+    return {s: [{w + 1: float(cycles_of(s, w)) for w in range(WORKERS)}] for s in STEPS}
+
+
+PHASES = {p.name: p for p in SHAPE.phases}
+RATE = 2000  # cycles per unit, about the H200's at the read ceiling
+ATTENTION = 20_000
+
+
+def units(step, worker):
+    first, end = even_share(PHASES[step].units(SHAPE.unit_cols), WORKERS, worker)
+    return end - first
+
+
+def even(step, worker):
+    return ATTENTION if step.startswith("attn") else RATE * units(step, worker)
+
+
+def longest(cycles_of):
+    return max(sum(cycles_of(s, w) for s in STEPS) for w in range(WORKERS))
+
+
+def test_equal_workers_replay_as_the_barriers_sum_and_no_wait_is_the_shortest():
+    occ = profile(even)
+    barriers, no_wait, data = replay(occ, 0, latency=0.0, catch_up=False)
+    steps_longest = sum(max(even(s, w) for w in range(WORKERS)) for s in STEPS)
+    assert barriers == pytest.approx(steps_longest + len(STEPS) * BARRIER)
+    assert no_wait == pytest.approx(longest(even) + BARRIER)
+    assert no_wait - RATE <= data < barriers
+
+
+def test_waits_on_data_grow_with_the_latency_and_shrink_with_the_ring_catching_up():
+    occ = profile(even)
+    slow = replay(occ, 0, latency=3000.0, catch_up=False)[2]
+    fast = replay(occ, 0, latency=1000.0, catch_up=False)[2]
+    caught_up = replay(occ, 0, latency=3000.0, catch_up=True)[2]
+    assert fast < slow
+    assert caught_up < slow
+
+
+def test_only_the_workers_that_read_a_late_chunk_wait_for_it():
+    phase = PHASES["qkv0"]  # 83 chunks of input, 39 or 38 units per worker
+    starts, rates = [0.0] * WORKERS, [float(RATE)] * WORKERS
+    on_time, _ = run_units(phase, starts, rates, lambda kc: 0.0, catch_up=False)
+    late, tiles = run_units(phase, starts, rates, lambda kc: 1e6 * (kc == 0), False)
+    readers = {
+        w
+        for w in range(WORKERS)
+        if any(u % phase.k_chunks == 0 for u in range(*even_share(phase.units(256), WORKERS, w)))
+    }
+    assert readers and len(readers) < WORKERS
+    for w in range(WORKERS):
+        assert (late[w] > on_time[w]) == (w in readers)
+    assert max(tiles) == max(late)
+
+
+def test_one_slow_worker_delays_the_data_order_no_more_than_the_barriers():
+    def one_slow(step, worker):
+        return even(step, worker) + (20_000 if step == "fc1" and worker == 7 else 0)
+
+    base = replay(profile(even), 0, latency=1000.0, catch_up=False)
+    slowed = replay(profile(one_slow), 0, latency=1000.0, catch_up=False)
+    assert slowed[0] - base[0] >= 20_000 - 2 * RATE  # every worker waits for it
+    # its tiles' readers wait, theirs fan out to every tile of the next product
+    assert 0 < slowed[2] - base[2] <= slowed[0] - base[0]

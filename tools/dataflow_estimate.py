@@ -1,0 +1,203 @@
+"""What the fused kernel would take with one grid barrier per iteration, every other step
+ordered by the data it reads, estimated from an on-device profiler trace (as
+`experiments.kernels.scopes` reads it) of huginn-0125's Core at batch 1, two attention splits per
+head on 132 workers:
+
+    python3 tools/dataflow_estimate.py TRACE.json[.gz] [--latencies=0,1000,2000,3000]
+        [--ms_per_iteration=MS]
+
+Each worker's measured cycles per step (its units of a product, its attention item) are kept and
+each iteration is replayed from every worker at cycle 0, three ways:
+- with a grid barrier after every step, as the kernel runs them (each step starts when the
+  slowest worker has ended the one before, plus `BARRIER` cycles): the check that the replay
+  adds up to the measured iteration;
+- every worker's steps back to back, no wait (what leaving every barrier out would give);
+- ordered by data: a worker takes its units of a product in order at its measured rate per
+  unit, and a unit waits until the output tile of the step before that holds its input chunk is
+  complete (every worker whose units cover that tile has ended its units there) plus a latency
+  (the partial sums' reduce-add, a counter's signal and its poll); an attention item waits for
+  the qkv tiles of its head's q, k and v windows, proj's units for the heads whose value windows
+  cover their chunk; a step whose first unit applies a norm's scalar (the attention, the MLP
+  proj) also waits until every worker has ended the step whose output that norm is of; the
+  iteration ends at one barrier. A wait delays the worker's later units by as much, or, where
+  the ring catches up, only until the units whose weights landed during it are done
+  (`run_units`).
+A worker's rate per unit is kept wherever its range starts, so the last replay estimates rather
+than bounds what such a schedule would take.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from experiments.kernels import scopes
+from experiments.measure.trace import load_trace
+from pallas_kernels.core_step.fused_plan import FusedShape
+from pallas_kernels.core_step.plan import UNIT, even_share
+
+SHAPE = FusedShape(5280, 55, 96, 17920, 4, 1)  # huginn-0125's Core, batch 1
+WORKERS, SPLITS = 132, 2
+BARRIER = 2139  # cycles of a grid barrier where every worker arrives at once (stream_units.txt)
+OWN = 1065  # cycles of a worker's own work on a unit whose weights are in L2 (stream_units.txt)
+COPY = 1792  # cycles of a unit's copy from HBM in the bare stream (stream_units.txt)
+RING = 3  # weight units in flight per worker (the kernel's default)
+
+
+def run_units(phase, starts, rates, ready_of_chunk, catch_up: bool):
+    """(each worker's end, each output tile's completion) of `phase` where unit (t, kc) waits
+    until ready_of_chunk(kc). Without `catch_up` a wait delays every later unit by as much;
+    with it, the weights of the units in the worker's ring landed during the wait, so those
+    take only the worker's own work (`OWN` cycles) until a slot freed after the wait brings the
+    next unit (`COPY` cycles after it was freed)."""
+    units, per_tile = phase.units(SHAPE.unit_cols), phase.k_chunks
+    tiles = [0.0] * (units // per_tile)
+    ends = []
+    for w in range(WORKERS):
+        first, end = even_share(units, WORKERS, w)
+        rate = rates[w]
+        own = min(OWN, rate)  # never slower than the worker's measured rate
+        done = [starts[w]]  # each unit's end, after the worker's start
+        landed = starts[w] - own  # unit u's weights in shared memory, without waits
+        for u in range(first, end):
+            t, kc = divmod(u, per_tile)
+            landed += rate
+            if catch_up:
+                freed = done[-RING] if len(done) > RING else -1e30
+                landed = max(landed, freed + COPY)
+                time = max(landed, done[-1], ready_of_chunk(kc)) + own
+            else:
+                time = max(done[-1] + rate, ready_of_chunk(kc) + rate)
+            done.append(time)
+            tiles[t] = max(tiles[t], time)
+        ends.append(done[-1])
+    return ends, tiles
+
+
+def replay(occ: dict, it: int, latency: float, catch_up: bool) -> tuple[float, float, float]:
+    """Cycles of iteration `it`: (with a barrier after every step, every worker's steps back
+    to back with no wait, ordered by data)."""
+    cols, d, kp = SHAPE.unit_cols, SHAPE.d, SHAPE.kp
+    phases = {p.name: p for p in SHAPE.phases}
+
+    def cycles(name):
+        o = occ[name][it]
+        return [o[w + 1] for w in range(WORKERS)]
+
+    def rate(name):
+        units = phases[name].units(cols)
+        return [
+            c / max(1, e - f)
+            for c, (f, e) in zip(
+                cycles(name), (even_share(units, WORKERS, w) for w in range(WORKERS)), strict=True
+            )
+        ]
+
+    steps = ["adapter"]
+    for j in range(SHAPE.layers):
+        steps += [f"qkv{j}", f"attn{j}", f"proj{j}", f"fc{j}", f"mlp_proj{j}"]
+    barriers = sum(max(cycles(s)) + BARRIER for s in steps)
+    no_wait = max(sum(c) for c in zip(*(cycles(s) for s in steps), strict=True)) + BARRIER
+
+    def run(name, starts, ready_of_chunk):
+        return run_units(phases[name], starts, rate(name), ready_of_chunk, catch_up)
+
+    def from_tiles(tiles, rows: int, after: float = 0.0):
+        """kc -> when input chunk kc (`rows` rows of the step before's output) is ready."""
+        return lambda kc: max(tiles[kc * rows // cols] + latency, after)
+
+    ends, tiles = run("adapter", [0.0] * WORKERS, lambda kc: 0.0)
+    norm_source_end = max(ends)  # the step whose output the next attention's norm is of
+    for j in range(SHAPE.layers):
+        ends, qkv_tiles = run(f"qkv{j}", ends, from_tiles(tiles, UNIT))
+        attention = cycles(f"attn{j}")
+        head_done = []
+        for h in range(SHAPE.heads):
+            ck, c0 = SHAPE.key_window(h)[0], SHAPE.head_window(h)[0]
+            rows = (ck, ck + kp - 1, d + ck, d + ck + kp - 1, 2 * d + c0, 2 * d + c0 + kp - 1)
+            ready = max(max(qkv_tiles[r // cols] for r in rows), norm_source_end) + latency
+            workers = [h * SPLITS + s for s in range(SPLITS)]
+            start = max(max(ends[w] for w in workers), ready)
+            head_done.append(start + attention[workers[0]])
+            for w in workers:
+                ends[w] = start + attention[w]
+        att_ready = [
+            max((head_done[h] + latency for h in heads), default=0.0) for heads in ATT_HEADS
+        ]
+        ends, tiles = run(f"proj{j}", ends, att_ready.__getitem__)
+        gate_ready = max(ends) + latency  # the SiLU gate's norms are of fc's input
+        ends, tiles = run(f"fc{j}", ends, from_tiles(tiles, UNIT))
+        ready = from_tiles(tiles, 2 * UNIT, gate_ready)  # a chunk: 64 gate rows and 64 up rows
+        ends, tiles = run(f"mlp_proj{j}", ends, ready)
+        norm_source_end = max(ends)
+    return barriers, no_wait, max(ends) + latency + BARRIER
+
+
+def _heads_of_chunks() -> list[list[int]]:
+    """Per 64-row chunk of the attention output, the heads whose value windows
+    (`FusedShape.head_window`, kp rows each, added whole) meet it."""
+    kp = SHAPE.kp
+    starts = [SHAPE.head_window(h)[0] for h in range(SHAPE.heads)]
+    return [
+        [h for h, c0 in enumerate(starts) if c0 < (kc + 1) * UNIT and c0 + kp > kc * UNIT]
+        for kc in range(SHAPE.k_d // UNIT)
+    ]
+
+
+ATT_HEADS = _heads_of_chunks()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("trace")
+    parser.add_argument(
+        "--latencies", default="0,1000,2000,3000",
+        help="cycles from a tile's last unit to its reader's start, a list",
+    )  # fmt: skip
+    parser.add_argument(
+        "--ms_per_iteration", type=float, default=0.0,
+        help="the traced kernel's device time per iteration: also print ms at the trace's clock",
+    )  # fmt: skip
+    args = parser.parse_args()
+    trace = load_trace(args.trace)
+    occ = scopes.occurrences(trace)
+    iterations = len(occ["adapter"])
+    spans = [
+        (max(e["ts"] for e in evs) - min(e["ts"] for e in evs)) * 1e3 / iterations
+        for evs in _events_by_worker(trace).values()
+    ]
+    measured = statistics.median(spans)
+    scale = args.ms_per_iteration / measured if args.ms_per_iteration else 0.0
+
+    def line(what: str, cycles: float, base: float) -> None:
+        ms = f"  {cycles * scale:6.3f} ms" if scale else ""
+        print(f"{what:58s} {cycles:9.0f}{ms}  {cycles / base:6.3f}")
+
+    def median_of(k, latency=0.0, catch_up=False):
+        return statistics.median(replay(occ, it, latency, catch_up)[k] for it in range(iterations))
+
+    barriers = median_of(0)
+    print(f"per iteration, median over {iterations}; last column: / the barriers' replay")
+    line(f"measured (a worker's trace span / {iterations})", measured, barriers)
+    line("replayed, a grid barrier after every step", barriers, barriers)
+    line("replayed, every worker's steps back to back, no wait", median_of(1), barriers)
+    for latency in (float(x) for x in args.latencies.split(",")):
+        for catch_up in (False, True):
+            how = "ring catches up" if catch_up else "no catch-up"
+            line(
+                f"replayed ordered by data, latency {latency:.0f}, {how}",
+                median_of(2, latency, catch_up),
+                barriers,
+            )
+
+
+def _events_by_worker(trace: dict) -> dict:
+    out: dict = {}
+    for e in trace["traceEvents"]:
+        if e.get("ph") in ("B", "E"):
+            out.setdefault(e["tid"], []).append(e)
+    return out
+
+
+if __name__ == "__main__":
+    main()
