@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pallas_kernels.core_step.plan import even_share
-from tools.dataflow_estimate import BARRIER, SHAPE, WORKERS, replay, run_units
+from tools.dataflow_estimate import BARRIER, SHAPE, WORKERS, evened, replay, run_units
 
 STEPS = ["adapter"] + [
     f"{kind}{j}" for j in range(SHAPE.layers) for kind in ("qkv", "attn", "proj", "fc", "mlp_proj")
@@ -79,3 +79,17 @@ def test_one_slow_worker_delays_the_data_order_no_more_than_the_barriers():
     assert slowed[0] - base[0] >= 20_000 - 2 * RATE  # every worker waits for it
     # its tiles' readers wait, theirs fan out to every tile of the next product
     assert 0 < slowed[2] - base[2] <= slowed[0] - base[0]
+
+
+def test_evened_gives_every_worker_the_median_rate_and_keeps_the_attention():
+    def one_slow(step, worker):
+        slow = worker == 7 and not step.startswith("attn")
+        return even(step, worker) * (1.5 if slow else 1.0)
+
+    occ = profile(one_slow)
+    flat = evened(occ)
+    for step in STEPS:
+        for w in range(WORKERS):
+            want = one_slow(step, w) if step.startswith("attn") else even(step, w)
+            assert flat[step][0][w + 1] == pytest.approx(want)
+    assert replay(flat, 0, 1000.0, True)[0] < replay(occ, 0, 1000.0, True)[0]

@@ -23,7 +23,9 @@ each iteration is replayed from every worker at cycle 0, three ways:
   the ring catches up, only until the units whose weights landed during it are done
   (`run_units`).
 A worker's rate per unit is kept wherever its range starts, so the last replay estimates rather
-than bounds what such a schedule would take.
+than bounds what such a schedule would take. The first and last are also replayed with every
+worker at its product's median rate (`evened`): what an even split of each product's time, not
+of its units, would add to either.
 """
 
 from __future__ import annotations
@@ -173,15 +175,19 @@ def main() -> None:
         ms = f"  {cycles * scale:6.3f} ms" if scale else ""
         print(f"{what:58s} {cycles:9.0f}{ms}  {cycles / base:6.3f}")
 
-    def median_of(k, latency=0.0, catch_up=False):
-        return statistics.median(replay(occ, it, latency, catch_up)[k] for it in range(iterations))
+    even = evened(occ)
+
+    def median_of(k, latency=0.0, catch_up=False, source=occ):
+        runs = (replay(source, it, latency, catch_up)[k] for it in range(iterations))
+        return statistics.median(runs)
 
     barriers = median_of(0)
     print(f"per iteration, median over {iterations}; last column: / the barriers' replay")
     line(f"measured (a worker's trace span / {iterations})", measured, barriers)
     line("replayed, a grid barrier after every step", barriers, barriers)
     line("replayed, every worker's steps back to back, no wait", median_of(1), barriers)
-    for latency in (float(x) for x in args.latencies.split(",")):
+    latencies = [float(x) for x in args.latencies.split(",")]
+    for latency in latencies:
         for catch_up in (False, True):
             how = "ring catches up" if catch_up else "no catch-up"
             line(
@@ -189,6 +195,35 @@ def main() -> None:
                 median_of(2, latency, catch_up),
                 barriers,
             )
+    print("every worker at its product's median rate per unit (`evened`):")
+    line("  a grid barrier after every step", median_of(0, source=even), barriers)
+    for latency in latencies:
+        line(
+            f"  ordered by data, latency {latency:.0f}, ring catches up",
+            median_of(2, latency, True, source=even),
+            barriers,
+        )
+
+
+def evened(occ: dict) -> dict:
+    """`occ` with every worker's cycles in each product (not the attention) replaced by its
+    units at the median worker's cycles per unit in that occurrence: the products split
+    evenly by time rather than by units."""
+    units_of = {p.name: p.units(SHAPE.unit_cols) for p in SHAPE.phases}
+    out = {}
+    for name, occurrences in occ.items():
+        if name not in units_of:
+            out[name] = occurrences
+            continue
+        shares = [
+            max(1, e - f)
+            for f, e in (even_share(units_of[name], WORKERS, w) for w in range(WORKERS))
+        ]
+        out[name] = []
+        for o in occurrences:
+            rate = statistics.median(o[w + 1] / shares[w] for w in range(WORKERS))
+            out[name].append({w + 1: rate * shares[w] for w in range(WORKERS)})
+    return out
 
 
 def _events_by_worker(trace: dict) -> dict:
