@@ -7,8 +7,9 @@ first, would leave of the fused kernel's unequal ends, estimated from an on-devi
 In each occurrence of a product a worker's rate is its measured cycles over its units. It takes
 its share but its last `pool` units at that rate; the pooled units (`pool` per worker) then go
 one at a time to the worker that is free first, each at that worker's rate plus `grab` cycles
-(the grab's round trip on the worker's path, and the unit's partial sums added into its tile
-alone). The product's late is its last worker's end less the workers' mean measured cycles (as
+(the grab's round trip on the worker's path, the unit's copy issued only then, and its partial
+sums added into its tile alone), and every worker's last grab finds the pool empty. The
+product's late is its last worker's end less the workers' mean measured cycles (as
 `weighted_split.py` counts it); per iteration, the sum over the 17 products, mean over the
 iterations. Rates do not change with the units taken, so this estimates rather than bounds.
 """
@@ -36,7 +37,8 @@ def pooled_end(cycles: list[float], shares: list[int], pool: int, grab: float) -
     for _ in range(sum(min(pool, n) for n in shares)):
         time, w = heapq.heappop(free)
         heapq.heappush(free, (time + grab + rates[w], w))
-    return max(time for time, _ in free)
+    empty = grab if pool else 0.0  # each worker's last grab finds the pool empty
+    return max(time for time, _ in free) + empty
 
 
 def late_per_iteration(occ: dict, pool: int, grab: float) -> float:
@@ -58,7 +60,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("trace")
     parser.add_argument("--pools", default="1,2,4", help="units pooled per worker, a list")
-    parser.add_argument("--grabs", default="0,450,900,1800", help="cycles per grab, a list")
+    parser.add_argument("--grabs", default="0,450,900,1800,3600", help="cycles per grab, a list")
     args = parser.parse_args()
     occ = scopes.occurrences(load_trace(args.trace))
     pools = [int(x) for x in args.pools.split(",")]
