@@ -2,7 +2,7 @@
 first, would leave of the fused kernel's unequal ends, estimated from an on-device profiler trace
 (as `experiments.kernels.scopes` reads it) of huginn-0125's Core at batch 1:
 
-    python3 tools/pool_estimate.py TRACE.json[.gz] [--pools=1,2,4] [--grabs=0,900,1800]
+    python3 tools/pool_estimate.py TRACE.json[.gz] [--pools=1,2,4] [--grabs=0,450,900,1800,3600]
 
 In each occurrence of a product a worker's rate is its measured cycles over its units. It takes
 its share but its last `pool` units at that rate; the pooled units (`pool` per worker) then go
