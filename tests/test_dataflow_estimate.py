@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from pallas_kernels.core_step.plan import even_share
-from tools.dataflow_estimate import BARRIER, SHAPE, WORKERS, evened, replay, run_units
-
-STEPS = ["adapter"] + [
-    f"{kind}{j}" for j in range(SHAPE.layers) for kind in ("qkv", "attn", "proj", "fc", "mlp_proj")
-]
+from tools.dataflow_estimate import (
+    BARRIER,
+    PHASES,
+    SHARES,
+    STEPS,
+    WORKERS,
+    barrier_replays,
+    data_replay,
+    evened,
+    run_units,
+)
 
 
 def profile(cycles_of) -> dict:
@@ -18,18 +23,12 @@ def profile(cycles_of) -> dict:
     return {s: [{w + 1: float(cycles_of(s, w)) for w in range(WORKERS)}] for s in STEPS}
 
 
-PHASES = {p.name: p for p in SHAPE.phases}
 RATE = 2000  # cycles per unit, about the H200's at the read ceiling
 ATTENTION = 20_000
 
 
-def units(step, worker):
-    first, end = even_share(PHASES[step].units(SHAPE.unit_cols), WORKERS, worker)
-    return end - first
-
-
 def even(step, worker):
-    return ATTENTION if step.startswith("attn") else RATE * units(step, worker)
+    return ATTENTION if step.startswith("attn") else RATE * SHARES[step][worker]
 
 
 def longest(cycles_of):
@@ -38,7 +37,8 @@ def longest(cycles_of):
 
 def test_equal_workers_replay_as_the_barriers_sum_and_no_wait_is_the_shortest():
     occ = profile(even)
-    barriers, no_wait, data = replay(occ, 0, latency=0.0, catch_up=False)
+    barriers, no_wait = barrier_replays(occ, 0)
+    data = data_replay(occ, 0, latency=0.0, catch_up=False)
     steps_longest = sum(max(even(s, w) for w in range(WORKERS)) for s in STEPS)
     assert barriers == pytest.approx(steps_longest + len(STEPS) * BARRIER)
     assert no_wait == pytest.approx(longest(even) + BARRIER)
@@ -47,9 +47,9 @@ def test_equal_workers_replay_as_the_barriers_sum_and_no_wait_is_the_shortest():
 
 def test_waits_on_data_grow_with_the_latency_and_shrink_with_the_ring_catching_up():
     occ = profile(even)
-    slow = replay(occ, 0, latency=3000.0, catch_up=False)[2]
-    fast = replay(occ, 0, latency=1000.0, catch_up=False)[2]
-    caught_up = replay(occ, 0, latency=3000.0, catch_up=True)[2]
+    slow = data_replay(occ, 0, latency=3000.0, catch_up=False)
+    fast = data_replay(occ, 0, latency=1000.0, catch_up=False)
+    caught_up = data_replay(occ, 0, latency=3000.0, catch_up=True)
     assert fast < slow
     assert caught_up < slow
 
@@ -59,10 +59,11 @@ def test_only_the_workers_that_read_a_late_chunk_wait_for_it():
     starts, rates = [0.0] * WORKERS, [float(RATE)] * WORKERS
     on_time, _ = run_units(phase, starts, rates, lambda kc: 0.0, catch_up=False)
     late, tiles = run_units(phase, starts, rates, lambda kc: 1e6 * (kc == 0), False)
+    firsts = [sum(SHARES["qkv0"][:w]) for w in range(WORKERS)]
     readers = {
         w
-        for w in range(WORKERS)
-        if any(u % phase.k_chunks == 0 for u in range(*even_share(phase.units(256), WORKERS, w)))
+        for w, (first, n) in enumerate(zip(firsts, SHARES["qkv0"], strict=True))
+        if any(u % phase.k_chunks == 0 for u in range(first, first + n))
     }
     assert readers and len(readers) < WORKERS
     for w in range(WORKERS):
@@ -74,11 +75,12 @@ def test_one_slow_worker_delays_the_data_order_no_more_than_the_barriers():
     def one_slow(step, worker):
         return even(step, worker) + (20_000 if step == "fc1" and worker == 7 else 0)
 
-    base = replay(profile(even), 0, latency=1000.0, catch_up=False)
-    slowed = replay(profile(one_slow), 0, latency=1000.0, catch_up=False)
-    assert slowed[0] - base[0] >= 20_000 - 2 * RATE  # every worker waits for it
+    base, slowed = profile(even), profile(one_slow)
+    barriers = barrier_replays(slowed, 0)[0] - barrier_replays(base, 0)[0]
+    data = data_replay(slowed, 0, 1000.0, False) - data_replay(base, 0, 1000.0, False)
+    assert barriers >= 20_000 - 2 * RATE  # every worker waits for it
     # its tiles' readers wait, theirs fan out to every tile of the next product
-    assert 0 < slowed[2] - base[2] <= slowed[0] - base[0]
+    assert 0 < data <= barriers
 
 
 def test_evened_gives_every_worker_the_median_rate_and_keeps_the_attention():
@@ -92,4 +94,4 @@ def test_evened_gives_every_worker_the_median_rate_and_keeps_the_attention():
         for w in range(WORKERS):
             want = one_slow(step, w) if step.startswith("attn") else even(step, w)
             assert flat[step][0][w + 1] == pytest.approx(want)
-    assert replay(flat, 0, 1000.0, True)[0] < replay(occ, 0, 1000.0, True)[0]
+    assert barrier_replays(flat, 0)[0] < barrier_replays(occ, 0)[0]

@@ -76,33 +76,39 @@ def run_units(phase, starts, rates, ready_of_chunk, catch_up: bool):
     return ends, tiles
 
 
-def replay(occ: dict, it: int, latency: float, catch_up: bool) -> tuple[float, float, float]:
-    """Cycles of iteration `it`: (with a barrier after every step, every worker's steps back
-    to back with no wait, ordered by data)."""
+STEPS = ["adapter"] + [
+    f"{kind}{j}" for j in range(SHAPE.layers) for kind in ("qkv", "attn", "proj", "fc", "mlp_proj")
+]  # an iteration's steps in order
+PHASES = {p.name: p for p in SHAPE.phases}
+SHARES = {  # per product, each worker's units (`even_share`)
+    name: [
+        e - f for f, e in (even_share(p.units(SHAPE.unit_cols), WORKERS, w) for w in range(WORKERS))
+    ]
+    for name, p in PHASES.items()
+}
+
+
+def _cycles(occ: dict, name: str, it: int) -> list[float]:
+    """Each worker's cycles in step `name` of iteration `it`."""
+    o = occ[name][it]
+    return [o[w + 1] for w in range(WORKERS)]
+
+
+def barrier_replays(occ: dict, it: int) -> tuple[float, float]:
+    """Cycles of iteration `it` with a barrier after every step, and with every worker's steps
+    back to back and no wait (one barrier)."""
+    cycles = [_cycles(occ, s, it) for s in STEPS]
+    barriers = sum(max(c) + BARRIER for c in cycles)
+    return barriers, max(sum(c) for c in zip(*cycles, strict=True)) + BARRIER
+
+
+def data_replay(occ: dict, it: int, latency: float, catch_up: bool) -> float:
+    """Cycles of iteration `it` ordered by data, one barrier (the module's docstring)."""
     cols, d, kp = SHAPE.unit_cols, SHAPE.d, SHAPE.kp
-    phases = {p.name: p for p in SHAPE.phases}
-
-    def cycles(name):
-        o = occ[name][it]
-        return [o[w + 1] for w in range(WORKERS)]
-
-    def rate(name):
-        units = phases[name].units(cols)
-        return [
-            c / max(1, e - f)
-            for c, (f, e) in zip(
-                cycles(name), (even_share(units, WORKERS, w) for w in range(WORKERS)), strict=True
-            )
-        ]
-
-    steps = ["adapter"]
-    for j in range(SHAPE.layers):
-        steps += [f"qkv{j}", f"attn{j}", f"proj{j}", f"fc{j}", f"mlp_proj{j}"]
-    barriers = sum(max(cycles(s)) + BARRIER for s in steps)
-    no_wait = max(sum(c) for c in zip(*(cycles(s) for s in steps), strict=True)) + BARRIER
 
     def run(name, starts, ready_of_chunk):
-        return run_units(phases[name], starts, rate(name), ready_of_chunk, catch_up)
+        rates = [c / max(1, n) for c, n in zip(_cycles(occ, name, it), SHARES[name], strict=True)]
+        return run_units(PHASES[name], starts, rates, ready_of_chunk, catch_up)
 
     def from_tiles(tiles, rows: int, after: float = 0.0):
         """kc -> when input chunk kc (`rows` rows of the step before's output) is ready."""
@@ -112,7 +118,7 @@ def replay(occ: dict, it: int, latency: float, catch_up: bool) -> tuple[float, f
     norm_source_end = max(ends)  # the step whose output the next attention's norm is of
     for j in range(SHAPE.layers):
         ends, qkv_tiles = run(f"qkv{j}", ends, from_tiles(tiles, UNIT))
-        attention = cycles(f"attn{j}")
+        attention = _cycles(occ, f"attn{j}", it)
         head_done = []
         for h in range(SHAPE.heads):
             ck, c0 = SHAPE.key_window(h)[0], SHAPE.head_window(h)[0]
@@ -132,7 +138,7 @@ def replay(occ: dict, it: int, latency: float, catch_up: bool) -> tuple[float, f
         ready = from_tiles(tiles, 2 * UNIT, gate_ready)  # a chunk: 64 gate rows and 64 up rows
         ends, tiles = run(f"mlp_proj{j}", ends, ready)
         norm_source_end = max(ends)
-    return barriers, no_wait, max(ends) + latency + BARRIER
+    return max(ends) + latency + BARRIER
 
 
 def _heads_of_chunks() -> list[list[int]]:
@@ -177,30 +183,33 @@ def main() -> None:
 
     even = evened(occ)
 
-    def median_of(k, latency=0.0, catch_up=False, source=occ):
-        runs = (replay(source, it, latency, catch_up)[k] for it in range(iterations))
-        return statistics.median(runs)
+    def median_of(replayed, *args, source=occ):
+        return statistics.median(replayed(source, it, *args) for it in range(iterations))
 
-    barriers = median_of(0)
+    def barriers_of(source, it):
+        return barrier_replays(source, it)[0]
+
+    barriers = median_of(barriers_of)
+    no_wait = median_of(lambda source, it: barrier_replays(source, it)[1])
     print(f"per iteration, median over {iterations}; last column: / the barriers' replay")
     line(f"measured (a worker's trace span / {iterations})", measured, barriers)
     line("replayed, a grid barrier after every step", barriers, barriers)
-    line("replayed, every worker's steps back to back, no wait", median_of(1), barriers)
+    line("replayed, every worker's steps back to back, no wait", no_wait, barriers)
     latencies = [float(x) for x in args.latencies.split(",")]
     for latency in latencies:
         for catch_up in (False, True):
             how = "ring catches up" if catch_up else "no catch-up"
             line(
                 f"replayed ordered by data, latency {latency:.0f}, {how}",
-                median_of(2, latency, catch_up),
+                median_of(data_replay, latency, catch_up),
                 barriers,
             )
     print("every worker at its product's median rate per unit (`evened`):")
-    line("  a grid barrier after every step", median_of(0, source=even), barriers)
+    line("  a grid barrier after every step", median_of(barriers_of, source=even), barriers)
     for latency in latencies:
         line(
             f"  ordered by data, latency {latency:.0f}, ring catches up",
-            median_of(2, latency, True, source=even),
+            median_of(data_replay, latency, True, source=even),
             barriers,
         )
 
@@ -209,20 +218,12 @@ def evened(occ: dict) -> dict:
     """`occ` with every worker's cycles in each product (not the attention) replaced by its
     units at the median worker's cycles per unit in that occurrence: the products split
     evenly by time rather than by units."""
-    units_of = {p.name: p.units(SHAPE.unit_cols) for p in SHAPE.phases}
-    out = {}
-    for name, occurrences in occ.items():
-        if name not in units_of:
-            out[name] = occurrences
-            continue
-        shares = [
-            max(1, e - f)
-            for f, e in (even_share(units_of[name], WORKERS, w) for w in range(WORKERS))
-        ]
+    out = dict(occ)
+    for name, shares in SHARES.items():
         out[name] = []
-        for o in occurrences:
-            rate = statistics.median(o[w + 1] / shares[w] for w in range(WORKERS))
-            out[name].append({w + 1: rate * shares[w] for w in range(WORKERS)})
+        for o in occ[name]:
+            rate = statistics.median(o[w + 1] / max(1, shares[w]) for w in range(WORKERS))
+            out[name].append({w + 1: rate * max(1, shares[w]) for w in range(WORKERS)})
     return out
 
 
