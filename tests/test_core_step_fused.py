@@ -102,6 +102,7 @@ def kernel_run(w, batch, iterations, pos, *, workers, interpret, schedule, slot=
         (2, 1, SLOT - 1, Schedule(ring=2, kv_stages=3, l2_units=1, l2_blocks=2), SLOT),
         (1, 2, 5, Schedule(ring=2, kv_stages=2, l2_barrier=1, l2_attention=1), SLOT),
         (2, 1, 200, Schedule(ring=2, kv_stages=2, kv_block=128), 2 * SLOT),
+        (2, 3, 70, Schedule(ring=3, kv_stages=2, dataflow=1), SLOT),
     ],
 )
 def test_interpret_one_worker_matches_the_step_program(batch, iterations, pos, schedule, slot):
@@ -148,9 +149,12 @@ HUGINN = (5280, 55, 17920, 4)
 # worker owns more units than the ring, with 3 cached blocks in flight; each shape also with
 # blocks of 128 positions; the small shape also with a grid barrier after every product (no
 # hand-over on tile counters); huginn-0125 at batch 8 also with 4 cached blocks in flight; each
-# shape with the attention's blocks in a second warpgroup (`Schedule.overlap`)
+# shape with the attention's blocks in a second warpgroup (`Schedule.overlap`); each shape with
+# one grid barrier per iteration (`Schedule.dataflow`), with and without the second warpgroup,
+# over 2 and 3 iterations (both sets of buffers, each used twice)
 SMALL_SCHEDULE = (64, Schedule(3, 3, 0, 0))
 OVERLAP = Schedule(3, 2, overlap=1)
+DATAFLOW, DATAFLOW_OVERLAP = Schedule(3, 3, dataflow=1), Schedule(3, 2, overlap=1, dataflow=1)
 GPU_CASES = [
     (SMALL, 16, 1, 2, 130, 192, SMALL_SCHEDULE),
     (SMALL, 16, 1, 2, 130, 192, (64, Schedule(3, 3, handover=0))),
@@ -165,6 +169,10 @@ GPU_CASES = [
     (SMALL, 16, 8, 1, 200, 256, (64, OVERLAP)),
     (HUGINN, 132, 1, 2, 1000, 1024, (256, OVERLAP)),
     (HUGINN, 132, 8, 1, 200, 256, (256, OVERLAP)),
+    (SMALL, 16, 8, 2, 200, 256, (64, DATAFLOW)),
+    (SMALL, 16, 1, 3, 130, 192, (64, DATAFLOW_OVERLAP)),
+    (HUGINN, 132, 8, 2, 200, 256, (256, DATAFLOW)),
+    (HUGINN, 132, 1, 3, 1000, 1024, (256, DATAFLOW_OVERLAP)),
 ]
 
 
@@ -230,7 +238,9 @@ def test_gpu_configurations_fit():
 
 
 # the batch is a loop bound: 1 lowers the same code
-@pytest.mark.parametrize("batch,schedule", [(8, Schedule()), (8, OVERLAP)])
+@pytest.mark.parametrize(
+    "batch,schedule", [(8, Schedule()), (8, OVERLAP), (8, DATAFLOW), (1, DATAFLOW_OVERLAP)]
+)
 def test_lowers_for_cuda_with_every_sm(batch, schedule):
     """Traces and lowers the kernel for sm_90 at huginn-0125's shapes (one Core layer, to keep
     the test short): catches API misuse, unprovable tile alignment and smem overflow."""

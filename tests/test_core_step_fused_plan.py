@@ -10,7 +10,13 @@ from huginn_jax.config import HuginnConfig
 from huginn_jax.persistent import fused_shape
 from pallas_kernels.core_step.fused import build_fused_core
 from pallas_kernels.core_step.fused_fit import check_fused, most_workers, profile_ranges, smem_bytes
-from pallas_kernels.core_step.fused_plan import FusedShape, Schedule, tile_signals, unit_ranges
+from pallas_kernels.core_step.fused_plan import (
+    FusedShape,
+    Schedule,
+    attention_tile_heads,
+    tile_signals,
+    unit_ranges,
+)
 
 SMALL = (512, 8, 768, 2)  # d, heads (of 64), MLP width, layers: 16 workers, 2 splits per head
 HUGINN = (5280, 55, 17920, 4)
@@ -76,6 +82,36 @@ def test_tile_signals_count_the_workers_and_residual_chunks_of_each_tile(cols, w
                 assert int(tile_signals(phase, cols, workers, 0, t)) == owners
 
 
+@pytest.mark.parametrize("dims,workers", [(HUGINN, 132), (SMALL, 16)])
+def test_tile_signals_of_a_qkv_split_in_two_ranges(dims, workers):
+    """With overlap a qkv's units are shared out as two ranges (`unit_ranges`): every tile
+    expects one signal from each worker whose ranges meet it."""
+    d, heads, f, layers = dims
+    cols = 64 if dims == SMALL else 256
+    shape = FusedShape(d, heads, d // heads, f, layers, 1, cols)
+    phase, kch = shape.phases[1], shape.phases[1].k_chunks
+    ranges = [unit_ranges(shape, phase, w, workers, True) for w in range(workers)]
+    split_at = shape.q_tiles * kch
+    for t in range(phase.tiles(cols)):
+        tile = range(t * kch, (t + 1) * kch)
+        owners = sum(
+            1 for pieces in ranges if any(a < tile.stop and tile.start < a + n for a, n in pieces)
+        )
+        assert int(tile_signals(phase, cols, workers, 0, t, split_at)) == owners
+
+
+@pytest.mark.parametrize("dims,cols", [(HUGINN, 256), (HUGINN, 128), (SMALL, 64), (HUGINN, 64)])
+def test_attention_tile_heads_are_the_windows_that_meet_each_tile(dims, cols):
+    """The adds that complete a tile of the attention output: the heads whose kp-row value
+    windows (`head_window`) meet it, counted one by one."""
+    d, heads, f, layers = dims
+    shape = FusedShape(d, heads, d // heads, f, layers, 1, cols)
+    starts = [shape.head_window(h)[0] for h in range(heads)]
+    for t in range(-(-shape.k_d // cols)):
+        meet = sum(1 for c0 in starts if c0 < cols * (t + 1) and c0 + shape.kp > cols * t)
+        assert int(attention_tile_heads(shape, cols, t)) == meet
+
+
 def test_most_workers_is_what_check_fused_allows():
     """The `small` preset (D 256, 4 heads of 64, MLP width 688 padded to 704, 4 layers) in
     [64, 128] units: adapter 4 x 2, per layer qkv 4 x 6, proj 4 x 2, fc 4 x 11, mlp proj 11 x 2.
@@ -119,8 +155,10 @@ def test_schedule_is_written_as_parsed():
     assert Schedule.parse("6:3:0:0:64:4:16") == Schedule(6, 3, l2_barrier=4, l2_attention=16)
     assert str(Schedule(6, 3, l2_attention=16)) == "6:3:0:0:64:0:16"
     assert Schedule.parse("3:3:0:0:64:0:0:0") == Schedule(3, 3, handover=0)
+    assert Schedule.parse("3:2:0:0:64:0:0:8:1:1") == Schedule(3, 2, overlap=1, dataflow=1)
+    assert str(Schedule(3, 3, dataflow=1)) == "3:3:0:0:64:0:0:8:0:1"
     assert str(Schedule(3, 3, handover=0)) == "3:3:0:0:64:0:0:0"
-    for bad in ("6", "6:3:1:2:64:4:5:6:1:7", "6:x"):
+    for bad in ("6", "6:3:1:2:64:4:5:6:1:1:7", "6:x"):
         with pytest.raises(ValueError, match="is not RING:KV_STAGES"):
             Schedule.parse(bad)
     with pytest.raises(ValueError, match="kv_block=96 must be one of"):

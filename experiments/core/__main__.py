@@ -125,8 +125,9 @@ def define_flags() -> None:
         "persistent_schedule",
         "",
         "The persistent impl's kernel schedule RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK"
-        "[:L2_BARRIER[:L2_ATTENTION[:HANDOVER[:OVERLAP]]]]]]] (pallas_kernels.core_step."
-        "fused_plan.Schedule; '' = each case's default, huginn_jax.persistent.default_schedule).",
+        "[:L2_BARRIER[:L2_ATTENTION[:HANDOVER[:OVERLAP[:DATAFLOW]]]]]]]] (pallas_kernels."
+        "core_step.fused_plan.Schedule; '' = each case's default, "
+        "huginn_jax.persistent.default_schedule).",
     )
     flags.DEFINE_bool(
         "command_buffers",

@@ -13,11 +13,11 @@ def format_table(rows: list[dict], profiles: list[dict]) -> str:
     from pallas_kernels.core_step.fused_plan import Schedule
 
     head = (
-        f"{'batch':>5}  {'impl':<8}{'unit':>6}{'schedule':>20}{'context':>8}{'ms/iter':>9}"
+        f"{'batch':>5}  {'impl':<8}{'unit':>6}{'schedule':>24}{'context':>8}{'ms/iter':>9}"
         f"{'floor ms':>10}{'% floor':>9}  err"
     )
     lines = [head, "-" * len(head)]
-    fields = [f.name for f in dataclasses.fields(Schedule)]
+    fields = dataclasses.fields(Schedule)  # rows of older runs lack the later fields
     for r in rows:
         ms, floor = r.get("ms_per_iteration"), r.get("floor_ms")
         cells = f"{ms:9.3f}" if ms else f"{'-':>9}"
@@ -25,10 +25,12 @@ def format_table(rows: list[dict], profiles: list[dict]) -> str:
         err = f"{r['rel_err']:.1e}" if "rel_err" in r else "-"
         if r.get("skip_barriers"):
             err = "bound"
-        sched = str(Schedule(*(r[f] for f in fields))) if "kv_stages" in r else r["ring"]
+        sched = r["ring"]  # the bare stream's
+        if "kv_stages" in r:
+            sched = str(Schedule(*(r.get(f.name, f.default) for f in fields)))
         unit = f"{r['unit_cols']:>6}"
         lines.append(
-            f"{r['batch']:>5}  {r['impl']:<8}{unit}{sched:>20}{r['context']:>8}{cells}  {err}"
+            f"{r['batch']:>5}  {r['impl']:<8}{unit}{sched:>24}{r['context']:>8}{cells}  {err}"
         )
     for prof in profiles:
         lines.append(

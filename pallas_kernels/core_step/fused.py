@@ -8,7 +8,9 @@ so that most products take their input as it is, as the bare stream does:
 - the norms' gains are folded into the weights' rows (`fused_step.pack_weights`); their
   rsqrt(mean(z²) + eps) scales a product's output after its barrier. The sums of squares are
   reduced beside a product, from its input chunks, by the worker that owns the chunk's unit in
-  tile kc mod tiles (so the owners spread over the workers);
+  tile kc mod tiles (so the owners spread over the workers); with `Schedule.dataflow`, worker
+  w reduces chunks w, w + workers, ... of its own at the product's start
+  (`fused_products.Products.own_chunks`);
 - the residuals are added into the products' outputs: at the end of proj and of the mlp proj,
   each worker reduce-adds its chunks of x g rsqrt(...) into the output, so that the output is
   the next product's input;
@@ -24,7 +26,10 @@ so that most products take their input as it is, as the bare stream does:
 
 1 + 5 L hand-overs per iteration: grid barriers, but after proj and after an MLP proj that a qkv
 follows, where the next product's first units wait for the tiles of their input on counters
-(`fused_plan.Schedule.handover`). Activations are [rows, 8] float32 (`fused_plan.py`).
+(`fused_plan.Schedule.handover`); with `Schedule.dataflow`, one grid barrier, after the
+iteration's last product, and every other step on counters (`fused_counters.py`), the
+activations in two sets of buffers used in turn by the iterations. Activations are [rows, 8]
+float32 (`fused_plan.py`).
 This module orders the steps and their barriers; the products are `fused_products.py` (their
 weights `fused_ring.py`), the attention `fused_attention.py`.
 Reference: `step_program.core_iteration`; inputs and outputs: `fused_step.py`.
@@ -118,8 +123,10 @@ def build_fused_core(
     steps_per_iteration = shape.steps_per_iteration
     barrier_of = {}  # step -> its barrier's place in the iteration, for the barriers kept
     for step, kind in enumerate(shape.step_kinds):
-        if step == steps_per_iteration - 1 or kind not in skip_barriers:
+        last = step == steps_per_iteration - 1
+        if last or not (kind in skip_barriers or schedule.dataflow):
             barrier_of[step] = len(barrier_of)
+    parities = 2 if schedule.dataflow else 1  # sets of activation buffers (`KernelContext.acts`)
     f32 = jnp.float32
 
     def body(meta, state, e_part, gains, tables, rope_bias, k_cache, v_cache, *refs):
@@ -133,7 +140,8 @@ def build_fused_core(
             parts=parts, kv_new=kv_new, tables=tables, rope_bias=rope_bias, k_cache=k_cache,
             v_cache=v_cache, s={name: named[name] for name in scratch},
             scope=scopes_of(named, "first"), kv_stages=kv_stages, kv_block=schedule.kv_block,
-            overlap=overlap, parts_ready=named.get("second.parts_ready"),
+            overlap=overlap, parts_ready=named.get("second.parts_ready"), parities=parities,
+            dataflow=bool(schedule.dataflow),
             flags=pl.get_global(plgpu.SemaphoreType.REGULAR((shape.heads,)))
             if splits > 1 else None,
             q_done=pl.get_global(plgpu.SemaphoreType.REGULAR) if overlap else None,
@@ -141,6 +149,7 @@ def build_fused_core(
         barrier = GridBarrier(workers, "wait", 0, 1) if k.reduce else None
         inputs = dict(weights=w_refs, state=state, e_part=e_part, gains=gains)
         ps = Products(k, schedule, iterations, x_stages, lag, skip_barriers, inputs, barrier)
+        k.counters = ps.counters
 
         def epoch_of(it, step):
             return 2 + it * len(barrier_of) + barrier_of[step]
@@ -172,7 +181,7 @@ def build_fused_core(
                 with jax.named_scope(phases[p].name):
                     ps.product(it, p, handed)
                 plgpu.wait_smem_to_gmem(0)
-                if ps.hands_over(p):
+                if ps.signals(p):
                     ps.signal_tiles(p)
                 kind, j = kind_of(phases[p].name)
                 cross(it, step, kind, partial(ps.prefetch_next, it, p), wait=not ps.hands_over(p))
@@ -243,7 +252,7 @@ def build_fused_core(
 
     SCRATCH_NAMES, kp = tuple(layout), shape.kp
     out_type = (
-        jax.ShapeDtypeStruct((Buffers.count(layers), shape.buffer_rows, N_PAD), f32),
+        jax.ShapeDtypeStruct((parities, Buffers.count(layers), shape.buffer_rows, N_PAD), f32),
         jax.ShapeDtypeStruct((2, SCALAR_ROWS, N_PAD), f32),
         jax.ShapeDtypeStruct((shape.heads * splits, kp + SCALAR_ROWS, N_PAD), f32),
         jax.ShapeDtypeStruct((iterations, layers, 2, shape.heads, kp, N_PAD), f32),

@@ -19,7 +19,9 @@ With `Schedule.overlap`, a second warpgroup per worker takes its item's q as soo
 worker has put out its units of q's tiles, runs the item's blocks while the first warpgroup
 streams the qkv's k and v columns, and puts its partials out before the barrier after the qkv
 (`blocks_ahead`); after it, the first split merges them all with the new position (no flags:
-the barrier orders them).
+the barrier orders them). With `Schedule.dataflow` no barrier follows the qkv or the
+attention: an item waits for its head's qkv tiles and norms, the first split for the others'
+flags, and proj's units for the attention output's tiles (`fused_counters.py`).
 
 The windows and tables, the blocks, and the combine each take a scope of shared memory
 (`fused_fit.scratch_types`) that the products' scopes reuse.
@@ -76,6 +78,8 @@ def _head_item(k, it, j, item) -> None:
     masks = _masks(k, h, starts)
 
     def run():
+        if k.dataflow:  # no barrier after the qkv: the head's tiles and norms
+            k.counters.wait_head(it, j, starts)
         with jax.named_scope("rope"):
             q, k_new, v_new = k.scope("rope", lambda s: _rope(k, it, j, starts, masks, s))
         parts = None
@@ -103,6 +107,12 @@ def blocks_ahead(k, it, j, item) -> None:
     q = k.scope("rope", lambda s: _rope(k, it, j, starts, _masks(k, h, starts), s)[0])
     parts = k.scope("blocks", lambda s: _own_blocks(k, it, j, q, starts, split, s))
     _partials_out(k, item, parts, k.s["pin"])
+    if k.dataflow and k.splits > 1:  # no barrier after the qkv: the first split waits on it
+
+        @pl.when(split > 0)
+        def _signal():
+            plgpu.semaphore_signal(k.flags.at[h], 1, memory_scope="gpu")
+
     plgpu.barrier_arrive(k.parts_ready)
 
 
@@ -127,7 +137,8 @@ def _rope(k, it, j, starts, masks, s):
     qkv = Buffers.of("qkv", j)
     k.load_scalars(wait=False)
     for w, start in enumerate((ck, d + ck, 2 * d + c0)):
-        plgpu.copy_gmem_to_smem(k.act.at[qkv, pl.ds(start, win), :], s["win"].at[w], s["abar"])
+        src = k.acts(it).at[qkv, pl.ds(start, win), :]
+        plgpu.copy_gmem_to_smem(src, s["win"].at[w], s["abar"])
     tabs, biases = s["tab"].at[pl.ds(0, 3)], s["tab"].at[pl.ds(3, 2)]
     plgpu.copy_gmem_to_smem(k.tables.at[:, pl.ds(ck, kp), :], tabs, s["abar"])
     plgpu.copy_gmem_to_smem(k.rope_bias.at[j, :, pl.ds(ck, kp), :], biases, s["abar"])
@@ -196,7 +207,7 @@ def _combine(k, it, j, of, c0, valid, new, parts, s) -> None:
         merged = (s_new, jnp.ones_like(s_new), v_new)
         if parts is not None:
             merged = merge(*parts, *merged)
-        if k.splits > 1 and parts is not None:
+        if k.splits > 1 and (parts is not None or k.dataflow):
             target = jnp.asarray((it * k.shape.layers + j + 1) * (k.splits - 1), jnp.int32)
             plgpu.semaphore_wait(k.flags.at[h], target, decrement=False, memory_scope="gpu")
         for other in range(0 if parts is None else 1, k.splits):
@@ -210,8 +221,11 @@ def _combine(k, it, j, of, c0, valid, new, parts, s) -> None:
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         s["pout"].at[pl.ds(0, kp)][...] = out
         plgpu.commit_smem()
-        dst = k.act.at[Buffers.of("att", j), pl.ds(c0, kp), :]
+        dst = k.acts(it).at[Buffers.of("att", j), pl.ds(c0, kp), :]
         k.add_into(s["pout"].at[pl.ds(0, kp)], dst, kp)
+        if k.dataflow:  # proj's units wait for the tiles the head's rows went into
+            plgpu.wait_smem_to_gmem(0)
+            k.counters.signal_head(j, c0)
 
     if k.splits > 1 and parts is not None:
         pl.when(split > 0)(lambda: _partials_out(k, item, parts, s["pout"], signal=True))

@@ -114,8 +114,8 @@ def check_fused(
         raise ValueError(f"schedule {schedule}: the L2 prefetches must be >= 0")
     if schedule.handover < 0:
         raise ValueError(f"schedule {schedule}: handover must be >= 0")
-    if schedule.overlap not in (0, 1):
-        raise ValueError(f"schedule {schedule}: overlap must be 0 or 1")
+    if schedule.overlap not in (0, 1) or schedule.dataflow not in (0, 1):
+        raise ValueError(f"schedule {schedule}: overlap and dataflow must be 0 or 1")
     items = shape.heads * splits_for(shape.heads, workers)
     if schedule.overlap and items > workers:
         raise ValueError(

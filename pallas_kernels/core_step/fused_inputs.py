@@ -1,5 +1,6 @@
 """What each step of the fused Core kernel (`fused.py`) reads: the worker's context inside the
-kernel, each product's input sources and owners' work, and what the scalar tile scales."""
+kernel, each product's input sources, owners' work and output, and what the scalar tile
+scales."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.core_step.fused_plan import (
     GAIN_G2,
     GAIN_G4_BEFORE,
+    SHIFT,
     Buffers,
     FusedShape,
     ScalarRows,
@@ -26,6 +28,11 @@ class KernelContext:
 
     def __init__(self, **fields):
         self.__dict__.update(fields)
+
+    def acts(self, it, back: int = 0):
+        """The activation buffers of iteration `it`, or of the one `back` before it: with
+        `Schedule.dataflow` two sets used in turn (`parities`), else one."""
+        return self.act.at[lax.rem(it + self.parities - back, self.parities)]
 
     def inv_rms(self, ss):
         return lax.rsqrt(ss / self.shape.d + self.eps)
@@ -81,6 +88,15 @@ def sources(shape: FusedShape, p: int):
         return Buffers.of("o", j), None, sums, GAIN_G2, None, None
     gate_up = ("gate_up", Buffers.of("fc", j))  # both halves' chunks in one copy
     return gate_up, None, None, None, None, (Buffers.of("o", j), GAIN_G2, j)
+
+
+def output_of(shape: FusedShape, p: int) -> tuple[int, int]:
+    """(buffer, row offset) of product p's output."""
+    kind, j = kind_of(shape.phases[p].name)
+    if kind == "adapter":
+        return Buffers.A, 0
+    kind = {"qkv": "qkv", "proj": "o", "fc": "fc", "mlp_proj": "m"}[kind]
+    return Buffers.of(kind, j), SHIFT if kind == "qkv" else 0
 
 
 def scaled(k: KernelContext, it, p: int):

@@ -57,12 +57,14 @@ class Schedule:
     `overlap` 1: each qkv streams q's columns first, and a second warpgroup per worker runs
     its attention item's cached blocks while the first streams the k and v columns (the new
     position and the splits' combine stay after the barrier; one item per worker at most).
+    `dataflow` 1: one grid barrier per iteration, after its last product; every other step
+    waits on counters for the data it reads (`fused_counters.py`; `handover` then unused).
     Written RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION
-    [:HANDOVER[:OVERLAP]]]]]]] (`parse`, `str`). The defaults are the kernel's, for its default
-    [64, 256] weight units: the shared memory bounds ring x unit width and kv_stages x
-    kv_block together (3:3, 3:4, 4:2 and 3:2 with blocks of 128 fit at [64, 256] units, 6:3
-    and 8:2 at [64, 128]; docs/core_step.md: how they compare), and the L2 prefetches were
-    slower than none."""
+    [:HANDOVER[:OVERLAP[:DATAFLOW]]]]]]]] (`parse`, `str`). The defaults are the kernel's,
+    for its default [64, 256] weight units: the shared memory bounds ring x unit width and
+    kv_stages x kv_block together (3:3, 3:4, 4:2 and 3:2 with blocks of 128 fit at [64, 256]
+    units, 6:3 and 8:2 at [64, 128]; docs/core_step.md: how they compare), and the L2
+    prefetches were slower than none."""
 
     ring: int = 3
     kv_stages: int = 3
@@ -73,6 +75,7 @@ class Schedule:
     l2_attention: int = 0
     handover: int = 8
     overlap: int = 0
+    dataflow: int = 0
 
     @property
     def l2_reach(self) -> int:
@@ -88,10 +91,10 @@ class Schedule:
         """6:3, 6:3:16:8, 4:2:0:0:128 or 3:3:0:0:64:0:0:0 (the fields left out take their
         defaults); ValueError otherwise."""
         parts = text.split(":")
-        if not 2 <= len(parts) <= 9 or not all(p.isdigit() for p in parts):
+        if not 2 <= len(parts) <= 10 or not all(p.isdigit() for p in parts):
             raise ValueError(
                 f"{text!r} is not RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK"
-                "[:L2_BARRIER[:L2_ATTENTION[:HANDOVER[:OVERLAP]]]]]]] (6:3:16:8)"
+                "[:L2_BARRIER[:L2_ATTENTION[:HANDOVER[:OVERLAP[:DATAFLOW]]]]]]]] (6:3:16:8)"
             )
         return cls(*(int(p) for p in parts))
 
@@ -308,21 +311,42 @@ def unit_ranges(shape: FusedShape, phase: Phase, worker, workers: int, overlap: 
     return (share(units),)
 
 
-def tile_signals(phase: Phase, cols: int, workers: int, residual_chunks: int, t):
+def tile_signals(phase: Phase, cols: int, workers: int, residual_chunks: int, t, split_at=0):
     """The signals that complete output tile t of a product (`Schedule.handover`): one from
     every worker whose units cover part of the tile (worker w owns units [u w // W,
     u (w + 1) // W) of u, so unit x is worker ((x + 1) W - 1) // u's), one for each of the
     residual's 64-row chunks (`residual_chunks` of them, 0 where the product adds none) that
-    falls in it. t may be traced."""
+    falls in it. `split_at` > 0: the units are shared out as two ranges, [0, split_at) and the
+    rest, a tile in one of them (`unit_ranges` with overlap). t may be traced."""
     units, kch, per_tile = phase.units(cols), phase.k_chunks, cols // UNIT
 
-    def owner(x):
-        return ((x + 1) * workers - 1) // units
+    def covering(offset, n):  # the workers whose share of units [offset, offset + n) meet t
+        def owner(x):
+            return ((x - offset + 1) * workers - 1) // n
 
-    signals = owner((t + 1) * kch - 1) - owner(t * kch) + 1
+        return owner((t + 1) * kch - 1) - owner(t * kch) + 1
+
+    signals = covering(0, units)
+    if split_at:
+        first = covering(0, split_at)
+        signals = jnp.where(t * kch < split_at, first, covering(split_at, units - split_at))
     if residual_chunks:
         signals = signals + jnp.clip(residual_chunks - t * per_tile, 0, per_tile)
     return signals
+
+
+def attention_tile_heads(shape: FusedShape, cols: int, t):
+    """The heads whose value windows (`FusedShape.head_window`, kp rows each) meet rows
+    [cols t, cols (t + 1)) of the attention output: the adds that complete that tile. The
+    windows start at c0(h) = min(h head_dim, d - kp), which never decreases with h, so the
+    heads with c0 < x are the first `before(x)`. t may be traced."""
+    last = shape.d - shape.kp
+
+    def before(x):
+        first_heads = jnp.clip((x + shape.head_dim - 1) // shape.head_dim, 0, shape.heads)
+        return jnp.where(x > last, shape.heads, first_heads)
+
+    return before(cols * (t + 1)) - before(cols * t - shape.kp + 1)
 
 
 __all__ = ["BLOCK", "N_PAD", "SHIFT", "UNIT", "Buffers", "FusedShape", "ScalarRows"]

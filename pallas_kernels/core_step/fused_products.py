@@ -1,8 +1,8 @@
 """The products of the fused Core decode kernel (`fused.py`), one worker's share of each: its
 units' input chunks (their weights come through `fused_ring.WeightRing`), its partial sums
 reduce-added into each product's output, the norms' sums of squares and stored vectors of the
-chunks it owns, the residuals it adds, the tile counters of the hand-overs, and the zeroing of
-what later steps add into."""
+chunks it owns, the residuals it adds, and its waits on the counters of the data it reads
+(`fused_counters.py`); what later steps add into is zeroed by `fused_zeros.py`."""
 
 from __future__ import annotations
 
@@ -11,25 +11,24 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.core_step.fused_inputs import KernelContext, scaled, sources
+from pallas_kernels.core_step.fused_counters import Counters
+from pallas_kernels.core_step.fused_inputs import KernelContext, output_of, scaled, sources
 from pallas_kernels.core_step.fused_plan import (
     N_PAD,
     SCALAR_ROWS,
-    SHIFT,
-    Buffers,
     Schedule,
     kind_of,
-    tile_signals,
 )
 from pallas_kernels.core_step.fused_ring import WeightRing
-from pallas_kernels.core_step.plan import UNIT, pad_to
+from pallas_kernels.core_step.fused_zeros import Zeros
+from pallas_kernels.core_step.plan import UNIT
 from pallas_kernels.core_step.tiles import WGMMA, bcast_rows, col_of, in_row
 from pallas_kernels.looped_matmul.barrier import GridBarrier
 
 
 class Products:
-    """One worker's products: built inside the kernel's body (it allocates the tile counters
-    of the hand-overs and computes the worker's ranges of units), then `prologue`, and per
+    """One worker's products: built inside the kernel's body (it allocates the counters,
+    `counters`, and computes the worker's ranges of units), then `prologue`, and per
     iteration `product`, `signal_tiles` and `prefetch_next` for each product in turn.
     `inputs`: the kernel's weights (one ref per kind of product), given state, e_part and
     gains; `barrier`: the grid barrier (None with one worker)."""
@@ -53,75 +52,32 @@ class Products:
         self.phases, self.cols = shape.phases, shape.unit_cols
         self.n_phases = len(self.phases)
         self.handover = schedule.handover if k.reduce else 0
-        self.per_tile = self.cols // UNIT  # 64-row chunks of an output tile
+        self.dataflow = bool(schedule.dataflow)
         self.chunks_d = shape.k_d // UNIT  # 64-row chunks of a d-vector
-        self.tile_base, counted = {}, 0
-        for p in range(self.n_phases):
-            if self.hands_over(p):
-                self.tile_base[p], counted = counted, counted + self.phases[p].tiles(self.cols)
-        self.tile_done = pl.get_global(plgpu.SemaphoreType.REGULAR((counted,))) if counted else None
         self.ring = WeightRing(k, schedule, iterations, inputs["weights"])
+        counted = tuple(p for p in range(self.n_phases) if self.signals(p))
+        self.counters = Counters(k, counted, self.dataflow)
+        self.zeros = Zeros(k, iterations, self.dataflow, self.hands_over)
 
     def hands_over(self, p):
         """Whether the product after p starts on p's tile counters (`Schedule.handover`)."""
         kind, _ = kind_of(self.phases[p].name)
         kept = kind not in self.skip_barriers
-        return self.handover > 0 and kept and p + 1 < self.n_phases and kind in ("proj", "mlp_proj")
+        if self.dataflow or not (self.handover > 0 and kept and p + 1 < self.n_phases):
+            return False
+        return kind in ("proj", "mlp_proj")
+
+    def signals(self, p):
+        """Whether product p's output tiles are counted: its reader starts on them."""
+        return self.hands_over(p) or (self.dataflow and p + 1 < self.n_phases)
 
     def split_q(self, p):
         """Whether product p's units are two ranges: q's tiles, then the rest (overlap)."""
         return len(self.ring.pieces[p]) > 1
 
-    def zero_rows(self, buf, offset, n):
-        """The worker's tiles of act[buf, offset : offset + n] set to 0, a 64-row chunk per
-        copy (the tile of zeros is one chunk, to leave the shared memory to the rest)."""
-        k, cols = self.k, self.cols
-        tiles = n // cols
-
-        @pl.loop(0, -(-tiles // k.workers))
-        def _(r):
-            t = k.worker + r * k.workers
-
-            @pl.when(t < tiles)
-            def _():
-                for c in range(self.per_tile):
-                    dst = k.act.at[buf, pl.ds(offset + t * cols + c * UNIT, UNIT), :]
-                    plgpu.copy_smem_to_gmem(k.s["zero"], dst)
-
-    def output_of(self, p):
-        """(buffer, row offset) of product p's output."""
-        kind, j = kind_of(self.phases[p].name)
-        if kind == "adapter":
-            return Buffers.A, 0
-        kind = {"qkv": "qkv", "proj": "o", "fc": "fc", "mlp_proj": "m"}[kind]
-        return Buffers.of(kind, j), SHIFT if kind == "qkv" else 0
-
-    def residual_chunks(self, p):
-        """64-row chunks of the residual product p adds into its output (0: none)."""
-        return self.chunks_d if sources(self.k.shape, p)[5] is not None else 0
-
-    def tile_adds(self, p, t):
-        """The signals that complete output tile t of product p (`fused_plan.tile_signals`)."""
-        k = self.k
-        return tile_signals(self.phases[p], self.cols, k.workers, self.residual_chunks(p), t)
-
     def signal_tiles(self, p):
-        """Signals, once the worker's adds of product p are complete, the counter of each
-        tile they went into: one per tile of its units, one per chunk of the residual."""
-        k = self.k
-        u0, n, kch = self.ring.first[p], self.ring.count[p], self.phases[p].k_chunks
-
-        def signal(t):
-            done = self.tile_done.at[self.tile_base[p] + t]
-            plgpu.semaphore_signal(done, 1, memory_scope="gpu")
-
-        pl.loop(u0 // kch, (u0 + n - 1) // kch + 1)(signal)
-        if self.residual_chunks(p):
-
-            @pl.loop(0, -(-self.chunks_d // k.workers))
-            def _residual(r):
-                c = k.worker + r * k.workers
-                pl.when(c < self.chunks_d)(lambda: signal(c // self.per_tile))
+        """Once the worker's adds of product p are complete: its output tiles' counters."""
+        self.counters.signal_product(p, self.ring.pieces[p])
 
     def product(self, it, p, handed):
         """Product p, its buffers in a scope of their own (`fused_fit.scratch_types`).
@@ -130,10 +86,88 @@ class Products:
         s = self.k.s
         self.k.scope("product", lambda ps: self._product_in_scope(it, p, {**s, **ps}, handed))
 
+    def _copy_input(self, it, p, s, act, kc, slot, gains) -> None:
+        """Copies input chunk kc of product p into `slot` of the product's scope: a (the gate's
+        and the up half's chunk in one, for the MLP proj), b where p has one, and with `gains`
+        the chunk's gains for an owner's Σ(v g)²."""
+        src_a, src_b, sums, gain_col, _, _ = sources(self.k.shape, p)
+        rows = pl.ds(kc * UNIT, UNIT)
+        dst_a, bar_a = s["xa"].at[slot, pl.ds(0, UNIT)], s["bara"].at[slot]
+
+        def source(src):
+            return self.e_part.at[rows, :] if src == "e_part" else act.at[src, rows, :]
+
+        if isinstance(src_a, tuple) and src_a[0] == "gate_up":  # both halves' chunk kc
+            src = act.at[src_a[1], pl.ds(kc * 2 * UNIT, 2 * UNIT), :]
+            plgpu.copy_gmem_to_smem(src, s["xa"].at[slot], bar_a)
+        elif isinstance(src_a, tuple):  # the adapter: the given state, then the last state
+            fresh = self.state.at[rows, :]
+            later = self.k.acts(it, back=1).at[src_a[1], rows, :]
+            pl.when(it == 0)(lambda: plgpu.copy_gmem_to_smem(fresh, dst_a, bar_a))
+            pl.when(it > 0)(lambda: plgpu.copy_gmem_to_smem(later, dst_a, bar_a))
+        else:
+            plgpu.copy_gmem_to_smem(source(src_a), dst_a, bar_a)
+        if src_b is not None:
+            plgpu.copy_gmem_to_smem(source(src_b), s["xbb"].at[slot], s["barb"].at[slot])
+        if gains is not None and gain_col is not None and sums[1] is not None:
+            g_src = self.gains.at[max(kind_of(self.phases[p].name)[1], 0), rows, :]
+
+            def copy():
+                plgpu.copy_gmem_to_smem(g_src, s["xg"].at[slot], s["barg"].at[slot])
+
+            copy() if gains is True else pl.when(gains)(copy)
+
+    def _own(self, it, p, s, act, kc, v, slot) -> None:
+        """The owner of product p's input chunk kc (its value v): its sums of squares into the
+        scalar tile, and the stored vector."""
+        _, _, sums, gain_col, store, _ = sources(self.k.shape, p)
+        k = self.k
+        if sums is not None:
+            tile = in_row(jnp.sum(v * v, axis=0), sums[0])
+            if sums[1] is not None:
+                plgpu.barrier_wait(s["barg"].at[slot])
+                g = col_of(plgpu.load(s["xg"].at[slot], layout=WGMMA), gain_col)
+                tile = tile + in_row(jnp.sum((v * g) * (v * g), axis=0), sums[1])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            s["sst"][...] = tile
+            plgpu.commit_smem()
+            k.add_into(s["sst"], k.scal.at[lax.rem(it, 2)], SCALAR_ROWS)
+        if store is not None:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            s["vst"][...] = v
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(s["vst"], act.at[store, pl.ds(kc * UNIT, UNIT), :])
+
+    def own_chunks(self, it, p, s, act, fn) -> None:
+        """`Schedule.dataflow`: the owners' work on product p's input (`_own`) before the
+        product's units, on chunks c = worker + r workers, each copied on its own once its
+        tile is complete; then counted on p's owners' counter (`fused_counters.py`)."""
+        k, counters, kch = self.k, self.counters, self.phases[p].k_chunks
+        src_b = sources(k.shape, p)[1]
+        for r in range(-(-kch // k.workers)):
+            c = k.worker + r * k.workers
+
+            @pl.when(c < kch)
+            def _(c=c):
+                if p:
+                    counters.wait_input(it, p, c)
+                self._copy_input(it, p, s, act, c, 0, gains=True)
+                plgpu.barrier_wait(s["bara"].at[0])
+                a = plgpu.load(s["xa"].at[0, pl.ds(0, UNIT)], layout=WGMMA)
+                b = None
+                if src_b is not None:
+                    plgpu.barrier_wait(s["barb"].at[0])
+                    b = plgpu.load(s["xbb"].at[0], layout=WGMMA)
+                self._own(it, p, s, act, c, fn(a, b)[1], 0)
+
+        plgpu.wait_smem_to_gmem(0)
+        for r in range(-(-kch // k.workers)):
+            pl.when(k.worker + r * k.workers < kch)(lambda: counters.signal_owned(p))
+
     def _product_in_scope(self, it, p, s, handed):
-        k, phases, cols, ring = self.k, self.phases, self.cols, self.ring
-        x_stages, lag = self.x_stages, self.lag
-        act, handover, per_tile = k.act, self.handover, self.per_tile
+        k, phases, cols, ring, counters = self.k, self.phases, self.cols, self.ring, self.counters
+        x_stages, lag, handover, dataflow = self.x_stages, self.lag, self.handover, self.dataflow
+        act = k.acts(it)
         bf16, f32 = jnp.bfloat16, jnp.float32
         kind, j = kind_of(phases[p].name)
         kch, n_all = phases[p].k_chunks, ring.count[p]
@@ -142,91 +176,55 @@ class Products:
         src_a, src_b, sums, gain_col, store, residual = sources(k.shape, p)
         gate_up = isinstance(src_a, tuple) and src_a[0] == "gate_up"
         owned = sums is not None or store is not None
-        layer_gains = self.gains.at[max(j, 0)]
-
-        def chunk_src(src, rows, kc):
-            if src == "e_part":
-                return self.e_part.at[rows, :]
-            return act.at[src, rows, :]
-
         owner_tiles = k.shape.q_tiles if self.split_q(p) else tiles
+        first_units = ring.pieces[p][0][1]
 
         def is_owner(i):  # the owners are in the first range (q's tiles, split_q)
             u = ring.unit_of(p, i)
             t = u // kch
-            first_units = ring.pieces[p][0][1]
             return jnp.logical_and(lax.rem(u - t * kch, owner_tiles) == t, i < first_units)
 
         def input_ready(i, kc):
-            """Before unit i's input copy, where p starts on p - 1's counters: the first
-            `handover` units wait for the tile their chunk comes from (once per tile),
-            unit `handover` for every worker's arrival after p - 1."""
-            t = kc // per_tile
-            first_of_tile = jnp.logical_or(i == 0, lax.rem(kc, per_tile) == 0)
-            target = (it + 1) * self.tile_adds(p - 1, t)
-
-            @pl.when(jnp.logical_and(i < handover, first_of_tile))
-            def _():
-                plgpu.semaphore_wait(
-                    self.tile_done.at[self.tile_base[p - 1] + t], target, decrement=False,
-                    memory_scope="gpu",
-                )  # fmt: skip
-
-            pl.when(jnp.asarray(i) == handover)(lambda: self.barrier.wait(handed))
+            """Before unit i's input copy, where p starts on the counters of the output before
+            it: the unit waits for the tile its chunk comes from (once per tile), with
+            `handover` the first `handover` units, and unit `handover` for every worker's
+            arrival after p - 1."""
+            first_of_tile = jnp.logical_or(i == 0, counters.starts_tile(p, kc))
+            first_of_tile = jnp.logical_or(first_of_tile, i == first_units)
+            waits = first_of_tile if dataflow else jnp.logical_and(i < handover, first_of_tile)
+            pl.when(waits)(lambda: counters.wait_input(it, p, kc))
+            if not dataflow:
+                pl.when(jnp.asarray(i) == handover)(lambda: self.barrier.wait(handed))
 
         def issue_x(i):
-            slot = lax.rem(i, x_stages)
             kc = lax.rem(ring.unit_of(p, i), kch)
-            rows = pl.ds(kc * UNIT, UNIT)
-            if handed is not None:
+            if handed is not None or (dataflow and p > 0):
                 input_ready(i, kc)
-            dst_a, bar_a = s["xa"].at[slot, pl.ds(0, UNIT)], s["bara"].at[slot]
-            if gate_up:  # chunk kc of the gate and of the up half, interleaved
-                src = act.at[src_a[1], pl.ds(kc * 2 * UNIT, 2 * UNIT), :]
-                plgpu.copy_gmem_to_smem(src, s["xa"].at[slot], bar_a)
-            elif isinstance(src_a, tuple):  # the adapter: the given state, then the state
-                fresh, later = self.state.at[rows, :], act.at[src_a[1], rows, :]
-                pl.when(it == 0)(lambda: plgpu.copy_gmem_to_smem(fresh, dst_a, bar_a))
-                pl.when(it > 0)(lambda: plgpu.copy_gmem_to_smem(later, dst_a, bar_a))
-            else:
-                plgpu.copy_gmem_to_smem(chunk_src(src_a, rows, kc), dst_a, bar_a)
-            if src_b is not None:
-                src = chunk_src(src_b, rows, kc)
-                plgpu.copy_gmem_to_smem(src, s["xbb"].at[slot], s["barb"].at[slot])
-            if gain_col is not None and sums[1] is not None:
-                g_src = layer_gains.at[rows, :]
-                pl.when(is_owner(i))(
-                    lambda: plgpu.copy_gmem_to_smem(g_src, s["xg"].at[slot], s["barg"].at[slot])
-                )
+            owns = None if dataflow else is_owner(i)
+            self._copy_input(it, p, s, act, kc, lax.rem(i, x_stages), owns)
 
+        scalars = (kind, j) == ("qkv", 0) or kind == "mlp_proj" or (kind == "proj" and j > 0)
+        if dataflow:  # the norms' scalars and the residual's source: their owners' counters
+            waits_on = {"proj": p - 1, "mlp_proj": p - 1}.get(kind)
+            if (kind, j) == ("qkv", 0):
+                waits_on = 0  # the adapter's: the state's scalar
+            if waits_on is not None:
+                counters.wait_owned(it, waits_on)
+            if scalars:
+                k.load_scalars()
+            fn, residual_scale = scaled(k, it, p)
+            if owned:
+                self.own_chunks(it, p, s, act, fn)
         for i in range(x_stages):
             issue_x(i)
         if residual is not None:
-            self.issue_residual(residual, k.worker, s)
-        self.zero_next(it, p)
-        if (kind, j) == ("qkv", 0) or kind == "mlp_proj" or (kind == "proj" and j > 0):
-            k.load_scalars()  # while the first chunks are on their way
-        fn, residual_scale = scaled(k, it, p)
-        dst_buf, dst_off = self.output_of(p)
-
-        def own(i, kc, v):
-            """The owner of chunk kc: its sums of squares and the stored vector."""
-            if sums is not None:
-                tile = in_row(jnp.sum(v * v, axis=0), sums[0])
-                if sums[1] is not None:
-                    xs = lax.rem(i, x_stages)
-                    plgpu.barrier_wait(s["barg"].at[xs])
-                    g = col_of(plgpu.load(s["xg"].at[xs], layout=WGMMA), gain_col)
-                    tile = tile + in_row(jnp.sum((v * g) * (v * g), axis=0), sums[1])
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                s["sst"][...] = tile
-                plgpu.commit_smem()
-                k.add_into(s["sst"], k.scal.at[lax.rem(it, 2)], SCALAR_ROWS)
-            if store is not None:
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                s["vst"][...] = v
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(s["vst"], act.at[store, pl.ds(kc * UNIT, UNIT), :])
+            self.issue_residual(act, residual, k.worker, s)
+        self.zeros.after_start(it, p)
+        if not dataflow:
+            if scalars:
+                k.load_scalars()  # while the first chunks are on their way
+            fn, residual_scale = scaled(k, it, p)
+        dst_buf, dst_off = output_of(k.shape, p)
 
         def run_range(start, n, i0, owners):
             """Units [start, start + n) of the product, the worker's i0-th on: one
@@ -252,8 +250,12 @@ class Products:
                             plgpu.barrier_wait(s["barb"].at[xs])
                             b = plgpu.load(s["xbb"].at[xs], layout=WGMMA)
                         inp, v = fn(a, b)
-                        if owned and owners:
-                            pl.when(lax.rem(kc, owner_tiles) == t)(lambda: own(i, kc, v))
+                        if owned and owners and not dataflow:
+
+                            @pl.when(lax.rem(kc, owner_tiles) == t)
+                            def _own():
+                                self._own(it, p, s, act, kc, v, xs)
+
                         s["bt"].at[bs].T[...] = inp.astype(bf16)
                         plgpu.commit_smem()
                         pl.when(i + x_stages < n_all)(lambda: issue_x(i + x_stages))
@@ -289,22 +291,22 @@ class Products:
 
         if residual is not None:
             plgpu.wait_smem_to_gmem(0)  # one worker: the product's tiles are written
-            self.add_residual(residual, residual_scale, dst_buf, s)
+            self.add_residual(act, residual, residual_scale, dst_buf, s)
         if handed is not None:  # fewer units than `handover`: the arrivals waited for here
             pl.when(n_all <= handover)(lambda: self.barrier.wait(handed))
 
-    def issue_residual(self, residual, c, s):
-        """Copies of residual chunk c and its layer's gains (issued at the product's start
-        for the worker's first chunk)."""
+    def issue_residual(self, act, residual, c, s):
+        """Copies of residual chunk c (of the buffers `act`) and its layer's gains (issued at
+        the product's start for the worker's first chunk)."""
         src, _, layer = residual
         rows = pl.ds(c * UNIT, UNIT)
 
         @pl.when(c < self.chunks_d)
         def _():
-            plgpu.copy_gmem_to_smem(self.k.act.at[src, rows, :], s["rx"].at[0], s["rbar"])
+            plgpu.copy_gmem_to_smem(act.at[src, rows, :], s["rx"].at[0], s["rbar"])
             plgpu.copy_gmem_to_smem(self.gains.at[layer, rows, :], s["rx"].at[1], s["rbar"])
 
-    def add_residual(self, residual, scale, dst_buf, s):
+    def add_residual(self, act, residual, scale, dst_buf, s):
         """Adds the worker's chunks (c = worker + r workers) of x g r into the output."""
         k = self.k
         _, gain_col, _ = residual
@@ -315,7 +317,7 @@ class Products:
 
             @pl.when(c < self.chunks_d)
             def _():
-                pl.when(r > 0)(lambda: self.issue_residual(residual, c, s))
+                pl.when(r > 0)(lambda: self.issue_residual(act, residual, c, s))
                 plgpu.barrier_wait(s["rbar"])
                 x = plgpu.load(s["rx"].at[0], layout=WGMMA)
                 x = x * col_of(plgpu.load(s["rx"].at[1], layout=WGMMA), gain_col)
@@ -324,35 +326,7 @@ class Products:
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 s["rsum"][...] = x
                 plgpu.commit_smem()
-                k.add_into(s["rsum"], k.act.at[dst_buf, pl.ds(c * UNIT, UNIT), :], UNIT)
-
-    def zero_next(self, it, p):
-        """Zeroes what later steps add into: the next product's output (several workers),
-        during a qkv the attention output, the outputs of the products that start on
-        tile counters (`hands_over`: no barrier orders them after the zeroing in the
-        step before) and during layer 0's qkv the next scalar tile."""
-        k, phases, n_phases = self.k, self.phases, self.n_phases
-        kind, j = kind_of(phases[p].name)
-        if kind == "qkv":
-            self.zero_rows(Buffers.of("att", j), 0, pad_to(k.shape.k_d, self.cols))
-            for q in (p + 1, p + 3):  # proj (then fc) and the mlp proj (then a qkv)
-                if q < n_phases and self.hands_over(q):
-                    self.zero_rows(*self.output_of(q + 1), phases[q + 1].n)
-            if j == 0:
-
-                @pl.when(k.worker == 0)
-                def _():
-                    zero = k.s["zero"].at[pl.ds(0, SCALAR_ROWS)]
-                    plgpu.copy_smem_to_gmem(zero, k.scal.at[lax.rem(it + 1, 2)])
-
-        nxt = (p + 1) % n_phases
-        buf, off = self.output_of(nxt)
-        if k.reduce and not self.hands_over(p):  # each output tile is written whole by adds
-            if p + 1 < n_phases:
-                self.zero_rows(buf, off, phases[nxt].n)
-            else:
-                more = it < self.iterations - 1
-                pl.when(more)(lambda: self.zero_rows(buf, off, phases[nxt].n))
+                k.add_into(s["rsum"], act.at[dst_buf, pl.ds(c * UNIT, UNIT), :], UNIT)
 
     def prefetch_next(self, it, p):
         """Once product p is done (at the worker's arrival at the barrier after it), the next
@@ -374,25 +348,11 @@ class Products:
             pl.when(it < self.iterations - 1)(go)
 
     def prologue(self):
-        """The ring's first fill; a, both scalar tiles and the qkv buffers' padding rows
-        zeroed; one barrier."""
-        k, s = self.k, self.k.s
+        """The ring's first fill, what the first steps add into zeroed (`Zeros.first`), one
+        barrier."""
         self.ring.fill()
-        s["zero"][...] = jnp.zeros((UNIT, N_PAD), jnp.float32)
-        plgpu.commit_smem()
-
-        @pl.when(k.worker == 0)
-        def _pads():
-            for parity in range(2):
-                plgpu.copy_smem_to_gmem(s["zero"].at[pl.ds(0, SCALAR_ROWS)], k.scal.at[parity])
-            for j in range(k.shape.layers):  # the rows around the product that RoPE's windows read
-                for r in (0, SHIFT + self.phases[1].n):
-                    dst = k.act.at[Buffers.of("qkv", j), pl.ds(r, SHIFT), :]
-                    plgpu.copy_smem_to_gmem(s["zero"].at[pl.ds(0, SHIFT)], dst)
-
-        if k.reduce:
-            self.zero_rows(Buffers.A, 0, self.phases[0].n)
+        self.zeros.first()
         plgpu.wait_smem_to_gmem(0)
-        if k.reduce:
+        if self.k.reduce:
             self.barrier.arrive()
             self.barrier.wait(1)

@@ -248,7 +248,8 @@ def fused_core_decode(
     arguments = kernel_arguments(fw, state, embedded, k_cache, v_cache, slots, pos)
     act, _, _, kv_new = kernel(*arguments)
     d, b = shape.d, shape.batch
-    z = act[Buffers.of("m", shape.layers - 1), :d, :b].T  # the last mlp output + its residual
+    last = (iterations - 1) % act.shape[0]  # the last iteration's buffers
+    z = act[last, Buffers.of("m", shape.layers - 1), :d, :b].T  # the last mlp output + residual
     # kv_new [it, L, 2, H, kp, 8] -> the head's rows (k of its key window, v of its value
     # window) -> [2, it, L, B, H, K]
     rows = np.stack([

@@ -1,0 +1,157 @@
+"""The counters in global memory that order the fused Core kernel's steps (`fused.py`) where no
+grid barrier does: a step waits for the data it reads, not for every worker.
+
+- Tile counters: once a worker's adds into a product's output are complete (its partial sums,
+  its chunks of the residual), it adds 1 to the counter of each output tile it added into;
+  `fused_plan.tile_signals` gives the count that completes a tile. With `Schedule.dataflow`
+  the attention output's tiles are counted too, by the heads' first splits
+  (`fused_plan.attention_tile_heads`).
+- Owners' counters (`Schedule.dataflow`): per product whose input's sums of squares (or stored
+  vector) are reduced beside it, one add per 64-row chunk of that input, once the chunk's
+  sums are in the scalar tile: a norm's scalar is complete when its counter is.
+The counters only grow, so iteration `it` waits for `it + 1` times a count. One worker
+(interpret mode) has no global semaphores: every wait and signal is then left out.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.core_step.fused_inputs import KernelContext, sources
+from pallas_kernels.core_step.fused_plan import (
+    SHIFT,
+    attention_tile_heads,
+    kind_of,
+    tile_signals,
+)
+from pallas_kernels.core_step.plan import UNIT
+
+
+def _wait(sem, target) -> None:
+    plgpu.semaphore_wait(sem, target, decrement=False, memory_scope="gpu")
+
+
+def _signal(sem, count=1) -> None:
+    plgpu.semaphore_signal(sem, count, memory_scope="gpu")
+
+
+class Counters:
+    """The kernel's counters, built inside its body. `counted`: the products whose output
+    tiles are counted (the others' readers wait at a grid barrier); `dataflow`: also the
+    attention outputs' tiles and the owners' counters."""
+
+    def __init__(self, k: KernelContext, counted: tuple[int, ...], dataflow: bool):
+        self.k, self.dataflow = k, dataflow
+        self.phases, self.cols = k.shape.phases, k.shape.unit_cols
+        self.chunks_d = k.shape.k_d // UNIT
+        self.active = k.reduce
+        self.base, total = {}, 0
+        for p in counted:
+            self.base[p], total = total, total + self.phases[p].tiles(self.cols)
+        self.att_tiles = -(-k.shape.k_d // self.cols)
+        self.att_base = {}
+        if dataflow:
+            for j in range(k.shape.layers):
+                self.att_base[j], total = total, total + self.att_tiles
+        on = self.active and total
+        self.tiles = pl.get_global(plgpu.SemaphoreType.REGULAR((total,))) if on else None
+        owning = len(self.phases) if dataflow and self.active else 0
+        self.owned = pl.get_global(plgpu.SemaphoreType.REGULAR((owning,))) if owning else None
+
+    def residual_chunks(self, p) -> int:
+        """64-row chunks of the residual product p adds into its output (0: none)."""
+        return self.chunks_d if sources(self.k.shape, p)[5] is not None else 0
+
+    def tile_adds(self, p, t):
+        """The signals that complete output tile t of product p."""
+        phase, k = self.phases[p], self.k
+        split = k.overlap and kind_of(phase.name)[0] == "qkv"  # `fused_plan.unit_ranges`
+        split_at = k.shape.q_tiles * phase.k_chunks if split else 0
+        return tile_signals(phase, self.cols, k.workers, self.residual_chunks(p), t, split_at)
+
+    def signal_product(self, p, pieces) -> None:
+        """Once the worker's adds of product p (its ranges of units, `pieces`: (first, count)
+        each, and its chunks of the residual) are complete: 1 on the counter of each tile
+        they went into."""
+        if not self.active:
+            return
+        k, kch = self.k, self.phases[p].k_chunks
+        per_tile = self.cols // UNIT
+
+        def signal(t):
+            _signal(self.tiles.at[self.base[p] + t])
+
+        for first, units in pieces:
+            end = jnp.where(units > 0, (first + units - 1) // kch + 1, first // kch)
+            pl.loop(first // kch, end)(signal)
+        if self.residual_chunks(p):
+
+            @pl.loop(0, -(-self.chunks_d // k.workers))
+            def _residual(r):
+                c = k.worker + r * k.workers
+                pl.when(c < self.chunks_d)(lambda: signal(c // per_tile))
+
+    def input_rows(self, p) -> int:
+        """Rows of the output before product p in one of p's input chunks: 128 for the MLP
+        proj (its gate's and up half's 64 each), else 64."""
+        return 2 * UNIT if kind_of(self.phases[p].name)[0] == "mlp_proj" else UNIT
+
+    def starts_tile(self, p, kc):
+        """Whether p's input chunk kc starts a tile of the output before p."""
+        return (kc * self.input_rows(p)) % self.cols == 0
+
+    def wait_input(self, it, p, kc) -> None:
+        """Until the tiles of the output before product p (the attention's before a proj)
+        that hold p's input chunk kc are complete in iteration `it`."""
+        if not self.active:
+            return
+        kind, j = kind_of(self.phases[p].name)
+        rows = self.input_rows(p)
+
+        @pl.loop(kc * rows // self.cols, ((kc + 1) * rows - 1) // self.cols + 1)
+        def _tile(t):
+            if kind == "proj" and self.dataflow:
+                count = attention_tile_heads(self.k.shape, self.cols, t)
+                _wait(self.tiles.at[self.att_base[j] + t], (it + 1) * count)
+            else:
+                target = (it + 1) * self.tile_adds(p - 1, t)
+                _wait(self.tiles.at[self.base[p - 1] + t], target)
+
+    def signal_owned(self, p) -> None:
+        """One more of product p's input chunks has its sums in the scalar tile."""
+        if self.active:
+            _signal(self.owned.at[p])
+
+    def wait_owned(self, it, p) -> None:
+        """Until every chunk of product p's input has its sums (and stored vector) out."""
+        if self.active:
+            _wait(self.owned.at[p], (it + 1) * self.phases[p].k_chunks)
+
+    def wait_head(self, it, j, starts) -> None:
+        """Until the qkv tiles that layer j's head windows read (q and k from column ck, v
+        from c0, `starts`; each window kp rows and SHIFT either side) are complete, and the
+        layer input's norms."""
+        if not self.active:
+            return
+        shape, p = self.k.shape, 1 + 4 * j
+        n = self.phases[p].n
+        ck, c0 = starts
+        for start in (ck, shape.d + ck, 2 * shape.d + c0):
+            lo = jnp.maximum(start - SHIFT, 0) // self.cols
+            hi = (jnp.minimum(start + shape.kp + SHIFT, n) - 1) // self.cols
+
+            @pl.loop(lo, hi + 1)
+            def _tile(t):
+                _wait(self.tiles.at[self.base[p] + t], (it + 1) * self.tile_adds(p, t))
+
+        self.wait_owned(it, p)
+
+    def signal_head(self, j, c0) -> None:
+        """A head's rows (its window from c0) are added into layer j's attention output."""
+        if not self.active:
+            return
+        kp = self.k.shape.kp
+        lo, hi = c0 // self.cols, (c0 + kp - 1) // self.cols
+        pl.loop(lo, hi + 1)(lambda t: _signal(self.tiles.at[self.att_base[j] + t]))
