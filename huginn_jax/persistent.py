@@ -62,11 +62,12 @@ def step_weights(model: Core | Huginn) -> StepWeights:
 
 
 # The schedule where none is given: at these batches the cached blocks in a second warpgroup
-# (`Schedule.overlap`), the fastest there in the kernel and in the model's call
-# (docs/core_step.md, "Cached blocks in a second warpgroup"), where the case's attention items
-# fit one per worker; the kernel's default `Schedule()` elsewhere.
-SECOND_WARPGROUP = Schedule(ring=3, kv_stages=2, overlap=1)
-SECOND_WARPGROUP_BATCHES = (1,)
+# (`Schedule.overlap`) and one grid barrier per iteration (`Schedule.dataflow`), the fastest
+# there in the kernel and in the model's call (docs/core_step.md, "Cached blocks in a second
+# warpgroup", "One grid barrier per iteration"), where the case's attention items fit one per
+# worker; the kernel's default `Schedule()` elsewhere (at batch 8 both were slower).
+DATAFLOW_OVERLAP = Schedule(ring=3, kv_stages=2, overlap=1, dataflow=1)
+DATAFLOW_OVERLAP_BATCHES = (1,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,15 +150,15 @@ def default_schedule(
     config: HuginnConfig, batch: int, workers: int, unit_cols: int = DEFAULT_UNIT_COLS
 ) -> Schedule:
     """The schedule for a Core of `config` on `batch` sequences and at most `workers` workers
-    where none is given: `SECOND_WARPGROUP` at `SECOND_WARPGROUP_BATCHES` where the kernel's
+    where none is given: `DATAFLOW_OVERLAP` at `DATAFLOW_OVERLAP_BATCHES` where the kernel's
     checks take it (its attention items one per worker), else the kernel's default."""
-    if batch in SECOND_WARPGROUP_BATCHES:
+    if batch in DATAFLOW_OVERLAP_BATCHES:
         try:
             shape = fused_shape(config, batch, unit_cols)
-            check_fused(shape, _fitting(shape, workers, SECOND_WARPGROUP), SECOND_WARPGROUP)
+            check_fused(shape, _fitting(shape, workers, DATAFLOW_OVERLAP), DATAFLOW_OVERLAP)
         except ValueError:  # refused shapes or too few workers: the kernel's default
             return Schedule()
-        return SECOND_WARPGROUP
+        return DATAFLOW_OVERLAP
     return Schedule()
 
 

@@ -19,7 +19,7 @@ from huginn_jax.config import HuginnConfig
 from huginn_jax.kv_cache import KVCache
 from huginn_jax.model import Core, run_core
 from huginn_jax.persistent import (
-    SECOND_WARPGROUP,
+    DATAFLOW_OVERLAP,
     PersistentCore,
     cache_positions,
     core_target,
@@ -177,21 +177,23 @@ def test_why_not_passes_huginn_0125_on_an_h200():
 
 
 def test_the_default_schedule_is_the_second_warpgroup_at_batch_1_where_it_fits():
-    """huginn-0125 on an H200: the cached blocks in a second warpgroup at batch 1 (its 110
-    attention items one per worker), the kernel's default at batch 8; `small` (one worker fits)
+    """huginn-0125 on an H200: the cached blocks in a second warpgroup and one grid barrier
+    per iteration at batch 1 (its 110 attention items one per worker), the kernel's default
+    at batch 8; `small` (one worker fits)
     and 4 workers given for huginn-0125 take the kernel's default; a schedule given is kept.
     Every default reads the same blocks, so a cache's length does not depend on it."""
     small, huginn = (HuginnConfig.from_name(name) for name in ("small", "huginn_0125"))
-    assert default_schedule(huginn, 1, 132) == SECOND_WARPGROUP and SECOND_WARPGROUP.overlap
+    assert default_schedule(huginn, 1, 132) == DATAFLOW_OVERLAP
+    assert DATAFLOW_OVERLAP.overlap and DATAFLOW_OVERLAP.dataflow
     assert default_schedule(huginn, 8, 132) == Schedule()
     assert default_schedule(huginn, 1, 4) == default_schedule(small, 1, 132) == Schedule()
     target, reason = core_target(huginn, 1, device=H200)
-    assert reason is None and (target.workers, target.schedule) == (132, SECOND_WARPGROUP)
+    assert reason is None and (target.workers, target.schedule) == (132, DATAFLOW_OVERLAP)
     assert core_target(huginn, 8, device=H200)[0].schedule == Schedule()
     assert core_target(huginn, 1, schedule=Schedule(ring=4), device=H200)[0].schedule.ring == 4
     assert core_target(small, 1, device=SCHEDULE["device"])[0].schedule == Schedule()
     assert schedule_named("") is None and schedule_named("3:2") == Schedule(kv_stages=2)
-    assert cache_positions(1000) == cache_positions(1000, SECOND_WARPGROUP) == 1024
+    assert cache_positions(1000) == cache_positions(1000, DATAFLOW_OVERLAP) == 1024
 
 
 def test_workers_on_a_gpu_are_its_sms_capped_for_the_shapes():
