@@ -179,9 +179,9 @@ def test_why_not_passes_huginn_0125_on_an_h200():
 def test_the_default_schedule_is_the_second_warpgroup_at_batch_1_where_it_fits():
     """huginn-0125 on an H200: the cached blocks in a second warpgroup and one grid barrier
     per iteration at batch 1 (its 110 attention items one per worker), the kernel's default
-    at batch 8; `small` (one worker fits)
-    and 4 workers given for huginn-0125 take the kernel's default; a schedule given is kept.
-    Every default reads the same blocks, so a cache's length does not depend on it."""
+    at batch 8; `small` (one worker fits) and 4 workers given for huginn-0125 take the
+    kernel's default; a schedule given is kept. Every default reads the same blocks, so a
+    cache's length does not depend on it."""
     small, huginn = (HuginnConfig.from_name(name) for name in ("small", "huginn_0125"))
     assert default_schedule(huginn, 1, 132) == DATAFLOW_OVERLAP
     assert DATAFLOW_OVERLAP.overlap and DATAFLOW_OVERLAP.dataflow

@@ -8,7 +8,8 @@ grid barrier does: a step waits for the data it reads, not for every worker.
   (`fused_plan.attention_tile_heads`).
 - Owners' counters (`Schedule.dataflow`): per product whose input's sums of squares (or stored
   vector) are reduced beside it, one add per 64-row chunk of that input, once the chunk's
-  sums are in the scalar tile: a norm's scalar is complete when its counter is.
+  sums are in the scalar tile (`fused_products.Products.own_chunks`): a norm's scalar is
+  complete when its counter is.
 The counters only grow, so iteration `it` waits for `it + 1` times a count. One worker
 (interpret mode) has no global semaphores: every wait and signal is then left out.
 """
@@ -33,8 +34,8 @@ def _wait(sem, target) -> None:
     plgpu.semaphore_wait(sem, target, decrement=False, memory_scope="gpu")
 
 
-def _signal(sem, count=1) -> None:
-    plgpu.semaphore_signal(sem, count, memory_scope="gpu")
+def _signal(sem) -> None:
+    plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
 
 
 class Counters:
@@ -50,11 +51,10 @@ class Counters:
         self.base, total = {}, 0
         for p in counted:
             self.base[p], total = total, total + self.phases[p].tiles(self.cols)
-        self.att_tiles = -(-k.shape.k_d // self.cols)
-        self.att_base = {}
+        self.att_base = {}  # the attention outputs' tiles, per layer
         if dataflow:
             for j in range(k.shape.layers):
-                self.att_base[j], total = total, total + self.att_tiles
+                self.att_base[j], total = total, total + -(-k.shape.k_d // self.cols)
         on = self.active and total
         self.tiles = pl.get_global(plgpu.SemaphoreType.REGULAR((total,))) if on else None
         owning = len(self.phases) if dataflow and self.active else 0

@@ -88,8 +88,9 @@ class Products:
 
     def _copy_input(self, it, p, s, act, kc, slot, gains) -> None:
         """Copies input chunk kc of product p into `slot` of the product's scope: a (the gate's
-        and the up half's chunk in one, for the MLP proj), b where p has one, and with `gains`
-        the chunk's gains for an owner's Σ(v g)²."""
+        and the up half's chunk in one, for the MLP proj), b where p has one, and the chunk's
+        gains for an owner's Σ(v g)²: `gains` True, or where the traced `gains` holds (None:
+        never)."""
         src_a, src_b, sums, gain_col, _, _ = sources(self.k.shape, p)
         rows = pl.ds(kc * UNIT, UNIT)
         dst_a, bar_a = s["xa"].at[slot, pl.ds(0, UNIT)], s["bara"].at[slot]
@@ -115,7 +116,10 @@ class Products:
             def copy():
                 plgpu.copy_gmem_to_smem(g_src, s["xg"].at[slot], s["barg"].at[slot])
 
-            copy() if gains is True else pl.when(gains)(copy)
+            if gains is True:
+                copy()
+            else:
+                pl.when(gains)(copy)
 
     def _own(self, it, p, s, act, kc, v, slot) -> None:
         """The owner of product p's input chunk kc (its value v): its sums of squares into the
@@ -205,11 +209,10 @@ class Products:
 
         scalars = (kind, j) == ("qkv", 0) or kind == "mlp_proj" or (kind == "proj" and j > 0)
         if dataflow:  # the norms' scalars and the residual's source: their owners' counters
-            waits_on = {"proj": p - 1, "mlp_proj": p - 1}.get(kind)
-            if (kind, j) == ("qkv", 0):
-                waits_on = 0  # the adapter's: the state's scalar
-            if waits_on is not None:
-                counters.wait_owned(it, waits_on)
+            if kind in ("proj", "mlp_proj"):  # the qkv's or the fc's before it
+                counters.wait_owned(it, p - 1)
+            elif (kind, j) == ("qkv", 0):  # the adapter's: the state's scalar
+                counters.wait_owned(it, 0)
             if scalars:
                 k.load_scalars()
             fn, residual_scale = scaled(k, it, p)
