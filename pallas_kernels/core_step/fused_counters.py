@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.core_step.fused_inputs import KernelContext, sources
+from pallas_kernels.core_step.fused_inputs import KernelContext, is_gate_up, sources
 from pallas_kernels.core_step.fused_plan import (
     SHIFT,
     attention_tile_heads,
@@ -40,11 +40,11 @@ def _signal(sem) -> None:
 
 class Counters:
     """The kernel's counters, built inside its body. `counted`: the products whose output
-    tiles are counted (the others' readers wait at a grid barrier); `dataflow`: also the
-    attention outputs' tiles and the owners' counters."""
+    tiles are counted (the others' readers wait at a grid barrier); with `Schedule.dataflow`
+    (`k.dataflow`) also the attention outputs' tiles and the owners' counters."""
 
-    def __init__(self, k: KernelContext, counted: tuple[int, ...], dataflow: bool):
-        self.k, self.dataflow = k, dataflow
+    def __init__(self, k: KernelContext, counted: tuple[int, ...]):
+        self.k, self.dataflow = k, k.dataflow
         self.phases, self.cols = k.shape.phases, k.shape.unit_cols
         self.chunks_d = k.shape.k_d // UNIT
         self.active = k.reduce
@@ -52,12 +52,12 @@ class Counters:
         for p in counted:
             self.base[p], total = total, total + self.phases[p].tiles(self.cols)
         self.att_base = {}  # the attention outputs' tiles, per layer
-        if dataflow:
+        if self.dataflow:
             for j in range(k.shape.layers):
                 self.att_base[j], total = total, total + -(-k.shape.k_d // self.cols)
         on = self.active and total
         self.tiles = pl.get_global(plgpu.SemaphoreType.REGULAR((total,))) if on else None
-        owning = len(self.phases) if dataflow and self.active else 0
+        owning = len(self.phases) if self.dataflow and self.active else 0
         self.owned = pl.get_global(plgpu.SemaphoreType.REGULAR((owning,))) if owning else None
 
     def residual_chunks(self, p) -> int:
@@ -96,7 +96,7 @@ class Counters:
     def input_rows(self, p) -> int:
         """Rows of the output before product p in one of p's input chunks: 128 for the MLP
         proj (its gate's and up half's 64 each), else 64."""
-        return 2 * UNIT if kind_of(self.phases[p].name)[0] == "mlp_proj" else UNIT
+        return 2 * UNIT if is_gate_up(sources(self.k.shape, p)[0]) else UNIT
 
     def starts_tile(self, p, kc):
         """Whether p's input chunk kc starts a tile of the output before p."""

@@ -90,6 +90,12 @@ def sources(shape: FusedShape, p: int):
     return gate_up, None, None, None, None, (Buffers.of("o", j), GAIN_G2, j)
 
 
+def is_gate_up(src) -> bool:
+    """Whether an input source (`sources`) is the fc output's gate and up halves, whose chunk
+    is one copy of 128 rows (the MLP proj's)."""
+    return isinstance(src, tuple) and src[0] == "gate_up"
+
+
 def output_of(shape: FusedShape, p: int) -> tuple[int, int]:
     """(buffer, row offset) of product p's output."""
     kind, j = kind_of(shape.phases[p].name)

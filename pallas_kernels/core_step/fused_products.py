@@ -12,7 +12,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.core_step.fused_counters import Counters
-from pallas_kernels.core_step.fused_inputs import KernelContext, output_of, scaled, sources
+from pallas_kernels.core_step.fused_inputs import (
+    KernelContext,
+    is_gate_up,
+    output_of,
+    scaled,
+    sources,
+)
 from pallas_kernels.core_step.fused_plan import (
     N_PAD,
     SCALAR_ROWS,
@@ -52,12 +58,12 @@ class Products:
         self.phases, self.cols = shape.phases, shape.unit_cols
         self.n_phases = len(self.phases)
         self.handover = schedule.handover if k.reduce else 0
-        self.dataflow = bool(schedule.dataflow)
+        self.dataflow = k.dataflow  # `Schedule.dataflow`
         self.chunks_d = shape.k_d // UNIT  # 64-row chunks of a d-vector
         self.ring = WeightRing(k, schedule, iterations, inputs["weights"])
         counted = tuple(p for p in range(self.n_phases) if self.signals(p))
-        self.counters = Counters(k, counted, self.dataflow)
-        self.zeros = Zeros(k, iterations, self.dataflow, self.hands_over)
+        self.counters = Counters(k, counted)
+        self.zeros = Zeros(k, iterations, self.hands_over)
 
     def hands_over(self, p):
         """Whether the product after p starts on p's tile counters (`Schedule.handover`)."""
@@ -98,7 +104,7 @@ class Products:
         def source(src):
             return self.e_part.at[rows, :] if src == "e_part" else act.at[src, rows, :]
 
-        if isinstance(src_a, tuple) and src_a[0] == "gate_up":  # both halves' chunk kc
+        if is_gate_up(src_a):  # both halves' chunk kc
             src = act.at[src_a[1], pl.ds(kc * 2 * UNIT, 2 * UNIT), :]
             plgpu.copy_gmem_to_smem(src, s["xa"].at[slot], bar_a)
         elif isinstance(src_a, tuple):  # the adapter: the given state, then the last state
@@ -178,7 +184,7 @@ class Products:
         tiles = phases[p].tiles(cols)
         c0 = ring.first_slot(it, p)
         src_a, src_b, sums, gain_col, store, residual = sources(k.shape, p)
-        gate_up = isinstance(src_a, tuple) and src_a[0] == "gate_up"
+        gate_up = is_gate_up(src_a)
         owned = sums is not None or store is not None
         owner_tiles = k.shape.q_tiles if self.split_q(p) else tiles
         first_units = ring.pieces[p][0][1]

@@ -20,13 +20,9 @@ class Zeros:
     product p's first copies are issued. `hands_over(p)`: whether the product after p starts
     on p's tile counters (`fused_products.Products.hands_over`)."""
 
-    def __init__(self, k: KernelContext, iterations: int, dataflow: bool, hands_over):
-        self.k, self.iterations, self.dataflow, self.hands_over = (
-            k,
-            iterations,
-            dataflow,
-            hands_over,
-        )
+    def __init__(self, k: KernelContext, iterations: int, hands_over):
+        self.k, self.iterations, self.hands_over = k, iterations, hands_over
+        self.dataflow = k.dataflow  # `Schedule.dataflow`
         self.phases, self.cols = k.shape.phases, k.shape.unit_cols
         self.att_rows = pad_to(k.shape.k_d, self.cols)
 
