@@ -70,7 +70,7 @@ from huginn_jax.config import (  # noqa: E402
     HuginnConfig,
 )
 from huginn_jax.generate import Generation, Plan, make_plan, run_plan  # noqa: E402
-from huginn_jax.generate.options import check_memory  # noqa: E402
+from huginn_jax.generate.options import PERSISTENT_SCHEDULE_HELP, check_memory  # noqa: E402
 from huginn_jax.model import Huginn, random_init, with_config  # noqa: E402
 from huginn_jax.xla_flags import GEMM_CHOICES, use_gemm  # noqa: E402
 
@@ -126,11 +126,7 @@ def define_flags() -> None:
         "JAX's Core decode steps: xla (run_core) or persistent (huginn_jax.persistent: one "
         "persistent kernel; xla, with a line saying why, where it cannot run).",
     )  # fmt: skip
-    flags.DEFINE_string(
-        "persistent_schedule", "",
-        "With --core_decode=persistent, the kernel's schedule RING:KV_STAGES[:...] "
-        "(pallas_kernels.core_step.fused_plan.Schedule); '': the case's default.",
-    )  # fmt: skip
+    flags.DEFINE_string("persistent_schedule", "", PERSISTENT_SCHEDULE_HELP)
     flags.DEFINE_list(
         "torch_impls", list(TORCH_LOOPS), f"PyTorch loops to run, of {', '.join(TORCH_LOOPS)}."
     )

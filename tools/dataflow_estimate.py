@@ -35,10 +35,11 @@ import statistics
 
 from experiments.kernels import scopes
 from experiments.measure.trace import load_trace
-from pallas_kernels.core_step.fused_plan import FusedShape
+from huginn_jax.config import huginn_0125
+from huginn_jax.persistent import fused_shape
 from pallas_kernels.core_step.plan import UNIT, even_share
 
-SHAPE = FusedShape(5280, 55, 96, 17920, 4, 1)  # huginn-0125's Core, batch 1
+SHAPE = fused_shape(huginn_0125, batch=1)
 WORKERS, SPLITS = 132, 2
 BARRIER = 2139  # cycles of a grid barrier where every worker arrives at once (stream_units.txt)
 OWN = 1065  # cycles of a worker's own work on a unit whose weights are in L2 (stream_units.txt)

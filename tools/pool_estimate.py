@@ -22,10 +22,11 @@ import statistics
 
 from experiments.kernels import scopes
 from experiments.measure.trace import load_trace
-from pallas_kernels.core_step.fused_plan import FusedShape
+from huginn_jax.config import huginn_0125
+from huginn_jax.persistent import fused_shape
 from pallas_kernels.core_step.plan import even_share
 
-SHAPE = FusedShape(5280, 55, 96, 17920, 4, 1)  # huginn-0125's Core, batch 1
+SHAPE = fused_shape(huginn_0125, batch=1)
 
 
 def pooled_end(cycles: list[float], shares: list[int], pool: int, grab: float) -> float:

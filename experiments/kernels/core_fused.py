@@ -64,10 +64,16 @@ from experiments.kernels.core_fused_report import format_table, row_times  # noq
 from experiments.measure import ceilings as ceilings_lib  # noqa: E402
 from experiments.measure.device_time import cupti_us  # noqa: E402
 from experiments.measure.gpu_lock import held  # noqa: E402
+from huginn_jax.config import huginn_0125  # noqa: E402
 
 FLAGS = flags.FLAGS
 PROGRAM = "core_fused"
-SHAPE = (5280, 55, 17920, 4)  # huginn-0125: n_embd, heads, MLP width, Core layers
+SHAPE = (  # huginn-0125: n_embd, heads, MLP width, Core layers
+    huginn_0125.n_embd,
+    huginn_0125.n_heads,
+    huginn_0125.intermediate_size,
+    huginn_0125.n_layers_in_recurrent_block,
+)
 WORKERS = 132  # one per SM of an H100 / H200
 
 
@@ -114,10 +120,9 @@ def define_flags() -> None:
 def fused_shape(batch: int):
     """The kernel's `FusedShape` of huginn-0125 at `batch` in --unit_cols units (ValueError for
     a width the kernel does not take)."""
-    from pallas_kernels.core_step.fused_plan import FusedShape
+    from huginn_jax.persistent import fused_shape as config_shape
 
-    d, heads, f, layers = SHAPE
-    return FusedShape(d, heads, d // heads, f, layers, batch, FLAGS.unit_cols)
+    return config_shape(huginn_0125, batch, FLAGS.unit_cols)
 
 
 def floor_bytes(batch: int, context: int) -> tuple[int, int]:

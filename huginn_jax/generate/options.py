@@ -20,6 +20,10 @@ from huginn_jax.generate.plan import ATTENTION_WINDOW
 from huginn_jax.xla_flags import GEMM_CHOICES
 
 DTYPES = ("bf16", "bfloat16", "f32", "float32")
+PERSISTENT_SCHEDULE_HELP = (
+    "With --core_decode=persistent, the kernel's schedule RING:KV_STAGES[:...] "
+    "(pallas_kernels.core_step.fused_plan.Schedule); '': the case's default."
+)
 
 
 def _threshold_help() -> str:
@@ -157,8 +161,7 @@ FLAGS = (
         "string",
         "persistent_schedule",
         "",
-        "With --core_decode=persistent, the kernel's schedule RING:KV_STAGES[:...] "
-        "(pallas_kernels.core_step.fused_plan.Schedule); '': the case's default.",
+        PERSISTENT_SCHEDULE_HELP,
     ),
     (
         "string",
