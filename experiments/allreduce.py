@@ -4,12 +4,12 @@
 
 Under tensor parallelism (huginn_jax.parallel) every Core layer ends its attention and its MLP
 in an all-reduce of the residual stream: B x n_embd values at decode, B x T x n_embd at prefill
-(huginn_jax.costs.allreduce_bytes). For each device count N (a mesh of the first N devices) and
-each size, one executable runs `--chain` all-reduces back to back (`jax.lax.psum` in `shard_map`,
-each one's input the previous one's output, so none overlaps the next); a sample is one call's
-wall time over `--chain` (experiments.measure.timing: warm-up calls, then the median of
-`--repeats`). Sizes: every decode and prefill size of the flags, and `--sweep` sizes spaced
-evenly in log between them, so that latency + bytes / bandwidth (costs.AllReduceModel) is
+(huginn_jax.comm_costs.allreduce_bytes). For each device count N (a mesh of the first N devices)
+and each size, one executable runs `--chain` all-reduces back to back (`jax.lax.psum` in
+`shard_map`, each one's input the previous one's output, so none overlaps the next); a sample is
+one call's wall time over `--chain` (experiments.measure.timing: warm-up calls, then the median
+of `--repeats`). Sizes: every decode and prefill size of the flags, and `--sweep` sizes spaced
+evenly in log between them, so that latency + bytes / bandwidth (comm_costs.AllReduceModel) is
 fitted over the whole range; the JSON holds every sample and the fit per N, which the cost model
 reads (`AllReduceModel.from_results`).
 
@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 from experiments import cli, program
 from experiments.cli import UserError
 from experiments.measure import timing
-from huginn_jax import costs, parallel
+from huginn_jax import comm_costs, parallel
 from huginn_jax.config import HuginnConfig
 
 FLAGS = flags.FLAGS
@@ -59,12 +59,12 @@ def sizes_from_flags(config: HuginnConfig, dtype_bytes: int) -> list[tuple[str, 
     contexts = cli.positive_ints("context", FLAGS.context)
     cases = {}
     for b in batches:
-        size = costs.allreduce_bytes(
+        size = comm_costs.allreduce_bytes(
             config, batch=b, context=1, mode="decode", dtype_bytes=dtype_bytes
         )
         cases.setdefault(size, f"decode B={b}")
         for t in contexts:
-            size = costs.allreduce_bytes(
+            size = comm_costs.allreduce_bytes(
                 config, batch=b, context=t, mode="prefill", dtype_bytes=dtype_bytes
             )
             cases.setdefault(size, f"prefill B={b} T={t}")
@@ -157,7 +157,7 @@ def measure(counts: list[int], sizes: list[tuple[str, int]], dtype) -> tuple[lis
         mine = [r for r in records if r["devices"] == n]
         source = f"experiments.allreduce on {jax.devices()[0].device_kind}, {len(mine)} sizes"
         try:
-            fit = costs.AllReduceModel.fit(
+            fit = comm_costs.AllReduceModel.fit(
                 n, [r["bytes"] for r in mine], [r["us"] * 1e-6 for r in mine], source
             )
         except ValueError as e:

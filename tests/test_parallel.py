@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh
 
 from experiments.cli import UserError
-from huginn_jax import costs, huginn_0125, parallel
+from huginn_jax import comm_costs, huginn_0125, parallel
 from huginn_jax.config import HuginnConfig
 from huginn_jax.layers import Attention, GatedMLP
 
@@ -167,7 +167,7 @@ def test_allreduce_probe_writes_a_fit(children):
     cases = {r["case"] for r in data["records"]}
     assert {"decode B=1", "prefill B=1 T=256"} <= cases
     assert {r["bytes"] for r in data["records"] if r["case"] == "decode B=1"} == {5280 * 2}
-    model = costs.AllReduceModel.from_results(data, 2)
+    model = comm_costs.AllReduceModel.from_results(data, 2)
     assert model.latency_s >= 0 and model.bytes_per_s > 0
     assert "fit 2 devices" in out.splitlines()[-1]
 
@@ -307,19 +307,23 @@ def test_layout_cost_of_huginn_0125():
 
 
 def test_core_iteration_comm():
-    decode = costs.core_iteration_comm(huginn_0125, batch=2, context=4096, mode="decode", devices=4)
+    decode = comm_costs.core_iteration_comm(
+        huginn_0125, batch=2, context=4096, mode="decode", devices=4
+    )
     assert (decode.all_reduces, decode.bytes_per_all_reduce) == (8, 2 * 5280 * 2)
     assert decode.bytes == 8 * 2 * 5280 * 2 and decode.seconds is None
-    model = costs.AllReduceModel(devices=4, latency_s=10e-6, bytes_per_s=100e9)
-    prefill = costs.core_iteration_comm(
+    model = comm_costs.AllReduceModel(devices=4, latency_s=10e-6, bytes_per_s=100e9)
+    prefill = comm_costs.core_iteration_comm(
         huginn_0125, batch=1, context=1024, mode="prefill", devices=4, model=model
     )
     assert prefill.bytes_per_all_reduce == 1024 * 5280 * 2
     assert prefill.seconds == pytest.approx(8 * (10e-6 + 1024 * 5280 * 2 / 100e9))
-    single = costs.core_iteration_comm(huginn_0125, batch=1, context=1, mode="decode", devices=1)
+    single = comm_costs.core_iteration_comm(
+        huginn_0125, batch=1, context=1, mode="decode", devices=1
+    )
     assert single.all_reduces == 0 and single.bytes == 0
     with pytest.raises(ValueError, match="for 4 devices"):
-        costs.core_iteration_comm(
+        comm_costs.core_iteration_comm(
             huginn_0125, batch=1, context=1, mode="decode", devices=2, model=model
         )
 
@@ -327,17 +331,17 @@ def test_core_iteration_comm():
 def test_allreduce_model_fit():
     sizes = [10_000, 100_000, 1_000_000, 10_000_000]
     seconds = [12e-6 + s / 50e9 for s in sizes]
-    model = costs.AllReduceModel.fit(2, sizes, seconds)
+    model = comm_costs.AllReduceModel.fit(2, sizes, seconds)
     assert model.latency_s == pytest.approx(12e-6) and model.bytes_per_s == pytest.approx(50e9)
     assert model.seconds(1_000) == pytest.approx(12e-6 + 1_000 / 50e9)
     with pytest.raises(ValueError, match="two distinct sizes"):
-        costs.AllReduceModel.fit(2, [10, 10], [1e-6, 2e-6])
+        comm_costs.AllReduceModel.fit(2, [10, 10], [1e-6, 2e-6])
     with pytest.raises(ValueError, match="do not grow"):
-        costs.AllReduceModel.fit(2, [10, 100], [2e-6, 1e-6])
+        comm_costs.AllReduceModel.fit(2, [10, 100], [2e-6, 1e-6])
     data = {"fits": [{"devices": 2, "latency_s": 1e-5, "bytes_per_s": 1e11}]}
-    assert costs.AllReduceModel.from_results(data, 2).bytes_per_s == 1e11
+    assert comm_costs.AllReduceModel.from_results(data, 2).bytes_per_s == 1e11
     with pytest.raises(ValueError, match="no fit for 4"):
-        costs.AllReduceModel.from_results(data, 4)
+        comm_costs.AllReduceModel.from_results(data, 4)
 
 
 def test_programs_refuse_a_bad_mesh():

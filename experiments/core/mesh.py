@@ -3,8 +3,8 @@
 The XLA impls whose kernels XLA can partition (xla, xla_split, xla_cudnn) run on the mesh with
 the Core's weights and KV cache split by heads and MLP columns; the Pallas impls and the
 PyTorch rows run on one device and are left out of a --mesh run with a note. Each record then
-carries `model_shards` and the cost model's all-reduces of one iteration (huginn_jax.costs:
-count and bytes; timing them needs experiments.allreduce's fit).
+carries `model_shards` and the cost model's all-reduces of one iteration
+(huginn_jax.comm_costs: count and bytes; timing them needs experiments.allreduce's fit).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from flax import nnx
 
 from experiments.cli import UserError
 from experiments.torch_ref.core_runner import TORCH_IMPLS  # imports no torch
-from huginn_jax import costs, parallel
+from huginn_jax import comm_costs, parallel
 
 FLAGS = flags.FLAGS
 SINGLE_DEVICE_IMPLS = ("xla_pallas", "xla_row_gemv", "xla_mgpu", "persistent", *TORCH_IMPLS)
@@ -77,7 +77,7 @@ def comm_record(cfg, case, dtype_bytes: int) -> dict:
     """`model_shards` and the all-reduces of one Core iteration of `case` (empty on one device)."""
     if cfg.mesh is None:
         return {}
-    comm = costs.core_iteration_comm(
+    comm = comm_costs.core_iteration_comm(
         cfg,
         batch=case.batch,
         context=case.context,
