@@ -1,5 +1,5 @@
 """Tests of experiments.kernels.looped_matmul_smoke's plumbing (CPU): every case has a valid
-config or is the one without a plan, and both tables print."""
+config or is the one without a plan, and both tables of looped_matmul_smoke_report print."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pallas_kernels.looped_matmul.barrier import POLLS
 
 def test_smoke_cases_have_configs_and_table_prints(capsys):
     from experiments.kernels import looped_matmul_smoke as smoke
+    from experiments.kernels.looped_matmul_smoke_report import print_table
 
     cases = {n: c for suite in smoke.SUITES.values() for n, c in suite.items()}
     for name, spec in cases.items():
@@ -25,22 +26,24 @@ def test_smoke_cases_have_configs_and_table_prints(capsys):
         dict(case="splitk_d6144_m64", steps=8, status="n/a"),
         dict(case="splitk_d2048_m8", steps=8, status="TIMEOUT"),
     ]
-    smoke.print_table(rows)
+    print_table(rows)
     out = capsys.readouterr().out
     assert "    70.0" in out and "0.37" in out and "splitk_d6144_m1_lag2" in out
 
 
 def test_smoke_barrier_suite_table(capsys):
     from experiments.kernels import looped_matmul_smoke as smoke
+    from experiments.kernels.looped_matmul_cases import BARRIER_EPOCHS
+    from experiments.kernels.looped_matmul_smoke_report import print_barrier_table
 
-    e = smoke.BARRIER_EPOCHS
+    e = BARRIER_EPOCHS
     rows = [
         dict(case="barrier_one_thread_wg1_e1", kernel_us=3.0),
         dict(case=f"barrier_one_thread_wg1_e{e}", kernel_us=3.0 + (e - 1) * 1.5),
         dict(case="splitk_d2048_m1_s8_one_thread", kernel_us=30.0),
         dict(case="splitk_d2048_m1_s32_one_thread", kernel_us=30.0 + 24 * 2.5),
     ]
-    smoke.print_barrier_table(rows)
+    print_barrier_table(rows)
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("one_thread"))
     assert line.split() == ["one_thread", "1.5", "-", "2.5", "-"]
     for spec in smoke.SUITES["barrier"].values():
