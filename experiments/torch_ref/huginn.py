@@ -6,7 +6,7 @@ on concat[state, embedded], state first) → ln_f → coda → ln_f → tied hea
 MLP whose gate is the first half of fc). Generation as `huginn_jax.generate.greedy`: a fixed
 number of Core iterations, a zero initial state (init_scale 0), greedy argmax. `run_loop` runs
 any of the PyTorch generation loops that `experiments.generate_vs_torch` compares (LOOPS; the
-compiled one lives in `torch_ref.generation`).
+compiled one lives in `torch_ref.generation` and `torch_ref.generation_loop`).
 
 The KV cache is preallocated, K and V each [L, B, S, H, K] with the slots of
 `huginn_jax.kv_cache` ("full"): prelude layer j at j, Core (iteration i, layer j) at P + C·i + j,
@@ -207,8 +207,8 @@ class DecodeGraph:
 
 @dataclasses.dataclass(frozen=True)
 class TorchGeneration:
-    """What `generate_greedy` (and `generation.generate_compiled`) return. Token 0 comes from the
-    prefill, as in huginn_jax."""
+    """What `generate_greedy` (and `generation_loop.generate_compiled`) return. Token 0 comes from
+    the prefill, as in huginn_jax."""
 
     tokens: np.ndarray  # [B, N] int64
     logits: np.ndarray  # [B, N, V] float32: what each token was drawn from
@@ -331,7 +331,8 @@ def run_loop(
     timed tokens); the loops that capture a graph per position take none."""
     import torch
 
-    from experiments.torch_ref.generation import CompiledHuginn, generate_compiled
+    from experiments.torch_ref.generation import CompiledHuginn
+    from experiments.torch_ref.generation_loop import generate_compiled
 
     if impl not in LOOPS:
         raise ValueError(f"unknown torch loop {impl!r}; known: {', '.join(LOOPS)}")
