@@ -1,8 +1,9 @@
-"""Every results file the notes cite is in the repository: the names in backticks in docs/*.md,
-the READMEs and results/h200/*.txt (a bare name is one of results/h200/, `h200/NAME` one of
-results/, and `{a,b}` stands for both), and every `results/h200/...` path named in the code.
-Names that start with `_` shorten the name cited before them and are not checked; neither are
-files of the folders the notes cite at an earlier commit (`git show REV:PATH`)."""
+"""The results files and the notes agree. Every results file the notes cite is in the
+repository: the names in backticks in docs/*.md, the READMEs and results/h200/*.txt (a bare name
+is one of results/h200/, `h200/NAME` one of results/, and `{a,b}` stands for both), and every
+`results/h200/...` path named in the code. Names that start with `_` shorten the name cited
+before them and are not checked; neither are files of the folders the notes cite at an earlier
+commit (`git show REV:PATH`). And every file of results/h200 is cited by docs/ or a README."""
 
 from __future__ import annotations
 
