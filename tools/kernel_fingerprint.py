@@ -7,7 +7,8 @@ Python leaves the kernel the same (a refactor): no GPU needed.
 
 Per configuration (the default schedule at huginn-0125's shapes at batch 1 and 8, the
 second warpgroup, the timing bound without some barriers, grid barriers without hand-overs
-with L2 prefetches, blocks of 128 positions, prefetches at the barriers): the kernel lowered
+with L2 prefetches, blocks of 128 positions, prefetches at the barriers, one grid barrier per
+iteration with the second warpgroup at batch 1 and without it at batch 8): the kernel lowered
 for sm_90 (`fused_step.lowered_for_hopper`), its Mosaic GPU module printed without source
 locations, then that text's length and SHA-256. Lines moved between files change no
 fingerprint; an operation added, removed or reordered changes its configuration's. The names
@@ -30,6 +31,7 @@ from pallas_kernels.core_step.fused_step import lowered_for_hopper
 HUGINN = (5280, 55, 96, 17920)  # n_embd, heads, head_dim, MLP width
 SMALL = (512, 8, 64, 1024)
 OVERLAP = Schedule(3, 2, overlap=1)  # the second warpgroup
+DATAFLOW = Schedule(3, 2, overlap=1, dataflow=1)  # and one grid barrier per iteration
 CONFIGURATIONS = {  # name: (shape, cached positions per slot, kernel options)
     "default_b1": (FusedShape(*HUGINN, 1, 1), 1024, dict(workers=132)),
     "default_b8_2_layers": (FusedShape(*HUGINN, 2, 8), 1024, dict(workers=132)),
@@ -47,6 +49,10 @@ CONFIGURATIONS = {  # name: (shape, cached positions per slot, kernel options)
     "l2_at_barriers": (
         FusedShape(*SMALL, 2, 1, 64), 128,
         dict(workers=16, schedule=Schedule(2, 2, l2_barrier=1, l2_attention=1)),
+    ),
+    "dataflow_b1_2_layers": (FusedShape(*HUGINN, 2, 1), 1024, dict(workers=132, schedule=DATAFLOW)),
+    "dataflow_b8": (
+        FusedShape(*HUGINN, 1, 8), 1024, dict(workers=132, schedule=Schedule(3, 3, dataflow=1))
     ),
 }  # fmt: skip
 
