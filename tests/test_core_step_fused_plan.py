@@ -173,3 +173,16 @@ def test_profiler_records_each_attention_item_parts():
     per_step = 3 * four_layers.steps_per_iteration
     assert profile_ranges(four_layers, 132, 8) == 8 * (per_step + 3 * 4) + 8
     assert profile_ranges(four_layers, 16, 8) == 8 * (per_step + 3 * 4 * 4) + 8
+
+
+def test_profiler_records_the_waits_of_one_barrier_per_iteration():
+    """With `Schedule.dataflow`, room for three waits per product (17 at four layers) and one
+    per attention item; the schedule without the second warpgroup is profiled at 8
+    iterations, the model's batch-1 default (two warpgroups) is not."""
+    four_layers = FusedShape(5280, 55, 96, 17920, 4, 1)
+    extra = 8 * (3 * len(four_layers.phases) + 1 * 4)
+    plain = profile_ranges(four_layers, 132, 8)
+    assert profile_ranges(four_layers, 132, 8, dataflow=True) == plain + extra
+    check_fused(four_layers, 132, Schedule(3, 3, dataflow=1), profiled_iterations=8)
+    with pytest.raises(ValueError, match="does not record two warpgroups"):
+        check_fused(four_layers, 132, Schedule(3, 2, overlap=1, dataflow=1), profiled_iterations=8)

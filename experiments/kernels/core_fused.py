@@ -15,10 +15,12 @@ The "stream" row runs the same products alone (`weight_stream`, the same units, 
 them in flight): what the fusion of the rest costs is the difference. The first row of each
 batch is checked against `step_program.core_iteration` (float32). --profile: Mosaic GPU's
 on-device profiler records each step, barrier (also by the step it follows: after_qkv, ...)
-and part of the attention (its RoPE, its cached blocks, the combine of a head's splits: SM
-cycles per iteration, median over the workers, and their p10-p90), batch 1, the last context,
-per schedule (its records take shared memory: a schedule that leaves too little is refused
-before any work). --unit_cols: the weight units' width, which the ring counts
+and part of the attention (its RoPE, its cached blocks, the combine of a head's splits), and
+with one grid barrier per iteration the waits on counters (per kind of product: its owners'
+chunks, `_own`, its first units' inputs, `_inputs`, the norms' scalars, `_wait_owned`; per
+attention item, its head's tiles, `wait_head`): SM cycles per iteration, median over the
+workers, and their p10-p90, batch 1, the last context, per schedule (its records take shared
+memory: a schedule that leaves too little is refused before any work). --unit_cols: the weight units' width, which the ring counts
 (`fused_plan.Schedule`'s defaults are for 256). --skip_barriers=proj,attn,...: a timing bound,
 the kernel without its grid barriers after those kinds of step (wrong results, marked "bound").
 A schedule RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION[:HANDOVER

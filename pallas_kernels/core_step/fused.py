@@ -259,7 +259,7 @@ def build_fused_core(
     )
     params = plgpu.CompilerParams()
     if profile_dir:
-        ranges = profile_ranges(shape, workers, iterations)
+        ranges = profile_ranges(shape, workers, iterations, bool(schedule.dataflow))
         params = plgpu.CompilerParams(profile_space=ranges, profile_dir=profile_dir)
     threads = dict(num_threads=2, thread_name="wg") if overlap else {}
     return plgpu.kernel(

@@ -79,7 +79,8 @@ def _head_item(k, it, j, item) -> None:
 
     def run():
         if k.dataflow:  # no barrier after the qkv: the head's tiles and norms
-            k.counters.wait_head(it, j, starts)
+            with jax.named_scope("wait_head"):
+                k.counters.wait_head(it, j, starts)
         with jax.named_scope("rope"):
             q, k_new, v_new = k.scope("rope", lambda s: _rope(k, it, j, starts, masks, s))
         parts = None

@@ -80,14 +80,23 @@ def most_workers(shape: FusedShape, schedule: Schedule) -> int:
 
 
 ATTENTION_PARTS = ("rope", "blocks", "combine")  # the attention step's profiled parts
+# `Schedule.dataflow`'s profiled waits: per product (named kind_part, qkv_inputs, ...), the
+# owners' chunks at its start, its first units' inputs and the norms' scalars; per attention
+# item, its head's tiles
+DATAFLOW_PRODUCT_PARTS = ("own", "inputs", "wait_owned")
+DATAFLOW_ITEM_PARTS = ("wait_head",)
 
 
-def profile_ranges(shape: FusedShape, workers: int, iterations: int) -> int:
+def profile_ranges(shape: FusedShape, workers: int, iterations: int, dataflow: bool = False) -> int:
     """Ranges the on-device profiler keeps room for: each step's, each barrier's twice (as a
     barrier and by the kind of step it follows), the parts (`ATTENTION_PARTS`) of each of a
-    worker's attention items, and a few more."""
+    worker's attention items, with `dataflow` the waits on counters (`DATAFLOW_PRODUCT_PARTS`,
+    `DATAFLOW_ITEM_PARTS`), and a few more."""
     items = -(-shape.heads * splits_for(shape.heads, workers) // workers)
-    per_iteration = 3 * shape.steps_per_iteration + len(ATTENTION_PARTS) * items * shape.layers
+    item_parts = len(ATTENTION_PARTS) + (len(DATAFLOW_ITEM_PARTS) if dataflow else 0)
+    per_iteration = 3 * shape.steps_per_iteration + item_parts * items * shape.layers
+    if dataflow:
+        per_iteration += len(DATAFLOW_PRODUCT_PARTS) * len(shape.phases)
     return iterations * per_iteration + 8
 
 
@@ -138,7 +147,8 @@ def check_fused(
     if need > SMEM_LIMIT:
         raise ValueError(f"schedule {schedule}: {need} bytes of smem > {SMEM_LIMIT}")
     if profiled_iterations:
-        profiler = PROFILE_RANGE_BYTES * profile_ranges(shape, workers, profiled_iterations)
+        ranges = profile_ranges(shape, workers, profiled_iterations, bool(schedule.dataflow))
+        profiler = PROFILE_RANGE_BYTES * ranges
         if need + profiler > SMEM_LIMIT:
             raise ValueError(
                 f"schedule {schedule}: {need} bytes of smem and {profiler} for the profiler's "

@@ -6,6 +6,9 @@ chunks it owns, the residuals it adds, and its waits on the counters of the data
 
 from __future__ import annotations
 
+import contextlib
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -215,17 +218,25 @@ class Products:
 
         scalars = (kind, j) == ("qkv", 0) or kind == "mlp_proj" or (kind == "proj" and j > 0)
         if dataflow:  # the norms' scalars and the residual's source: their owners' counters
+            # (profiled as the product's kind and `fused_fit.DATAFLOW_PRODUCT_PARTS`)
+            owners = None
             if kind in ("proj", "mlp_proj"):  # the qkv's or the fc's before it
-                counters.wait_owned(it, p - 1)
+                owners = p - 1
             elif (kind, j) == ("qkv", 0):  # the adapter's: the state's scalar
-                counters.wait_owned(it, 0)
+                owners = 0
+            if owners is not None:
+                with jax.named_scope(f"{kind}_wait_owned"):
+                    counters.wait_owned(it, owners)
             if scalars:
                 k.load_scalars()
             fn, residual_scale = scaled(k, it, p)
             if owned:
-                self.own_chunks(it, p, s, act, fn)
-        for i in range(x_stages):
-            issue_x(i)
+                with jax.named_scope(f"{kind}_own"):
+                    self.own_chunks(it, p, s, act, fn)
+        profiled = jax.named_scope(f"{kind}_inputs") if dataflow and p else None
+        with profiled or contextlib.nullcontext():
+            for i in range(x_stages):
+                issue_x(i)
         if residual is not None:
             self.issue_residual(act, residual, k.worker, s)
         self.zeros.after_start(it, p)
