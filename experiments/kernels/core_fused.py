@@ -20,9 +20,10 @@ with one grid barrier per iteration the waits on counters (per kind of product: 
 chunks, `_own`, its first units' inputs, `_inputs`, the norms' scalars, `_wait_owned`; per
 attention item, its head's tiles, `wait_head`): SM cycles per iteration, median over the
 workers, and their p10-p90, batch 1, the last context, per schedule (its records take shared
-memory: a schedule that leaves too little is refused before any work). --unit_cols: the weight units' width, which the ring counts
-(`fused_plan.Schedule`'s defaults are for 256). --skip_barriers=proj,attn,...: a timing bound,
-the kernel without its grid barriers after those kinds of step (wrong results, marked "bound").
+memory: a schedule that leaves too little is refused before any work). --unit_cols: the weight
+units' width, which the ring counts (`fused_plan.Schedule`'s defaults are for 256).
+--skip_barriers=proj,attn,...: a timing bound, the kernel without its grid barriers after those
+kinds of step (wrong results, marked "bound").
 A schedule RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION[:HANDOVER
 [:OVERLAP[:DATAFLOW]]]]]]]]:
 weight units in flight per worker and cached blocks in flight in the attention (the shared
