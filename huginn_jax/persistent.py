@@ -63,7 +63,7 @@ def step_weights(model: Core | Huginn) -> StepWeights:
 
 # The schedule where none is given: at these batches the cached blocks in a second warpgroup
 # (`Schedule.overlap`) and one grid barrier per iteration (`Schedule.dataflow`), the fastest
-# there in the kernel and in the model's call (docs/core_step.md, "Cached blocks in a second
+# there in the kernel and in the model's call (docs/core_step_record.md, "Cached blocks in a second
 # warpgroup", "One grid barrier per iteration"), where the case's attention items fit one per
 # worker; the kernel's default `Schedule()` elsewhere (at batch 8 both were slower).
 DATAFLOW_OVERLAP = Schedule(ring=3, kv_stages=2, overlap=1, dataflow=1)

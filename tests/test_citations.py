@@ -3,7 +3,9 @@ repository: the names in backticks in docs/*.md, the READMEs and results/h200/*.
 is one of results/h200/, `h200/NAME` one of results/, and `{a,b}` stands for both), and every
 `results/h200/...` path named in the code. Names that start with `_` shorten the name cited
 before them and are not checked; neither are files of the folders the notes cite at an earlier
-commit (`git show REV:PATH`). And every file of results/h200 is cited by docs/ or a README."""
+commit (`git show REV:PATH`). And every file of results/h200 is cited by docs/ or a README, and
+every section a text cites by name (`docs/NOTE.md`, "Section") is a heading or a bold paragraph
+of that note."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ RESULT_FILE = re.compile(
     r"(\.(json|txt|png|gz)|\.\{[a-z.,]+\}|\{[^{}]*\.(json|txt|png|gz)[^{}]*\})$"
 )
 CODE_PATH = re.compile(r"results/h200/[\w.{},-]+")
+SECTION_CITE = re.compile(r'docs/(\w+)\.md`?\s*[,(]?\s*\(?\s*"([^"]+)"', re.S)
 
 
 def expand(name: str) -> list[str]:
@@ -99,3 +102,42 @@ def test_every_results_file_is_cited():
     assert not sorted(kept - cited), "results files no note cites:\n" + "\n".join(
         sorted(kept - cited)
     )
+
+
+def section_names(note: str) -> set[str]:
+    """The headings and bold paragraph titles of a note, whitespace collapsed."""
+    found = re.findall(r"^#+ (.*)$", note, re.M) + re.findall(r"^\*\*(.+?)\*\*", note, re.M | re.S)
+    return {" ".join(name.split()) for name in found}
+
+
+def cited_sections(text: str) -> list[tuple[str, str]]:
+    """(note, section) of each `docs/NOTE.md`, "Section" in `text` (a name wrapped over comment
+    lines read as one line)."""
+    return [
+        (f"docs/{note}.md", " ".join(re.sub(r"\s*#\s*", " ", name).split()))
+        for note, name in SECTION_CITE.findall(text)
+    ]
+
+
+def test_every_cited_section_exists():
+    assert cited_sections('(`docs/a.md`, "One\n  # two") and docs/b.md ("Three")') == [
+        ("docs/a.md", "One two"),
+        ("docs/b.md", "Three"),
+    ]
+    patterns = ("docs/*.md", "*.md", "results/*.md", "results/h200/*.txt")
+    patterns += tuple(
+        f"{d}/**/*.py" for d in ("experiments", "huginn_jax", "pallas_kernels", "tools")
+    )
+    texts = [p for pattern in patterns for p in sorted(REPO.glob(pattern))]
+    names: dict[str, set[str]] = {}
+    cites, missing = 0, []
+    for path in texts:
+        for note, section in cited_sections(path.read_text(errors="replace")):
+            cites += 1
+            if note not in names:
+                file = REPO / note
+                names[note] = section_names(file.read_text()) if file.exists() else set()
+            if not any(name.startswith(section) for name in names[note]):
+                missing.append(f'{path.relative_to(REPO)}: {note}, "{section}"')
+    assert cites > 50  # the scan found the citations
+    assert not missing, "sections cited but not in their note:\n" + "\n".join(missing)
