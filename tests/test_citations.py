@@ -1,11 +1,11 @@
 """The results files and the notes agree. Every results file the notes cite is in the
-repository: the names in backticks in docs/*.md, the READMEs and results/h200/*.txt (a bare name
-is one of results/h200/, `h200/NAME` one of results/, and `{a,b}` stands for both), and every
-`results/h200/...` path named in the code. Names that start with `_` shorten the name cited
-before them and are not checked; neither are files of the folders the notes cite at an earlier
-commit (`git show REV:PATH`). And every file of results/h200 is cited by docs/ or a README, and
-every section a text cites by name (`docs/NOTE.md`, "Section") is a heading or a bold paragraph
-of that note."""
+repository: the names in backticks in docs/*.md, README.md, results/*.md and results/h200/*.txt
+(a bare name is one of results/h200/, `h200/NAME` one of results/, and `{a,b}` stands for both),
+and every `results/h200/...` path named in the code. Names that start with `_` shorten the name
+cited before them and are not checked; neither are files of the folders the notes cite at an
+earlier commit (`git show REV:PATH`). And every file of results/h200 is cited by one of those
+notes, and every section a text cites by name (`docs/NOTE.md`, "Section") is a heading or a bold
+paragraph of that note."""
 
 from __future__ import annotations
 
@@ -20,6 +20,12 @@ RESULT_FILE = re.compile(
     r"(\.(json|txt|png|gz)|\.\{[a-z.,]+\}|\{[^{}]*\.(json|txt|png|gz)[^{}]*\})$"
 )
 CODE_PATH = re.compile(r"results/h200/[\w.{},-]+")
+# the notes: the design notes, the README and the results' READMEs
+NOTES = [
+    *sorted((REPO / "docs").glob("*.md")),
+    REPO / "README.md",
+    *sorted(RESULTS.parent.glob("*.md")),
+]
 SECTION_CITE = re.compile(r'docs/(\w+)\.md`?\s*[,(]?\s*\(?\s*"([^"]+)"', re.S)
 
 
@@ -70,12 +76,7 @@ def test_the_scan_reads_every_form_of_citation():
 
 
 def test_every_cited_results_file_exists():
-    notes = [
-        *sorted((REPO / "docs").glob("*.md")),
-        REPO / "README.md",
-        REPO / "results" / "README.md",
-        *sorted(RESULTS.glob("*.txt")),
-    ]
+    notes = [*NOTES, *sorted(RESULTS.glob("*.txt"))]
     code = [p for d in ("experiments", "huginn_jax", "pallas_kernels", "tools") for p in
             sorted((REPO / d).rglob("*.py"))]  # fmt: skip
     cited: dict[str, set[str]] = {}
@@ -90,11 +91,7 @@ def test_every_cited_results_file_exists():
 
 def test_every_results_file_is_cited():
     """No file of results/h200 is left that no note explains (the README or a doc)."""
-    notes = [
-        *sorted((REPO / "docs").glob("*.md")),
-        REPO / "README.md",
-        REPO / "results" / "README.md",
-    ]
+    notes = NOTES
     cited = set()
     for path in notes:
         cited |= cited_paths(path.read_text(errors="replace"))
