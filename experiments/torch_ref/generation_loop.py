@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from experiments.torch_ref.generation import CompiledHuginn
-from experiments.torch_ref.huginn import TorchGeneration
+from experiments.torch_ref.huginn import TorchGeneration, start_generation, timed_prefill
 
 
 def decode_step(model: CompiledHuginn, warmup: int) -> tuple[Callable[[], Any], bool]:
@@ -107,28 +107,15 @@ def generate_compiled(
     import torch
 
     cuda = model.device.type == "cuda"
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize()
-
-    batch, prompt_len = prompt_ids_BxT.shape
-    model.setup_cache(batch, prompt_len + max_new_tokens, num_steps)
-    prompt = torch.as_tensor(np.asarray(prompt_ids_BxT), dtype=torch.int64, device=model.device)
+    prompt, sync = start_generation(model, prompt_ids_BxT, max_new_tokens, num_steps)
+    prompt_len = prompt.shape[1]
     inductor_graphs = model.mode == "reduce-overhead" and cuda
     prefill_warmup = max(warmup, 2) if inductor_graphs else warmup
     skips = _cudagraph_skips()
     with torch.no_grad():
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(prefill_warmup):
-            model.prefill(prompt)
-        sync()
-        setup_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        token, logits = model.prefill(prompt)
-        sync()
-        prefill_s = time.perf_counter() - t0
+        (token, logits), setup_s, prefill_s = timed_prefill(
+            lambda: model.prefill(prompt), prefill_warmup, sync
+        )
         tokens, all_logits = [token.cpu()], [logits.cpu()]
         latencies: list[float] = []
         graph = False

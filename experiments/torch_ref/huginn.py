@@ -224,6 +224,39 @@ class TorchGeneration:
         return statistics.median(self.latencies_s) if self.latencies_s else None
 
 
+def start_generation(model, prompt_ids_BxT: np.ndarray, max_new_tokens: int, num_steps: int):
+    """The model's cache set up for the prompt [B, T] and `max_new_tokens` more positions: (the
+    prompt as int64 on the model's device, sync), sync() waiting for the device's queued work (a
+    no-op on the CPU)."""
+    import torch
+
+    cuda = model.device.type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    batch, prompt_len = prompt_ids_BxT.shape
+    model.setup_cache(batch, prompt_len + max_new_tokens, num_steps)
+    prompt = torch.as_tensor(np.asarray(prompt_ids_BxT), dtype=torch.int64, device=model.device)
+    return prompt, sync
+
+
+def timed_prefill(prefill: Callable[[], Any], warmup: int, sync: Callable[[], None]):
+    """prefill() `warmup` times untimed, then once timed: (its result, the warm-up's seconds,
+    the timed call's seconds), each until sync() returns."""
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        prefill()
+    sync()
+    setup_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    result = prefill()
+    sync()
+    return result, setup_s, time.perf_counter() - t0
+
+
 def generate_greedy(
     model: TorchHuginn,
     prompt_ids_BxT: np.ndarray,
@@ -244,28 +277,14 @@ def generate_greedy(
     """
     import torch
 
-    cuda = model.device.type == "cuda"
-    if graph and not cuda:
+    if graph and model.device.type != "cuda":
         raise ValueError("graph=True needs the model on a CUDA device")
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize()
-
-    batch, prompt_len = prompt_ids_BxT.shape
-    model.setup_cache(batch, prompt_len + max_new_tokens, num_steps)
-    prompt = torch.as_tensor(np.asarray(prompt_ids_BxT), dtype=torch.int64, device=model.device)
+    prompt, sync = start_generation(model, prompt_ids_BxT, max_new_tokens, num_steps)
+    prompt_len = prompt.shape[1]
     with torch.no_grad():  # no tensor here needs grad; this only skips autograd bookkeeping
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(warmup):
-            model.prefill(prompt, num_steps)
-        sync()
-        setup_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        token, logits = model.prefill(prompt, num_steps)
-        sync()
-        prefill_s = time.perf_counter() - t0
+        (token, logits), setup_s, prefill_s = timed_prefill(
+            lambda: model.prefill(prompt, num_steps), warmup, sync
+        )
         tokens, all_logits = [token.cpu()], [logits.cpu()]
         ids = token[:, None].clone()  # [B, 1]: the decode input, a buffer outside any graph pool
         latencies, captures = [], []
