@@ -44,7 +44,7 @@ class Counters:
     (`k.dataflow`) also the attention outputs' tiles and the owners' counters."""
 
     def __init__(self, k: KernelContext, counted: tuple[int, ...]):
-        self.k, self.dataflow = k, k.dataflow
+        self.k = k
         self.phases, self.cols = k.shape.phases, k.shape.unit_cols
         self.chunks_d = k.shape.k_d // UNIT
         self.active = k.reduce
@@ -52,12 +52,12 @@ class Counters:
         for p in counted:
             self.base[p], total = total, total + self.phases[p].tiles(self.cols)
         self.att_base = {}  # the attention outputs' tiles, per layer
-        if self.dataflow:
+        if self.k.dataflow:
             for j in range(k.shape.layers):
                 self.att_base[j], total = total, total + -(-k.shape.k_d // self.cols)
         on = self.active and total
         self.tiles = pl.get_global(plgpu.SemaphoreType.REGULAR((total,))) if on else None
-        owning = len(self.phases) if self.dataflow and self.active else 0
+        owning = len(self.phases) if self.k.dataflow and self.active else 0
         self.owned = pl.get_global(plgpu.SemaphoreType.REGULAR((owning,))) if owning else None
 
     def residual_chunks(self, p) -> int:
@@ -112,7 +112,7 @@ class Counters:
 
         @pl.loop(kc * rows // self.cols, ((kc + 1) * rows - 1) // self.cols + 1)
         def _tile(t):
-            if kind == "proj" and self.dataflow:
+            if kind == "proj" and self.k.dataflow:
                 count = attention_tile_heads(self.k.shape, self.cols, t)
                 _wait(self.tiles.at[self.att_base[j] + t], (it + 1) * count)
             else:

@@ -61,7 +61,6 @@ class Products:
         self.phases, self.cols = shape.phases, shape.unit_cols
         self.n_phases = len(self.phases)
         self.handover = schedule.handover if k.reduce else 0
-        self.dataflow = k.dataflow  # `Schedule.dataflow`
         self.chunks_d = shape.k_d // UNIT  # 64-row chunks of a d-vector
         self.ring = WeightRing(k, schedule, iterations, inputs["weights"])
         counted = tuple(p for p in range(self.n_phases) if self.signals(p))
@@ -72,13 +71,13 @@ class Products:
         """Whether the product after p starts on p's tile counters (`Schedule.handover`)."""
         kind, _ = kind_of(self.phases[p].name)
         kept = kind not in self.skip_barriers
-        if self.dataflow or not (self.handover > 0 and kept and p + 1 < self.n_phases):
+        if self.k.dataflow or not (self.handover > 0 and kept and p + 1 < self.n_phases):
             return False
         return kind in ("proj", "mlp_proj")
 
     def signals(self, p):
         """Whether product p's output tiles are counted: its reader starts on them."""
-        return self.hands_over(p) or (self.dataflow and p + 1 < self.n_phases)
+        return self.hands_over(p) or (self.k.dataflow and p + 1 < self.n_phases)
 
     def split_q(self, p):
         """Whether product p's units are two ranges: q's tiles, then the rest (overlap)."""
@@ -179,7 +178,7 @@ class Products:
 
     def _product_in_scope(self, it, p, s, handed):
         k, phases, cols, ring, counters = self.k, self.phases, self.cols, self.ring, self.counters
-        x_stages, lag, handover, dataflow = self.x_stages, self.lag, self.handover, self.dataflow
+        x_stages, lag, handover, dataflow = self.x_stages, self.lag, self.handover, self.k.dataflow
         act = k.acts(it)
         bf16, f32 = jnp.bfloat16, jnp.float32
         kind, j = kind_of(phases[p].name)

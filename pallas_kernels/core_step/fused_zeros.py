@@ -22,7 +22,6 @@ class Zeros:
 
     def __init__(self, k: KernelContext, iterations: int, hands_over):
         self.k, self.iterations, self.hands_over = k, iterations, hands_over
-        self.dataflow = k.dataflow  # `Schedule.dataflow`
         self.phases, self.cols = k.shape.phases, k.shape.unit_cols
         self.att_rows = pad_to(k.shape.k_d, self.cols)
 
@@ -66,7 +65,7 @@ class Zeros:
                 zero = k.s["zero"].at[pl.ds(0, SCALAR_ROWS)]
                 plgpu.copy_smem_to_gmem(zero, k.scal.at[lax.rem(it + 1, 2)])
 
-        if self.dataflow:
+        if self.k.dataflow:
 
             def next_iteration():
                 nxt = k.acts(it + 1)
@@ -107,9 +106,9 @@ class Zeros:
                         plgpu.copy_smem_to_gmem(s["zero"].at[pl.ds(0, SHIFT)], dst)
 
         first = k.acts(0)
-        if self.dataflow:
+        if self.k.dataflow:
             for j in range(k.shape.layers):
                 self.rows(first, Buffers.of("att", j), 0, self.att_rows)
         if k.reduce:
-            for p in range(len(self.phases) if self.dataflow else 1):
+            for p in range(len(self.phases) if self.k.dataflow else 1):
                 self.output(first, p)
