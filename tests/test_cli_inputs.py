@@ -45,6 +45,7 @@ WRITES_JSON = {
     "experiments.kernels.core_fused",
     "experiments.kernels.stream_units",
     "experiments.kernels.prefill_gemm",
+    "experiments.kernels.looped_matmul_smoke",
     "huginn_jax.generate",
 }
 
@@ -77,9 +78,8 @@ class Help:
 CHAIN, CORE, GENERATE = "experiments.chain", "experiments.core", "huginn_jax.generate"
 MICRO = "--config=micro --random_weights --prompt_len=4 --max_new_tokens=4"
 BAD = [
-    # unknown flags: absl's parser, argparse's, the generate command line's
+    # unknown flags: absl's parser, the generate command line's
     Bad(CHAIN, "--nosuch", "Unknown command line flag 'nosuch'"),
-    Bad("experiments.kernels.looped_matmul_smoke", "--nosuch", "unrecognized arguments"),
     Bad(GENERATE, "--nosuch", "Unknown command line flag 'nosuch'"),
     # chain
     Bad(CHAIN, "--size=-1MiB", "invalid size '-1MiB': must be positive"),
@@ -147,6 +147,8 @@ BAD = [
     Bad("experiments.kernels.prefill_gemm", "--xla_flags=-x", "'-x' is not an XLA flag"),
     Bad("experiments.kernels.looped_matmul_smoke", "--case=bogus", "unknown case 'bogus'"),
     Bad("experiments.kernels.looped_matmul_smoke", "--reps=0", "--reps=0: must be >= 1"),
+    Bad("experiments.kernels.looped_matmul_smoke", "--suite=x", "value should be one of"),
+    Bad("experiments.kernels.looped_matmul_smoke", "", "needs an sm_90 GPU"),
     # generate
     Bad(GENERATE, "--checkpoint={trunc} --prompt_ids=1,2", "truncated or damaged"),
     Bad(GENERATE, "--checkpoint={four} --prompt_ids=1,2", "key 'n_heads' is \"four\""),
@@ -259,7 +261,7 @@ def test_help_lists_the_main_flags_with_defaults(runs, case):
     assert run.proc.returncode == 0, run.proc.stderr
     assert "Traceback" not in out + run.proc.stderr
     for flag in case.flags:
-        # absl: "  --flag: help" then "(default: ...)"; argparse: "  --flag X  help (default: ...)"
+        # absl: "  --flag: help" then "(default: ...)"
         block = re.search(rf"^\s+--(?:\[no\])?{flag}\b.*?(?=^\s+--|\Z)", out, re.M | re.S)
         assert block, f"--{flag} not in --help"
         assert "(default:" in block.group(0), block.group(0)

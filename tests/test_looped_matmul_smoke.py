@@ -48,3 +48,52 @@ def test_smoke_barrier_suite_table(capsys):
     assert line.split() == ["one_thread", "1.5", "-", "2.5", "-"]
     for spec in smoke.SUITES["barrier"].values():
         assert smoke._poll_of(spec) in POLLS
+
+
+def test_suite_runs_each_case_in_a_process_and_skips_a_hung_poll(monkeypatch, capsys):
+    """`run_suite`'s plumbing, with the case processes faked: a row per case from its RESULT
+    line, a timed-out barrier case skips the later ones with its poll (not the others)."""
+    import json
+    import subprocess
+
+    from experiments.kernels import looped_matmul_smoke as smoke
+
+    cases = {
+        "hangs": dict(variant="barrier", poll="one_thread", steps=4),
+        "same_poll": dict(variant="barrier", poll="one_thread", steps=8),
+        "other_poll": dict(variant="barrier", poll="all_threads", steps=4),
+        "resident": dict(d=2048, m=1, steps=8),
+    }
+    commands = []
+
+    def fake_run(cmd, **kwargs):
+        commands.append(cmd)
+        name = next(a for a in cmd if a.startswith("--case=")).split("=", 1)[1]
+        if name == "hangs":
+            raise subprocess.TimeoutExpired(cmd, kwargs["timeout"], output=b"started\n")
+        row = json.dumps(dict(case=name, steps=cases[name]["steps"], status="OK"))
+        return subprocess.CompletedProcess(cmd, 0, stdout=f"[{name}] ran\nRESULT {row}\n")
+
+    monkeypatch.setattr(smoke.subprocess, "run", fake_run)
+    rows = smoke.run_suite(list(cases), cases, reps=3, timeout=5.0, budget=100.0)
+    assert [(r["case"], r["status"]) for r in rows] == [
+        ("hangs", "TIMEOUT"),
+        ("same_poll", "SKIP"),
+        ("other_poll", "OK"),
+        ("resident", "OK"),
+    ]
+    assert len(commands) == 3 and all("--json_out=" in c and "--reps=3" in c for c in commands)
+    out = capsys.readouterr().out
+    assert "[hangs] TIMEOUT after 5 s" in out and "RESULT" not in out
+
+
+def test_suite_stops_launching_past_its_budget(monkeypatch):
+    from experiments.kernels import looped_matmul_smoke as smoke
+
+    def fail_run(cmd, **kwargs):
+        raise AssertionError("no case fits the budget: none should start")
+
+    monkeypatch.setattr(smoke.subprocess, "run", fail_run)
+    cases = {"resident": dict(d=2048, m=1, steps=8)}
+    rows = smoke.run_suite(list(cases), cases, reps=3, timeout=60.0, budget=30.0)
+    assert rows == [dict(case="resident", steps=8, status="BUDGET")]

@@ -1,32 +1,31 @@
 """GPU smoke run of the looped matmul kernels: correctness vs the reference, kernel times, a table.
 
-    python -m experiments.kernels.looped_matmul_smoke               # the comparison suite + table
-    python -m experiments.kernels.looped_matmul_smoke --suite resident  # the resident kernel
-    python -m experiments.kernels.looped_matmul_smoke --suite steps   # split-K time vs steps
-    python -m experiments.kernels.looped_matmul_smoke --case NAME     # one case in this process
-    python -m experiments.kernels.looped_matmul_smoke --only A,B --profile_dir DIR  # + phases
+    python -m experiments.kernels.looped_matmul_smoke                  # the comparison suite
+    python -m experiments.kernels.looped_matmul_smoke --suite=resident  # the resident kernel
+    python -m experiments.kernels.looped_matmul_smoke --suite=steps     # split-K time vs steps
+    python -m experiments.kernels.looped_matmul_smoke --case=NAME       # one case, this process
+    python -m experiments.kernels.looped_matmul_smoke --only=A,B --profile_dir=DIR  # + phases
     python -m experiments.kernels.looped_matmul_smoke --list
 
 Every case runs in its own subprocess with a timeout, so that a hung grid barrier or a crash in
 one case leaves the others running (its output and traceback are printed). A case prints one
-`RESULT {json}` line; the parent prints a compact table of them last
-(`looped_matmul_smoke_report.py`). The cases, by suite, are `looped_matmul_cases.py`. The
-default suite times the resident and split-K kernels side by side (d in 2048, 3520, 6144, 12288;
-M in 1, 8, 64; 8 steps) against XLA's unrolled chain of 8 dots, then split-K variants at 72 MiB.
-Kernel times are CUPTI device times (median over --reps calls, all kernels of a call summed), as
-the numbers in docs/looped_matmul.md. If a split-K or barrier case times out, the later ones
-with the same barrier poll are skipped (a barrier bug would hang them all); --budget stops
-launching cases that could end after that many seconds.
+`RESULT {json}` line; the parent writes the rows to --json_out and prints a compact table of
+them last (`looped_matmul_smoke_report.py`). The cases, by suite, are `looped_matmul_cases.py`.
+The default suite times the resident and split-K kernels side by side (d in 2048, 3520, 6144,
+12288; M in 1, 8, 64; 8 steps) against XLA's unrolled chain of 8 dots, then split-K variants at
+72 MiB. Kernel times are CUPTI device times (median over --reps calls, all kernels of a call
+summed), as the numbers in docs/looped_matmul.md. If a split-K or barrier case times out, the
+later ones with the same barrier poll are skipped (a barrier bug would hang them all); --budget
+stops launching cases that could end after that many seconds.
 
 HBM bytes of one case (target: <= 1.25 x W per chain at 72 MiB):
     ncu --clock-control none --cache-control none --metrics dram__bytes_read.sum,\
-lts__t_sector_hit_rate.pct python -m experiments.kernels.looped_matmul_smoke --case \
-splitk_d6144_m1 --reps 2
+lts__t_sector_hit_rate.pct python -m experiments.kernels.looped_matmul_smoke \
+--case=splitk_d6144_m1 --reps=2
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -35,12 +34,17 @@ import subprocess
 import sys
 import time
 import traceback
-from typing import Any, NoReturn
+from typing import Any
 
-from experiments import cli
+from absl import flags
+
+from experiments import program
+from experiments.cli import UserError
 from experiments.kernels.looped_matmul_cases import BARRIER_BLOCKS, SUITES
 from experiments.kernels.looped_matmul_smoke_report import print_barrier_table, print_table
 from experiments.measure.device_time import cupti_us, wall_us
+
+FLAGS = flags.FLAGS
 
 
 def _config_for(spec: dict[str, Any]):
@@ -240,85 +244,66 @@ def _poll_of(spec: dict[str, Any]) -> str | None:
 PROGRAM = "looped_matmul_smoke"
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, with a bad command line ending in one line on stderr (exit 2, no usage)."""
+def define_flags() -> None:
+    flags.DEFINE_enum("suite", "table", sorted(SUITES), "Cases to run.")
+    flags.DEFINE_string("case", "", "Run this one case in this process (no subprocess).")
+    flags.DEFINE_bool("list", False, "Print the suite's case names and stop.")
+    flags.DEFINE_list("only", [], "Case names to run; empty: the suite's.")
+    flags.DEFINE_float("timeout", 75.0, "Seconds per case (each in its own process).")
+    flags.DEFINE_float("budget", 560.0, "Stop launching cases that could end after this (s).")
+    flags.DEFINE_integer("reps", 10, "Timed calls per case (median).")
+    flags.DEFINE_integer(
+        "calls", 0, "With --case: only call the kernel this many times, no timing (for ncu)."
+    )
+    flags.DEFINE_string(
+        "profile_dir", "", "Split-K cases: also profile each step's phases, traces written here."
+    )
+    flags.DEFINE_string("json_out", "out/looped_matmul_smoke.json", "Results JSON (empty: none).")
 
-    def error(self, message: str) -> NoReturn:
-        cli.fail(PROGRAM, message)
 
-
-def _check(args: argparse.Namespace, all_cases: dict[str, Any]) -> list[str]:
-    """The case names to run; one line and exit 2 for a bad value or a backend without a GPU
-    (every kernel here is Mosaic GPU's), before any case starts."""
-    names = [args.case] if args.case else [n for n in args.only.split(",") if n]
+def case_names(all_cases: dict[str, Any]) -> list[str]:
+    """The case names to run; UserError for a bad value or a backend without a GPU (every
+    kernel here is Mosaic GPU's), before any case starts."""
+    names = [FLAGS.case] if FLAGS.case else list(FLAGS.only)
     unknown = [n for n in names if n not in all_cases]
     if unknown:
-        cli.fail(PROGRAM, f"unknown case {unknown[0]!r}; --list shows a suite's cases")
-    if args.only and not names:
-        cli.fail(PROGRAM, "--only is empty: give at least one case name")
-    if args.reps < 1:
-        cli.fail(PROGRAM, f"--reps={args.reps}: must be >= 1")
-    if args.calls < 0:
-        cli.fail(PROGRAM, f"--calls={args.calls}: must be >= 0")
+        raise UserError(f"unknown case {unknown[0]!r}; --list shows a suite's cases")
+    if FLAGS.reps < 1:
+        raise UserError(f"--reps={FLAGS.reps}: must be >= 1")
+    if FLAGS.calls < 0:
+        raise UserError(f"--calls={FLAGS.calls}: must be >= 0")
     for name in ("timeout", "budget"):
-        value = getattr(args, name)
+        value = FLAGS[name].value
         if not (math.isfinite(value) and value > 0):
-            cli.fail(PROGRAM, f"--{name}={value}: must be a number of seconds > 0")
+            raise UserError(f"--{name}={value}: must be a number of seconds > 0")
+    program.check_outputs(FLAGS.json_out)
     import jax
 
     platform = jax.devices()[0].platform
     if platform != "gpu":
-        cli.fail(PROGRAM, f"needs an sm_90 GPU (Mosaic GPU); the backend here is {platform}")
-    return names or list(SUITES[args.suite])
+        raise UserError(f"needs an sm_90 GPU (Mosaic GPU); the backend here is {platform}")
+    return names or list(SUITES[FLAGS.suite])
 
 
-def main() -> None:
-    p = _Parser(
-        description=__doc__.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument("--suite", choices=sorted(SUITES), default="table", help="cases to run")
-    p.add_argument("--case", help="run one case in this process")
-    p.add_argument("--list", action="store_true", help="print the suite's case names")
-    p.add_argument("--only", default="", help="comma list of case names; empty: the suite's")
-    p.add_argument("--timeout", type=float, default=75.0, help="seconds per case")
-    p.add_argument("--budget", type=float, default=560.0, help="stop launching after this (s)")
-    p.add_argument("--reps", type=int, default=10, help="timed calls per case (median)")
-    p.add_argument(
-        "--calls", type=int, default=0,
-        help="with --case: only call the kernel this many times, no timing (for ncu)",
-    )  # fmt: skip
-    p.add_argument(
-        "--profile_dir", default="",
-        help="split-K cases: also profile each step's phases, traces written here; empty: no",
-    )  # fmt: skip
-    args = p.parse_args()
-    all_cases = {name: spec for suite in SUITES.values() for name, spec in suite.items()}
-    if args.list:
-        print("\n".join(SUITES[args.suite]))
-        return
-    names = _check(args, all_cases)
-    if args.case:
-        try:
-            run_case(
-                args.case, all_cases[args.case], args.reps, calls=args.calls,
-                profile_dir=args.profile_dir,
-            )  # fmt: skip
-        except Exception:
-            print(f"[{args.case}] EXCEPTION:")
-            traceback.print_exc(file=sys.stdout)
-            _result(args.case, all_cases[args.case], status="ERROR")
-            sys.exit(1)
-        return
+def run_one(name: str, spec: dict[str, Any]) -> None:
+    """--case: the case in this process; an exception prints its traceback and an ERROR row,
+    and the process exits 1 (the parent shows both)."""
+    try:
+        run_case(name, spec, FLAGS.reps, calls=FLAGS.calls, profile_dir=FLAGS.profile_dir)
+    except Exception:
+        print(f"[{name}] EXCEPTION:")
+        traceback.print_exc(file=sys.stdout)
+        _result(name, spec, status="ERROR")
+        sys.exit(1)
 
-    import jax
 
-    dev = jax.devices()[0]
-    print(
-        f"jax {jax.__version__}; device {dev.platform} {getattr(dev, 'device_kind', '')} "
-        f"cc={getattr(dev, 'compute_capability', None)} sms={getattr(dev, 'core_count', None)}",
-        flush=True,
-    )
+def run_suite(
+    names: list[str], all_cases: dict[str, Any], *, reps: int, timeout: float, budget: float,
+    profile_dir: str = "",
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Each case in a process of its own (`--case`), one after another: its output printed as
+    it ends, its RESULT row kept. A case that times out skips the later ones with its barrier
+    poll; none starts that could end after `budget` seconds."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     start, rows, hung_polls = time.perf_counter(), [], set()
     for name in names:
@@ -327,25 +312,23 @@ def main() -> None:
             print(f"[{name}] SKIPPED: an earlier case with poll={_poll_of(spec)} timed out")
             rows.append(dict(case=name, steps=spec["steps"], status="SKIP"))
             continue
-        if time.perf_counter() - start + args.timeout > args.budget:
-            print(f"[{name}] SKIPPED: --budget {args.budget:.0f} s would be exceeded")
+        if time.perf_counter() - start + timeout > budget:
+            print(f"[{name}] SKIPPED: --budget {budget:.0f} s would be exceeded")
             rows.append(dict(case=name, steps=spec["steps"], status="BUDGET"))
             continue
-        cmd = [sys.executable, "-m", "experiments.kernels.looped_matmul_smoke", "--case", name]
-        if args.profile_dir:
-            cmd += ["--profile_dir", args.profile_dir]
+        cmd = [
+            sys.executable, "-m", "experiments.kernels.looped_matmul_smoke", f"--case={name}",
+            f"--reps={reps}", f"--profile_dir={profile_dir}", "--json_out=",
+        ]  # fmt: skip
         t = time.perf_counter()
         try:
-            proc = subprocess.run(
-                cmd + ["--reps", str(args.reps)],
-                capture_output=True, text=True, timeout=args.timeout, env=env,
-            )  # fmt: skip
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
             out = proc.stdout + (proc.stderr[-3000:] if proc.returncode else "")
             if proc.returncode:
                 out += f"\n[{name}] exit code {proc.returncode}"
         except subprocess.TimeoutExpired as e:
             so = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-            out = so + f"\n[{name}] TIMEOUT after {args.timeout:.0f} s (hang? grid barrier?)"
+            out = so + f"\n[{name}] TIMEOUT after {timeout:.0f} s (hang? grid barrier?)"
             rows.append(dict(case=name, steps=spec["steps"], status="TIMEOUT"))
             if _poll_of(spec):
                 hung_polls.add(_poll_of(spec))
@@ -355,10 +338,36 @@ def main() -> None:
                 rows.append(json.loads(line[len("RESULT ") :]))
         print("\n".join(ln for ln in lines if not ln.startswith("RESULT ")))
         print(f"[{name}] wall {time.perf_counter() - t:.1f} s", flush=True)
+    return rows
+
+
+def main(argv: list[str]) -> None:
+    all_cases = {name: spec for suite in SUITES.values() for name, spec in suite.items()}
+    if FLAGS.list:
+        print("\n".join(SUITES[FLAGS.suite]))
+        return
+    names = case_names(all_cases)
+    if FLAGS.case:
+        run_one(FLAGS.case, all_cases[FLAGS.case])
+        return
+    import jax
+
+    dev = jax.devices()[0]
+    print(
+        f"jax {jax.__version__}; device {dev.platform} {getattr(dev, 'device_kind', '')} "
+        f"cc={getattr(dev, 'compute_capability', None)} sms={getattr(dev, 'core_count', None)}",
+        flush=True,
+    )
+    rows = run_suite(
+        names, all_cases, reps=FLAGS.reps, timeout=FLAGS.timeout, budget=FLAGS.budget,
+        profile_dir=FLAGS.profile_dir,
+    )  # fmt: skip
+    if FLAGS.json_out:
+        program.write_results(FLAGS.json_out, {"rows": rows})
     print_table(rows)
-    if args.suite == "barrier":
+    if FLAGS.suite == "barrier":
         print_barrier_table(rows)
 
 
 if __name__ == "__main__":
-    main()
+    program.run(PROGRAM, define_flags, main)
