@@ -137,6 +137,11 @@ BAD = [
     Bad("experiments.kernels.core_fused", "--batch=9", "at most 8 sequences"),
     Bad("experiments.kernels.core_fused", "--schedules=40:2", "schedule 40:2, --batch=1"),
     Bad("experiments.kernels.core_fused", "--schedules=8", "is not RING:KV_STAGES"),
+    Bad(
+        "experiments.kernels.core_fused",
+        "--schedules=3:2:0:0:64:0:0:8:1:1 --profile",
+        "for the profiler's records of 8 iterations",
+    ),
     Bad("experiments.kernels.core_fused", "--schedules=6:3:30", "the L2 lookahead (30)"),
     Bad("experiments.kernels.core_fused", "--skip_barriers=proj,mlp", "['mlp'] not among"),
     Bad("experiments.kernels.core_fused", "", "needs an sm_90 GPU"),

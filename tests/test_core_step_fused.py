@@ -249,6 +249,18 @@ def test_lowers_for_cuda_with_every_sm(batch, schedule):
     assert "mosaic_gpu" in text
 
 
+def test_profile_of_both_warpgroups_lowers_for_cuda(monkeypatch, tmp_path):
+    """The model's batch-1 default (two warpgroups, one grid barrier per iteration) lowers for
+    sm_90 with the on-device profiler's records in it (huginn-0125's shapes, one layer). The
+    profile's dump, a host callback, needs a GPU backend, so it is left out here."""
+    monkeypatch.setattr(jax.debug, "callback", lambda *args, **kwargs: None)
+    shape = FusedShape(5280, 55, 96, 17920, 1, 1)
+    profiled = lowered_for_hopper(
+        shape, 2, 1024, workers=132, schedule=DATAFLOW_OVERLAP, profile_dir=str(tmp_path)
+    )
+    assert "%clock" in profiled.as_text()  # the profiler's records of the SM clock
+
+
 def test_barriers_are_left_out_only_after_kinds_of_step():
     """The timing bound (`skip_barriers`) lowers without the barriers after proj and the
     attention, and refuses a kind of step that has none."""

@@ -9,7 +9,13 @@ import pytest
 from huginn_jax.config import HuginnConfig
 from huginn_jax.persistent import fused_shape
 from pallas_kernels.core_step.fused import build_fused_core
-from pallas_kernels.core_step.fused_fit import check_fused, most_workers, profile_ranges, smem_bytes
+from pallas_kernels.core_step.fused_fit import (
+    PROFILE_RANGE_BYTES,
+    check_fused,
+    most_workers,
+    profile_ranges,
+    smem_bytes,
+)
 from pallas_kernels.core_step.fused_plan import (
     FusedShape,
     Schedule,
@@ -17,15 +23,16 @@ from pallas_kernels.core_step.fused_plan import (
     tile_signals,
     unit_ranges,
 )
+from pallas_kernels.core_step.stream import SMEM_LIMIT
 
 SMALL = (512, 8, 768, 2)  # d, heads (of 64), MLP width, layers: 16 workers, 2 splits per head
 HUGINN = (5280, 55, 17920, 4)
 OVERLAP = Schedule(3, 2, overlap=1)  # the attention's blocks in a second warpgroup
 
 
-def test_overlap_needs_both_warpgroups_buffers_one_item_per_worker_and_no_profile():
+def test_overlap_needs_both_warpgroups_buffers_and_one_item_per_worker():
     """`Schedule.overlap` at huginn-0125: 3:2 fits, 3:3 does not (both warpgroups' buffers at
-    once); 110 attention items fit on 132 workers, 55 not on 50; no profile, no interpret mode."""
+    once); 110 attention items fit on 132 workers, 55 not on 50; no interpret mode."""
     shape = FusedShape(5280, 55, 96, 17920, 4, 1)
     check_fused(shape, 132, OVERLAP)
     assert smem_bytes(shape, OVERLAP, 2, 1) > smem_bytes(shape, Schedule(3, 2), 2, 1)
@@ -33,8 +40,6 @@ def test_overlap_needs_both_warpgroups_buffers_one_item_per_worker_and_no_profil
         check_fused(shape, 132, Schedule(3, 3, overlap=1))
     with pytest.raises(ValueError, match="one attention item per worker"):
         check_fused(shape, 50, OVERLAP)
-    with pytest.raises(ValueError, match="does not record two warpgroups"):
-        check_fused(shape, 132, OVERLAP, profiled_iterations=1)
     with pytest.raises(ValueError, match="GPU only"):
         build_fused_core(shape, 1, workers=1, eps=1e-6, schedule=OVERLAP, interpret=True)
 
@@ -178,11 +183,29 @@ def test_profiler_records_each_attention_item_parts():
 def test_profiler_records_the_waits_of_one_barrier_per_iteration():
     """With `Schedule.dataflow`, room for three waits per product (17 at four layers) and one
     per attention item; the schedule without the second warpgroup is profiled at 8
-    iterations, the model's batch-1 default (two warpgroups) is not."""
+    iterations."""
     four_layers = FusedShape(5280, 55, 96, 17920, 4, 1)
     extra = 8 * (3 * len(four_layers.phases) + 1 * 4)
     plain = profile_ranges(four_layers, 132, 8)
     assert profile_ranges(four_layers, 132, 8, dataflow=True) == plain + extra
     check_fused(four_layers, 132, Schedule(3, 3, dataflow=1), profiled_iterations=8)
-    with pytest.raises(ValueError, match="does not record two warpgroups"):
-        check_fused(four_layers, 132, Schedule(3, 2, overlap=1, dataflow=1), profiled_iterations=8)
+
+
+def test_profiler_records_both_warpgroups_of_the_default():
+    """With `Schedule.overlap`, each warpgroup's records take shared memory: room per
+    warpgroup for the first's ranges and each qkv's wait for the second's partials (more than
+    the second's own, 5 per layer), twice; the model's batch-1 default (3:2, two warpgroups,
+    one grid barrier per iteration) fits a profile of 2 iterations at huginn-0125, not 3 (which
+    one warpgroup's records would leave room for)."""
+    four_layers = FusedShape(5280, 55, 96, 17920, 4, 1)
+    default = Schedule(3, 2, overlap=1, dataflow=1)
+    dataflow = profile_ranges(four_layers, 132, 2, dataflow=True)
+    assert profile_ranges(four_layers, 132, 2, dataflow=True, overlap=True) == dataflow + 2 * 4
+    one_layer = FusedShape(5280, 55, 96, 17920, 1, 1)  # 6 steps, one item's 3 parts, 1 wait
+    assert profile_ranges(one_layer, 132, 1, overlap=True) == 3 * 6 + 3 + 1 + 8
+    check_fused(four_layers, 132, default, profiled_iterations=2)
+    three = profile_ranges(four_layers, 132, 3, dataflow=True, overlap=True)
+    one_warpgroup = smem_bytes(four_layers, default, 2, 1) + PROFILE_RANGE_BYTES * three
+    assert one_warpgroup <= SMEM_LIMIT
+    with pytest.raises(ValueError, match="for the profiler's records of 3 iterations"):
+        check_fused(four_layers, 132, default, profiled_iterations=3)

@@ -7,16 +7,25 @@ import json
 
 import pytest
 
-from experiments.kernels.scopes import read_newest, recording_workers, scope_cycles, spread
+from experiments.kernels.scopes import (
+    occurrences,
+    read_newest,
+    recorders,
+    recording_workers,
+    scope_cycles,
+    spread,
+)
 
 
-def ranges(tid: int, spans: list[tuple[str, float, float]]) -> list[dict]:
-    """B/E events as Mosaic's profiler dump writes them ("ts" = cycles / 1e3); spans given as
-    (name, start, end) cycles, in the order their events come."""
+def ranges(tid: int, spans: list[tuple[str, float, float]], sm: int = 0) -> list[dict]:
+    """B/E events as Mosaic's profiler dump writes them ("ts" = cycles / 1e3, pid 1 + the
+    block's SM: `sm`, else one SM per trace); spans given as (name, start, end) cycles, in the
+    order their events come."""
+    pid = 1 + (sm or 100 + tid)
     events = []
     for name, start, end in spans:
-        events.append({"name": name, "ph": "B", "ts": start / 1e3, "tid": tid, "pid": 1})
-        events.append({"name": name, "ph": "E", "ts": end / 1e3, "tid": tid, "pid": 1})
+        events.append({"name": name, "ph": "B", "ts": start / 1e3, "tid": tid, "pid": pid})
+        events.append({"name": name, "ph": "E", "ts": end / 1e3, "tid": tid, "pid": pid})
     return sorted(events, key=lambda e: (e["ts"], e["ph"] == "B"))
 
 
@@ -68,3 +77,25 @@ def test_spread_finds_the_late_worker_of_each_occurrence():
     assert got["fc"]["repeat"] > 0.9
     # waits 110, 90, 10 and 110, 120, 10: the median worker waited 80 and 100 past the last
     assert got["after_fc"]["waited"] == pytest.approx((80 + 100) / 2)
+
+
+def test_two_warpgroups_per_block_are_read_apart():
+    """Blocks of two warpgroups (traces 1 + warpgroup + 2 x block, a block's two on one SM):
+    each warpgroup's scopes alone, the workers numbered 1 + block; a block whose second
+    warpgroup recorded nothing is not one of the second's workers."""
+    events = []
+    for block, sm in enumerate((7, 3, 5)):
+        first, second = 1 + 2 * block, 2 + 2 * block
+        events += ranges(first, [("qkv0", 0, 100 * (block + 1)), ("barrier", 400, 450)], sm=sm)
+        if block < 2:  # the third block has no attention item
+            events += ranges(second, [("ahead_blocks", 10, 60 + block)], sm=sm)
+    trace = {"traceEvents": sorted(events, key=lambda e: e["ts"])}
+    assert recorders(trace) == {1: (1, 0), 2: (1, 1), 3: (2, 0), 4: (2, 1), 5: (3, 0)}
+    assert recording_workers(trace) == 3 and recording_workers(trace, warpgroup=1) == 2
+    first = scope_cycles(trace)
+    assert set(first) == {"qkv", "barrier"} and first["qkv"]["median"] == pytest.approx(200)
+    second = scope_cycles(trace, warpgroup=1)
+    assert set(second) == {"ahead_blocks"}
+    assert second["ahead_blocks"]["median"] == pytest.approx(50.5)  # of 50 and 51
+    assert occurrences(trace)["qkv0"] == [{1: 100, 2: 200, 3: 300}]
+    assert occurrences(trace, warpgroup=1)["ahead_blocks"] == [{1: pytest.approx(50), 2: 51}]

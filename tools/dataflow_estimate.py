@@ -229,10 +229,10 @@ def evened(occ: dict) -> dict:
 
 
 def _events_by_worker(trace: dict) -> dict:
+    """{worker: its first warpgroup's B and E events}."""
     out: dict = {}
-    for e in trace["traceEvents"]:
-        if e.get("ph") in ("B", "E"):
-            out.setdefault(e["tid"], []).append(e)
+    for worker, e in scopes.worker_events(trace):
+        out.setdefault(worker, []).append(e)
     return out
 
 

@@ -14,14 +14,18 @@ head_dim in bf16) at the measured read ceiling (results/<device>/ceilings.json),
 The "stream" row runs the same products alone (`weight_stream`, the same units, 128 KiB of
 them in flight): what the fusion of the rest costs is the difference. The first row of each
 batch is checked against `step_program.core_iteration` (float32). --profile: Mosaic GPU's
-on-device profiler records each step, barrier (also by the step it follows: after_qkv, ...)
-and part of the attention (its RoPE, its cached blocks, the combine of a head's splits), and
-with one grid barrier per iteration the waits on counters (per kind of product: its owners'
-chunks, `_own`, its first units' inputs, `_inputs`, the norms' scalars, `_wait_owned`; per
-attention item, its head's tiles, `wait_head`): SM cycles per iteration, median over the
-workers, and their p10-p90, batch 1, the last context, per schedule (its records take shared
-memory: a schedule that leaves too little is refused before any work). --unit_cols: the weight
-units' width, which the ring counts (`fused_plan.Schedule`'s defaults are for 256).
+on-device profiler records each step, barrier (also by the step it follows: after_qkv, ...) and
+part of the attention (its RoPE, its cached blocks, the combine of a head's splits), and with
+one grid barrier per iteration the waits on counters (per kind of product: its owners' chunks,
+`_own`, its first units' inputs, `_inputs`, the norms' scalars, `_wait_owned`; per attention
+item, its head's tiles, `wait_head`), and with a second warpgroup each qkv's wait for its
+partials (`wait_parts`) and, in that warpgroup's own table, its parts per layer (the item,
+`ahead`; its wait for q, `wait_q`; `rope`, `blocks`, `partials_out`): SM cycles per iteration,
+median over the workers, and their p10-p90, batch 1, the last context, per schedule (its
+records take shared memory, each warpgroup's: a schedule that leaves too little is refused
+before any work; the default at batch 1 fits a profile of 2 iterations, --iterations=2).
+--unit_cols: the weight units' width, which the ring counts (`fused_plan.Schedule`'s defaults
+are for 256).
 --skip_barriers=proj,attn,...: a timing bound, the kernel without its grid barriers after those
 kinds of step (wrong results, marked "bound").
 A schedule RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION[:HANDOVER
@@ -33,7 +37,7 @@ block, 64 or 128, the next product's units after the ring's prefetched into L2 a
 after each product but a qkv, and after a qkv, and the units that a worker takes after a proj
 (and after an MLP proj that a qkv follows) on tile counters before it waits for every worker
 (0: a grid barrier there), 1 for a second warpgroup per worker that runs the attention's
-cached blocks while the first streams the qkv's k and v columns (not profiled), and 1 for one
+cached blocks while the first streams the qkv's k and v columns, and 1 for one
 grid barrier per iteration, every other step on counters of the data it reads
 (`fused_plan.Schedule`).
 --jobs=N: each (batch, schedule) in a process of its own, N at a time, so that their
@@ -255,6 +259,8 @@ def profile(w, context: int, schedule) -> dict:
         workers=scopes.recording_workers(trace),
         cycles_per_iteration=scopes.scope_cycles(trace, per=its),
         spread_per_iteration=scopes.spread(trace, per=its),
+        second_warpgroup_workers=scopes.recording_workers(trace, warpgroup=1),
+        second_warpgroup_cycles_per_iteration=scopes.scope_cycles(trace, per=its, warpgroup=1),
     )  # fmt: skip
 
 

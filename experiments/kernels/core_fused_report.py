@@ -49,6 +49,14 @@ def format_table(rows: list[dict], profiles: list[dict]) -> str:
                 f"  {kind:<16}late {c['late']:>8.0f}  waited {c['waited']:>8.0f}  "
                 f"repeat {c['repeat']:+.2f}"
             )
+        second = prof.get("second_warpgroup_cycles_per_iteration")  # older runs lack it
+        if second:
+            lines.append(
+                f"  the second warpgroup (median over the {prof['second_warpgroup_workers']} "
+                "workers with an attention item, p10-p90):"
+            )
+            for kind, c in second.items():
+                lines.append(f"  {kind:<10}{c['median']:>12.0f}   {c['p10']:.0f}-{c['p90']:.0f}")
     skipped = sorted({", ".join(r["skip_barriers"]) for r in rows if r.get("skip_barriers")})
     for kinds in skipped:
         lines.append(

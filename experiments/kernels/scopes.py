@@ -7,7 +7,9 @@ cycles). `scope_cycles` reads the newest: per scope kind (the scope's last name,
 dropped: qkv0 .. qkv3 are one kind), each worker's total cycles over the call divided by
 `per`, and their median, p10 and p90 over the workers. `spread` compares the workers within
 each occurrence of a scope: how far the slowest is from the others, and whether the same
-workers are slow every time.
+workers are slow every time. A worker is a block (one per SM in a persistent kernel); where
+its block runs more than one warpgroup, each function reads one of them (`warpgroup`, 0 the
+first), and worker w is numbered 1 + its block, as in a trace of one warpgroup per block.
 """
 
 from __future__ import annotations
@@ -32,30 +34,56 @@ def read_newest(profile_dir: str | Path) -> dict:
     return json.loads(newest_trace(profile_dir).read_text())
 
 
-def recording_workers(trace: dict) -> int:
-    """How many workers (warpgroups) recorded any scope."""
-    return len({e["tid"] for e in trace["traceEvents"] if e.get("ph") == "B"})
-
-
-def closed_scopes(trace: dict):
-    """(worker, scope name, cycles) of each scope as its exit comes, in the trace's order;
-    ValueError where a worker's exit does not close its innermost open scope."""
-    opened: dict[int, list] = collections.defaultdict(list)
+def recorders(trace: dict) -> dict[int, tuple[int, int]]:
+    """{tid: (worker, warpgroup)} of the traces that recorded a scope. Mosaic GPU's dump numbers
+    a trace 1 + warpgroup + (warpgroups per block) x block and gives it its block's SM as pid,
+    so the warpgroups of a block share a pid; worker = 1 + block."""
+    tids_of_sm: dict[int, set[int]] = collections.defaultdict(set)
     for e in trace["traceEvents"]:
         if e.get("ph") == "B":
-            opened[e["tid"]].append((e["name"], e["ts"]))
-        elif e.get("ph") == "E":
-            name, start = opened[e["tid"]].pop()
+            tids_of_sm[e["pid"]].add(e["tid"])
+    per_block = max((len(tids) for tids in tids_of_sm.values()), default=1)
+    return {
+        tid: (1 + (tid - 1) // per_block, (tid - 1) % per_block)
+        for tids in tids_of_sm.values()
+        for tid in tids
+    }
+
+
+def worker_events(trace: dict, warpgroup: int = 0):
+    """(worker, event) of each B and E event of `warpgroup`'s traces, in the trace's order."""
+    of = recorders(trace)
+    for e in trace["traceEvents"]:
+        if e.get("ph") in ("B", "E") and e["tid"] in of:
+            worker, wg = of[e["tid"]]
+            if wg == warpgroup:
+                yield worker, e
+
+
+def recording_workers(trace: dict, warpgroup: int = 0) -> int:
+    """How many workers recorded any scope in `warpgroup`."""
+    return len({w for w, e in worker_events(trace, warpgroup) if e["ph"] == "B"})
+
+
+def closed_scopes(trace: dict, warpgroup: int = 0):
+    """(worker, scope name, cycles) of each scope of `warpgroup` as its exit comes, in the
+    trace's order; ValueError where a worker's exit does not close its innermost open scope."""
+    opened: dict[int, list] = collections.defaultdict(list)
+    for worker, e in worker_events(trace, warpgroup):
+        if e["ph"] == "B":
+            opened[worker].append((e["name"], e["ts"]))
+        else:
+            name, start = opened[worker].pop()
             if name != e["name"]:
                 raise ValueError(f"unbalanced trace: {name!r} closed by {e['name']!r}")
-            yield e["tid"], name, (e["ts"] - start) * 1e3
+            yield worker, name, (e["ts"] - start) * 1e3
 
 
-def scope_cycles(trace: dict, per: float = 1.0) -> dict[str, dict]:
+def scope_cycles(trace: dict, per: float = 1.0, warpgroup: int = 0) -> dict[str, dict]:
     """{kind: {median, p10, p90}} of each worker's cycles in the scopes of that kind / `per`,
-    over the workers that recorded any scope."""
+    over the workers that recorded any scope in `warpgroup`."""
     per_worker: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
-    for worker, name, cycles in closed_scopes(trace):
+    for worker, name, cycles in closed_scopes(trace, warpgroup):
         kind = re.sub(r"\d+$", "", name.split("/")[-1])
         per_worker[worker][kind] += cycles / per
     out = {}
@@ -67,14 +95,14 @@ def scope_cycles(trace: dict, per: float = 1.0) -> dict[str, dict]:
     return out
 
 
-def occurrences(trace: dict) -> dict[str, list[dict[int, float]]]:
+def occurrences(trace: dict, warpgroup: int = 0) -> dict[str, list[dict[int, float]]]:
     """{scope name (its last name, digits kept: qkv0 and qkv1 apart): [{worker: cycles} of its
     k-th occurrence, k = 0, 1, ...]}: a worker's k-th scope of a name is occurrence k (so
     every worker must run the same scopes in the same order, as a persistent kernel's steps
-    and barriers are)."""
+    and barriers are); the scopes of `warpgroup`."""
     out: dict[str, list[dict[int, float]]] = collections.defaultdict(list)
     seen: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
-    for worker, path, cycles in closed_scopes(trace):
+    for worker, path, cycles in closed_scopes(trace, warpgroup):
         name = path.split("/")[-1]
         k = seen[worker][name]
         seen[worker][name] += 1
@@ -102,7 +130,7 @@ def _correlation(a: list[float], b: list[float]) -> float:
         return 0.0
 
 
-def spread(trace: dict, per: float = 1.0) -> dict[str, dict]:
+def spread(trace: dict, per: float = 1.0, warpgroup: int = 0) -> dict[str, dict]:
     """Per scope kind (digits dropped), over the occurrences of its names that every
     recording worker ran, summed and divided by `per`: `late`, the slowest worker's cycles
     less the workers' mean (for a step ended by a grid barrier: the most that an even split
@@ -110,10 +138,11 @@ def spread(trace: dict, per: float = 1.0) -> dict[str, dict]:
     a barrier, whose last arriver waits least: how long the median worker waits for the
     last); and `repeat`, over the kind's names (fc0 for fc0, once per iteration), the mean
     correlation over the workers between their mean excess over each occurrence's median in
-    the even occurrences and in the odd ones (near 1: the same workers are slow every time)."""
-    workers = recording_workers(trace)
+    the even occurrences and in the odd ones (near 1: the same workers are slow every time).
+    The scopes of `warpgroup`."""
+    workers = recording_workers(trace, warpgroup)
     sums: dict[str, dict] = collections.defaultdict(lambda: dict(late=0.0, waited=0.0, r=[]))
-    for name, occ in sorted(occurrences(trace).items()):
+    for name, occ in sorted(occurrences(trace, warpgroup).items()):
         full = [o for o in occ if len(o) == workers]
         if len(full) < 2:
             continue

@@ -100,7 +100,9 @@ def build_fused_core(
     Interpret mode: one worker (no global semaphores; prefetches are no-ops). `profile_dir`:
     Mosaic GPU's on-device profiler records every step's, barrier's (also by the kind of step
     it follows: after_qkv, after_attn, ...) and attention part's (`fused_fit.ATTENTION_PARTS`)
-    entry and exit (SM clock) there. `skip_barriers`: kinds of step (`fused_plan.STEP_KINDS`)
+    entry and exit (SM clock) there, with `Schedule.overlap` the second warpgroup's parts
+    (`fused_fit.SECOND_WARPGROUP_PARTS`) in a trace of its own. `skip_barriers`: kinds of step
+    (`fused_plan.STEP_KINDS`)
     after which the grid barrier is left out, the last of an iteration kept: a timing bound of
     what those barriers cost, whose results are wrong."""
     if set(skip_barriers) - set(STEP_KINDS):
@@ -259,7 +261,9 @@ def build_fused_core(
     )
     params = plgpu.CompilerParams()
     if profile_dir:
-        ranges = profile_ranges(shape, workers, iterations, bool(schedule.dataflow))
+        ranges = profile_ranges(
+            shape, workers, iterations, bool(schedule.dataflow), bool(schedule.overlap)
+        )
         params = plgpu.CompilerParams(profile_space=ranges, profile_dir=profile_dir)
     threads = dict(num_threads=2, thread_name="wg") if overlap else {}
     return plgpu.kernel(

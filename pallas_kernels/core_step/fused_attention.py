@@ -101,18 +101,24 @@ def blocks_ahead(k, it, j, item) -> None:
     """Item `item`'s q and cached blocks, run by the worker's second warpgroup (`k` its
     context, `Schedule.overlap`) while the first streams the qkv's k and v columns: once every
     worker has put out its units of q's tiles, q is RoPE'd and the blocks taken; the partials
-    go out, then the first warpgroup is told (`parts_ready`)."""
+    go out, then the first warpgroup is told (`parts_ready`). Profiled (in the second
+    warpgroup's trace) as ahead{j}, holding wait_q, rope, blocks and partials_out."""
     h, split, starts = _window(k, item)
     target = k.workers * (it * k.shape.layers + j + 1)
-    plgpu.semaphore_wait(k.q_done, target, decrement=False, memory_scope="gpu")
-    q = k.scope("rope", lambda s: _rope(k, it, j, starts, _masks(k, h, starts), s)[0])
-    parts = k.scope("blocks", lambda s: _own_blocks(k, it, j, q, starts, split, s))
-    _partials_out(k, item, parts, k.s["pin"])
-    if k.dataflow and k.splits > 1:  # no barrier after the qkv: the first split waits on it
+    with jax.named_scope(f"ahead{j}"):
+        with jax.named_scope("wait_q"):
+            plgpu.semaphore_wait(k.q_done, target, decrement=False, memory_scope="gpu")
+        with jax.named_scope("rope"):
+            q = k.scope("rope", lambda s: _rope(k, it, j, starts, _masks(k, h, starts), s)[0])
+        with jax.named_scope("blocks"):
+            parts = k.scope("blocks", lambda s: _own_blocks(k, it, j, q, starts, split, s))
+        with jax.named_scope("partials_out"):
+            _partials_out(k, item, parts, k.s["pin"])
+            if k.dataflow and k.splits > 1:  # no barrier after the qkv: the first split waits
 
-        @pl.when(split > 0)
-        def _signal():
-            plgpu.semaphore_signal(k.flags.at[h], 1, memory_scope="gpu")
+                @pl.when(split > 0)
+                def _signal():
+                    plgpu.semaphore_signal(k.flags.at[h], 1, memory_scope="gpu")
 
     plgpu.barrier_arrive(k.parts_ready)
 

@@ -85,18 +85,28 @@ ATTENTION_PARTS = ("rope", "blocks", "combine")  # the attention step's profiled
 # item, its head's tiles
 DATAFLOW_PRODUCT_PARTS = ("own", "inputs", "wait_owned")
 DATAFLOW_ITEM_PARTS = ("wait_head",)
+# With `Schedule.overlap`, the second warpgroup's ranges per layer (`blocks_ahead`): the
+# item's, and its wait for q, RoPE, blocks and partials out
+SECOND_WARPGROUP_PARTS = ("ahead", "wait_q", "rope", "blocks", "partials_out")
 
 
-def profile_ranges(shape: FusedShape, workers: int, iterations: int, dataflow: bool = False) -> int:
-    """Ranges the on-device profiler keeps room for: each step's, each barrier's twice (as a
-    barrier and by the kind of step it follows), the parts (`ATTENTION_PARTS`) of each of a
-    worker's attention items, with `dataflow` the waits on counters (`DATAFLOW_PRODUCT_PARTS`,
-    `DATAFLOW_ITEM_PARTS`), and a few more."""
+def profile_ranges(
+    shape: FusedShape, workers: int, iterations: int, dataflow: bool = False, overlap: bool = False
+) -> int:
+    """Ranges the on-device profiler keeps room for, per warpgroup: each step's, each barrier's
+    twice (as a barrier and by the kind of step it follows), the parts (`ATTENTION_PARTS`) of
+    each of a worker's attention items, with `dataflow` the waits on counters
+    (`DATAFLOW_PRODUCT_PARTS`, `DATAFLOW_ITEM_PARTS`), with `overlap` each qkv's wait for the
+    second warpgroup's partials (whose own ranges, `SECOND_WARPGROUP_PARTS` per layer, are
+    fewer), and a few more."""
     items = -(-shape.heads * splits_for(shape.heads, workers) // workers)
     item_parts = len(ATTENTION_PARTS) + (len(DATAFLOW_ITEM_PARTS) if dataflow else 0)
     per_iteration = 3 * shape.steps_per_iteration + item_parts * items * shape.layers
     if dataflow:
         per_iteration += len(DATAFLOW_PRODUCT_PARTS) * len(shape.phases)
+    if overlap:
+        per_iteration += shape.layers  # wait_parts
+        per_iteration = max(per_iteration, len(SECOND_WARPGROUP_PARTS) * shape.layers)
     return iterations * per_iteration + 8
 
 
@@ -112,8 +122,8 @@ def check_fused(
     the wgmma lag, the ring and the L2 lookahead shorter than every worker's units of each
     product (the lookahead reaches into the next product only), so at least 1 and at most
     `most_workers` workers, at least 2 stages of cached blocks, buffers that fit (with the
-    profiler's records of `profiled_iterations`, where it runs; `Schedule.overlap`: both
-    warpgroups' buffers at once, one attention item per worker, no profile)."""
+    profiler's records of `profiled_iterations`, where it runs: each warpgroup's; with
+    `Schedule.overlap`, both warpgroups' buffers at once, one attention item per worker)."""
     ring, kv_stages = schedule.ring, schedule.kv_stages
     if not 1 <= ring <= MAX_RING or not 0 <= lag < ring or not 1 <= x_stages <= ring:
         raise ValueError(f"need 0 <= lag={lag} < ring={ring} <= {MAX_RING}, x_stages <= ring")
@@ -131,8 +141,6 @@ def check_fused(
             f"schedule {schedule}: overlap runs one attention item per worker, not {items} on "
             f"{workers} workers"
         )
-    if schedule.overlap and profiled_iterations:
-        raise ValueError(f"schedule {schedule}: the profile does not record two warpgroups")
     if workers < 1:
         raise ValueError(f"workers={workers} must be at least 1")
     most = most_workers(shape, schedule)
@@ -147,8 +155,10 @@ def check_fused(
     if need > SMEM_LIMIT:
         raise ValueError(f"schedule {schedule}: {need} bytes of smem > {SMEM_LIMIT}")
     if profiled_iterations:
-        ranges = profile_ranges(shape, workers, profiled_iterations, bool(schedule.dataflow))
-        profiler = PROFILE_RANGE_BYTES * ranges
+        ranges = profile_ranges(
+            shape, workers, profiled_iterations, bool(schedule.dataflow), bool(schedule.overlap)
+        )
+        profiler = PROFILE_RANGE_BYTES * ranges * (2 if schedule.overlap else 1)  # per warpgroup
         if need + profiler > SMEM_LIMIT:
             raise ValueError(
                 f"schedule {schedule}: {need} bytes of smem and {profiler} for the profiler's "

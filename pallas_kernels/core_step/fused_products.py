@@ -306,7 +306,8 @@ class Products:
             plgpu.wait_smem_to_gmem(0)
             plgpu.semaphore_signal(k.q_done, 1, memory_scope="gpu")
             run_range(b0, nb, na, False)
-            pl.when(k.worker < k.items)(lambda: plgpu.barrier_wait(k.parts_ready))
+            with jax.named_scope("wait_parts"):  # for the second warpgroup's partials
+                pl.when(k.worker < k.items)(lambda: plgpu.barrier_wait(k.parts_ready))
 
         if residual is not None:
             plgpu.wait_smem_to_gmem(0)  # one worker: the product's tiles are written
