@@ -217,6 +217,46 @@ def test_matches_the_step_program_gpu(dims, workers, batch, iterations, pos, slo
     check_against_the_step_program(dims, workers, batch, iterations, pos, slot_len, schedule)
 
 
+@gpu
+@requires_gpu
+def test_profile_records_both_warpgroups_gpu(tmp_path):
+    """The small shape on 16 workers with two warpgroups and one grid barrier per iteration,
+    profiled over 2 iterations: each warpgroup's trace holds its scopes (the second's parts
+    for every worker's item, the first's steps and each qkv's wait for the partials), and the
+    profiled kernel's state is the unprofiled one's (up to the order of the workers' f32
+    reduce-adds)."""
+    from experiments.kernels import scopes
+
+    d, heads, f, layers = SMALL
+    w = random_step_weights(*SMALL)
+    fw = pack_weights(w, heads=heads, batch=1, rope_base=10000.0, unit_cols=64)
+    keys = jax.random.split(jax.random.key(6), 4)
+    state, embedded = (jax.random.normal(k, (1, d)) for k in keys[:2])
+    cache_shape = (2 * layers, 1, 192, heads, d // heads)
+    k, v = (jax.random.normal(key, cache_shape).astype(jnp.bfloat16) for key in keys[2:])
+    slots = jnp.arange(2 * layers, dtype=jnp.int32).reshape(2, layers)
+
+    def run(profile_dir=""):
+        pending, _, _ = fused_core_decode(
+            fw, Pending(state), embedded, k, v, slots, jnp.int32(130), iterations=2,
+            workers=16, schedule=DATAFLOW_OVERLAP, profile_dir=profile_dir,
+        )  # fmt: skip
+        return np.asarray(pending.value(w.eps))
+
+    profiled = run(str(tmp_path))
+    jax.effects_barrier()  # the trace is written by a host callback
+    trace = scopes.read_newest(tmp_path)
+    assert scopes.recording_workers(trace) == 16
+    assert scopes.recording_workers(trace, warpgroup=1) == 16  # 8 heads x 2 splits
+    second = scopes.scope_cycles(trace, per=2, warpgroup=1)
+    assert set(second) == {"ahead", "wait_q", "rope", "blocks", "partials_out"}
+    assert second["blocks"]["median"] > 0
+    first = scopes.scope_cycles(trace, per=2)
+    assert {"qkv", "wait_parts", "combine", "barrier"} <= set(first)
+    assert "ahead" not in first and "wait_q" not in first
+    assert rel_fro(profiled, run()) <= 1e-3
+
+
 def test_interpret_key_blocks_of_the_heads_own_columns():
     """Heads of 32 in windows of 64 (d 128): the key blocks are the heads' own 32 columns
     (`FusedShape.key_cols`), the last head's key window passes d and its value window starts
