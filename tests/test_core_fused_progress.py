@@ -29,20 +29,22 @@ def test_the_table_writes_each_rows_schedule_floor_and_error():
 
 
 def test_a_profile_of_two_warpgroups_lists_the_second_apart():
-    """A profile's cycles and spread, then the second warpgroup's parts in a table of their
-    own; a profile of one warpgroup (or an older run's, without the key) has no such table."""
+    """A profile's batch, cycles and spread, then the second warpgroup's parts in a table of
+    their own; a profile of one warpgroup (or an older run's, without the key) has no such
+    table."""
 
     def cycles(median):
         return dict(median=median, p10=median - 10, p90=median + 10)
 
     profile = dict(
-        workers=132, context=1024, unit_cols=256, schedule="3:2:0:0:64:0:0:8:1:1",
+        workers=132, batch=8, context=1024, unit_cols=256, schedule="3:2:0:0:64:0:0:8:1:1",
         cycles_per_iteration={"qkv": cycles(300_000), "wait_parts": cycles(4_000)},
         spread_per_iteration={"qkv": dict(late=9_000.0, waited=2_000.0, repeat=0.8)},
         second_warpgroup_workers=110,
         second_warpgroup_cycles_per_iteration={"blocks": cycles(80_000), "wait_q": cycles(900)},
     )  # fmt: skip
     lines = format_table([], [profile]).splitlines()
+    assert any("context 1024, batch 8, [64, 256] units" in line for line in lines)
     at = lines.index("  the second warpgroup (median over the 110 workers with an attention item, "
                      "p10-p90):")  # fmt: skip
     assert lines[at + 1].split() == ["blocks", "80000", "79990-80010"]

@@ -21,8 +21,8 @@ one grid barrier per iteration the waits on counters (per kind of product: its o
 item, its head's tiles, `wait_head`), and with a second warpgroup each qkv's wait for its
 partials (`wait_parts`) and, in that warpgroup's own table, its parts per layer (the item,
 `ahead`; its wait for q, `wait_q`; `rope`, `blocks`, `partials_out`): SM cycles per iteration,
-median over the workers, and their p10-p90, batch 1, the last context, per schedule (its
-records take shared memory, each warpgroup's: a schedule that leaves too little is refused
+median over the workers, and their p10-p90, the first --batch, the last context, per schedule
+(its records take shared memory, each warpgroup's: a schedule that leaves too little is refused
 before any work; the default at batch 1 fits a profile of 2 iterations, --iterations=2).
 --unit_cols: the weight units' width, which the ring counts (`fused_plan.Schedule`'s defaults
 are for 256).
@@ -114,7 +114,7 @@ def define_flags() -> None:
     )  # fmt: skip
     flags.DEFINE_integer("reps", 10, "Timed calls per row (median).")
     flags.DEFINE_bool(
-        "profile", False, "Record the steps' cycles (batch 1, the last context), per schedule."
+        "profile", False, "Record the steps' cycles (first batch, last context), per schedule."
     )
     flags.DEFINE_integer("jobs", 1, "Processes at once, one per (batch, schedule).")
     flags.DEFINE_bool("stream", True, "Time the bare weight stream per batch.")
@@ -246,16 +246,16 @@ def stream_row(batch: int, ceiling) -> dict:
         return timed(row, compiled, ceiling, stream_bytes(phases), 0, x0, weights)
 
 
-def profile(w, context: int, schedule) -> dict:
+def profile(w, batch: int, context: int, schedule) -> dict:
     """Cycles per iteration of each step kind and of the barriers, over the workers."""
     its = FLAGS.iterations
     directory = tempfile.mkdtemp(prefix="core_fused_profile_")
-    decode, args = compiled_decode(w, 1, slot_positions(context), schedule, profile_dir=directory)
+    decode, args = compiled_decode(w, batch, slot_positions(context), schedule, directory)
     with held(FLAGS.gpu_lock):
         jax.block_until_ready(decode(*args, jnp.int32(context)))
     trace = scopes.read_newest(directory)
     return dict(
-        context=context, schedule=str(schedule), unit_cols=FLAGS.unit_cols,
+        batch=batch, context=context, schedule=str(schedule), unit_cols=FLAGS.unit_cols,
         workers=scopes.recording_workers(trace),
         cycles_per_iteration=scopes.scope_cycles(trace, per=its),
         spread_per_iteration=scopes.spread(trace, per=its),
@@ -287,8 +287,9 @@ def measure(batches: list[int], contexts: list[int], schedules: list, ceiling):
             rows.append(stream_row(batch, ceiling))
         for schedule in schedules:
             rows += fused_rows(w, batch, contexts, schedule, ceiling)
-    profiles = [profile(w, contexts[-1], sch) for sch in schedules] if FLAGS.profile else []
-    return rows, profiles
+    if not FLAGS.profile:
+        return rows, []
+    return rows, [profile(w, batches[0], contexts[-1], sch) for sch in schedules]
 
 
 def run_jobs(batches: list[int], schedules: list[str]) -> tuple[list[dict], list[dict]]:
@@ -366,7 +367,7 @@ def main(argv: list[str]) -> None:
         check_unit_cols(FLAGS.unit_cols)
     except ValueError as e:
         raise UserError(f"--unit_cols: {e}") from None
-    profiled = [(1, FLAGS.iterations)] if FLAGS.profile else []  # `profile` runs batch 1
+    profiled = [(batches[0], FLAGS.iterations)] if FLAGS.profile else []  # the first batch
     for batch, profiled_iterations in [(b, 0) for b in batches] + profiled:
         for sch in schedules:
             try:

@@ -35,7 +35,8 @@ def format_table(rows: list[dict], profiles: list[dict]) -> str:
     for prof in profiles:
         lines.append(
             f"\ncycles per iteration (median over {prof['workers']} workers, p10-p90), "
-            f"context {prof['context']}, batch 1, [64, {prof['unit_cols']}] units, "
+            f"context {prof['context']}, batch {prof.get('batch', 1)}, "
+            f"[64, {prof['unit_cols']}] units, "
             f"schedule {prof['schedule']}:"
         )
         for kind, c in prof["cycles_per_iteration"].items():
