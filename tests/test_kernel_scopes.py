@@ -99,3 +99,35 @@ def test_two_warpgroups_per_block_are_read_apart():
     assert second["ahead_blocks"]["median"] == pytest.approx(50.5)  # of 50 and 51
     assert occurrences(trace)["qkv0"] == [{1: 100, 2: 200, 3: 300}]
     assert occurrences(trace, warpgroup=1)["ahead_blocks"] == [{1: pytest.approx(50), 2: 51}]
+
+
+def test_mosaic_gpus_own_dump_of_two_warpgroups_is_read_apart():
+    """Mosaic GPU's profiler dump (`ProfilerSpec.dump`) of a made-up buffer of two blocks of
+    two warpgroups, on SMs 5 and 2: block 0's two warpgroups and block 1's first recorded a
+    scope. The trace numbers and places them as `recorders` reads them."""
+    import io
+
+    import numpy as np
+    from jax.experimental.mosaic.gpu.profiler import ProfilerSpec
+
+    spec, entries = ProfilerSpec(16), 16
+    qkv, blocks = spec.intern_name("qkv0"), spec.intern_name("blocks")
+    buffer = np.zeros((2, 2, entries), np.uint32)  # block, warpgroup, entries
+
+    def record(block, warpgroup, sm, events):  # a header (start, SM, entries), then (tag, clock)
+        buffer[block, warpgroup, :3] = 1000, sm, 2 * len(events)
+        for i, (tag, clock) in enumerate(events):
+            buffer[block, warpgroup, 3 + 2 * i : 5 + 2 * i] = tag, clock
+
+    record(0, 0, 5, [(qkv, 100), (qkv | ProfilerSpec.EXIT, 300)])
+    record(0, 1, 5, [(blocks, 150), (blocks | ProfilerSpec.EXIT, 250)])
+    record(1, 0, 2, [(qkv, 100), (qkv | ProfilerSpec.EXIT, 500)])
+    dumped = io.StringIO()
+    spec.dump(buffer.reshape(-1), dumped, grid=(2,), block=(256,))
+    trace = json.loads(dumped.getvalue())
+    assert recorders(trace) == {1: (1, 0), 2: (1, 1), 3: (2, 0)}
+    assert recording_workers(trace) == 2 and recording_workers(trace, warpgroup=1) == 1
+    # cycles less the dump's estimate of the profiler's own cost per event
+    first = occurrences(trace)["qkv0"][0]
+    assert sorted(first) == [1, 2] and first[2] - first[1] == pytest.approx(200)
+    assert set(occurrences(trace, warpgroup=1)) == {"blocks"}
