@@ -15,7 +15,7 @@ from program_runs import run_forked
 import huginn_jax
 from experiments.core import cases, report, runners
 from experiments.measure import hlo, timing
-from experiments.torch_ref.core import FASTEST_COMPILE_MODE
+from experiments.torch_ref.core import COMPILE_MODES
 from huginn_jax.config import HuginnConfig
 from huginn_jax.model import Core, embed, initial_state, run_prelude
 
@@ -363,11 +363,16 @@ def test_cli_torch_impls_on_cpu(tmp_path):
         else ["torch_eager", "torch_teaching"]
     )
     checked = runnable
-    if on_gpu:  # torch_compile once per compile mode: the fastest for decode, then for prefill
-        modes = [FASTEST_COMPILE_MODE["decode"], FASTEST_COMPILE_MODE["prefill"]]
-        checked = runnable + (["torch_compile"] if modes[0] != modes[1] else [])
+    if on_gpu:  # torch_compile in every compile mode ("fastest"), each mode's Core checked once
+        checked = ["torch_compile"] * len(COMPILE_MODES) + runnable[1:]
         compiled = [c["compile_mode"] for c in data["conformance"] if c["impl"] == "torch_compile"]
-        assert compiled == list(dict.fromkeys(modes))
+        assert compiled == list(COMPILE_MODES)
+        for rec in (r for r in data["records"] if r["impl"] == "torch_compile"):
+            modes = rec["torch_compile_modes"]
+            assert list(modes) == list(COMPILE_MODES)  # the fastest mode's record kept
+            fastest = min(modes, key=lambda m: modes[m]["ms_per_iteration"])
+            assert rec["torch_compile_mode"] == fastest
+            assert rec["ms_per_iteration"] == modes[fastest]["ms_per_iteration"]
     else:
         assert "torch_compile, torch_graph, torch_reference need(s) CUDA; skipped" in proc.stdout
     assert [c["impl"] for c in data["conformance"]] == checked  # once each, two cases
@@ -382,3 +387,32 @@ def test_cli_torch_impls_on_cpu(tmp_path):
     assert all(("compile_seconds" in r) == (r["impl"] == "torch_compile") for r in timed)
     checks = {(c["impl"], c["mode"]) for c in data["checks"] if c["passed"]}
     assert checks == {(impl, mode) for impl in runnable for mode in ("decode", "prefill")}
+
+
+def test_torch_compile_keeps_its_fastest_mode(monkeypatch, capsys):
+    """`run_torch_compile`: each mode timed in turn and its Core checked, the fastest mode's
+    record and output kept, every mode's times in it (the runs faked)."""
+    from experiments.core import sweep
+
+    waited = {"default": 0.98, "reduce-overhead": 0.99, "max-autotune-no-cudagraphs": 0.97}
+    checked = []
+
+    def fake_run_case(impl, cfg, graphdef, params, case, ceilings, compile_mode="default"):
+        ms = waited[compile_mode]
+        rec = dict(impl=impl, ms_per_iteration=ms, back_to_back_ms_per_iteration=ms - 0.01)
+        return dict(rec, torch_compile_mode=compile_mode), compile_mode
+
+    monkeypatch.setattr(sweep, "run_case", fake_run_case)
+    monkeypatch.setattr(sweep, "check_conformance", lambda impl, mode, c: checked.append(mode))
+    case = cases.Case("decode", 1, 1024, 8)
+    rec, out = sweep.run_torch_compile(None, None, None, case, None, {}, tuple(waited))
+    assert checked == list(waited)  # every mode's Core, as each was timed
+    assert out == "max-autotune-no-cudagraphs" and rec["ms_per_iteration"] == 0.97
+    assert rec["torch_compile_modes"]["default"] == dict(
+        ms_per_iteration=0.98, back_to_back_ms_per_iteration=pytest.approx(0.97)
+    )
+    assert "default 0.980, reduce-overhead 0.990, max-autotune-no-cudagraphs 0.970" in (
+        capsys.readouterr().out
+    )
+    one, _ = sweep.run_torch_compile(None, None, None, case, None, {}, ("default",))
+    assert list(one["torch_compile_modes"]) == ["default"] and capsys.readouterr().out == ""

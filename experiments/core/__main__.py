@@ -28,9 +28,9 @@ random, never zeros); prefill = `context` new positions from position 0. Impleme
                   where `why_not_persistent` refuses the case (prefill, an fp32 cache, batch
                   above 8, a GPU other than sm_90); Pallas' GPU interpreter on a CPU (slow)
   torch_compile   the same Core in PyTorch, the fast Core's iteration through torch.compile
-                  (--torch_compile_mode), compiled once, r iterations replayed from one CUDA
-                  graph (reduce-overhead: Inductor's own CUDA graphs); compile time reported
-                  apart (compile_seconds)
+                  (--torch_compile_mode; by default every mode, each timed, the fastest kept),
+                  compiled once, r iterations replayed from one CUDA graph (reduce-overhead:
+                  Inductor's own CUDA graphs); compile time reported apart (compile_seconds)
   torch_graph     the fast Core written by hand (fused RMSNorm, cached RoPE tables, SDPA, views,
                   static cache written in place), r iterations replayed from one CUDA graph
   torch_eager     the same, eager
@@ -99,10 +99,10 @@ def define_flags() -> None:
         "torch_compile_mode",
         "fastest",
         ["fastest", *COMPILE_MODES],
-        "torch.compile's mode for torch_compile (fastest: the mode measured fastest for the "
-        "case's kind, max-autotune-no-cudagraphs for decode and default for prefill; "
-        "reduce-overhead: Inductor's CUDA graphs, otherwise one CUDA graph captured around the "
-        "r compiled iterations).",
+        "torch.compile's mode for torch_compile (fastest: every mode compiled and timed in "
+        "this process, one after another, the fastest kept for the row, each mode's times in "
+        "the JSON's torch_compile_modes; reduce-overhead: Inductor's CUDA graphs, otherwise one "
+        "CUDA graph captured around the r compiled iterations).",
     )
     flags.DEFINE_string(
         "config",

@@ -17,7 +17,7 @@ from experiments.core.runners import core_weights, make_runner
 from experiments.measure import ncu as ncu_lib
 from experiments.measure import timing
 from experiments.measure import trace as trace_lib
-from experiments.torch_ref.core import compile_mode_for  # imports no torch
+from experiments.torch_ref.core import compile_modes_for  # imports no torch
 
 FLAGS = flags.FLAGS
 NCU_CALLS = 2  # calls inside the child's profiler range
@@ -34,9 +34,9 @@ def persistent_schedule():
         raise UserError(f"--persistent_schedule: {e}") from None
 
 
-def runner_for(impl: str, cfg, graphdef, params, case: Case):
-    """`runners.make_runner` with the flags' dtype, seed, torch.compile mode and persistent
-    schedule."""
+def runner_for(impl: str, cfg, graphdef, params, case: Case, compile_mode: str = "default"):
+    """`runners.make_runner` with the flags' dtype, seed and persistent schedule, and
+    torch.compile's `compile_mode` (torch_compile's)."""
     return make_runner(
         impl,
         cfg,
@@ -45,9 +45,15 @@ def runner_for(impl: str, cfg, graphdef, params, case: Case):
         case,
         FLAGS.dtype,
         seed=FLAGS.seed,
-        compile_mode=compile_mode_for(FLAGS.torch_compile_mode, case.mode),
+        compile_mode=compile_mode,
         schedule=persistent_schedule(),
     )
+
+
+def compile_mode_of(rec: dict) -> str:
+    """The torch.compile mode a record was timed in (torch_compile's; "default" for the others,
+    which ignore it)."""
+    return rec.get("torch_compile_mode") or "default"
 
 
 def case_of(rec: dict) -> Case:
@@ -59,7 +65,7 @@ def trace_all(records: list[dict], cfg, graphdef, params) -> None:
     process, JAX's profiler can no longer subscribe to CUPTI there (the next trace hung)."""
     order = sorted(records, key=lambda r: r["impl"] not in JAX_IMPLS)
     for rec in order:
-        runner = runner_for(rec["impl"], cfg, graphdef, params, case_of(rec))
+        runner = runner_for(rec["impl"], cfg, graphdef, params, case_of(rec), compile_mode_of(rec))
         for _ in range(2):
             timing.wait(runner(), runner.sync)
         rec["trace"], rec["trace_us_per_iteration"] = trace_case(runner, rec["impl"], case_of(rec))
@@ -92,7 +98,8 @@ def ncu_child(spec: str) -> None:
     graphdef, params = core_weights(
         cfg, jax_dtype(FLAGS.dtype), weights=FLAGS.weights, path=FLAGS.config, seed=FLAGS.seed
     )
-    runner = runner_for(impl, cfg, graphdef, params, case)
+    compile_mode = compile_modes_for(FLAGS.torch_compile_mode)[0]  # the parent gives one
+    runner = runner_for(impl, cfg, graphdef, params, case, compile_mode)
     for _ in range(2):
         out = runner()
     timing.wait(out, runner.sync)
@@ -102,8 +109,9 @@ def ncu_child(spec: str) -> None:
         timing.wait(out, runner.sync)
 
 
-def hbm_pass(impl: str, case: Case, ncu: str) -> dict:
-    """The ncu summary of one (impl, case), from a child process of this program."""
+def hbm_pass(impl: str, case: Case, ncu: str, compile_mode: str) -> dict:
+    """The ncu summary of one (impl, case), from a child process of this program
+    (torch_compile in `compile_mode`)."""
     argv = [
         sys.executable,
         "-m",
@@ -114,7 +122,7 @@ def hbm_pass(impl: str, case: Case, ncu: str) -> dict:
         f"--seed={FLAGS.seed}",
         f"--weights={FLAGS.weights}",
         f"--gemm={FLAGS.gemm}",
-        f"--torch_compile_mode={FLAGS.torch_compile_mode}",
+        f"--torch_compile_mode={compile_mode}",
         f"--persistent_schedule={FLAGS.persistent_schedule}",
         f"--command_buffers={FLAGS.command_buffers}",
     ]
@@ -140,7 +148,7 @@ def add_hbm(records: list[dict], on_gpu: bool) -> None:
             continue
         case = case_of(rec)
         try:
-            hbm = hbm_pass(rec["impl"], case, ncu)
+            hbm = hbm_pass(rec["impl"], case, ncu, compile_mode_of(rec))
         except (ncu_lib.NcuError, OSError, ValueError) as e:
             print(f"note: ncu for {rec['impl']} {case.spec()} failed: {e}")
             continue

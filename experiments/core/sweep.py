@@ -30,7 +30,7 @@ from experiments.core.runners import core_weights, to_numpy, why_not_persistent
 from experiments.measure import compare, timing
 from experiments.measure import hlo as hlo_lib
 from experiments.torch_ref import chain as torch_chain  # imports no torch
-from experiments.torch_ref.core import compile_mode_for  # imports no torch
+from experiments.torch_ref.core import compile_modes_for  # imports no torch
 from experiments.torch_ref.core_runner import TORCH_IMPLS, torch_device  # imports no torch
 
 FLAGS = flags.FLAGS
@@ -42,10 +42,13 @@ def local_shape(x) -> tuple[int, ...]:
     return tuple(x.sharding.shard_shape(x.shape))
 
 
-def run_case(impl, cfg, graphdef, params, case, ceilings) -> tuple[dict, Any]:
-    """One (case, impl): its runner built, its XLA executable summarized (and its HLO written
-    under --hlo_dir), timed; the record and the output state of its last call."""
-    runner = profiling.runner_for(impl, cfg, graphdef, params, case)
+def run_case(
+    impl, cfg, graphdef, params, case, ceilings, compile_mode: str = "default"
+) -> tuple[dict, Any]:
+    """One (case, impl): its runner built (torch_compile in `compile_mode`), its XLA executable
+    summarized (and its HLO written under --hlo_dir), timed; the record and the output state of
+    its last call."""
+    runner = profiling.runner_for(impl, cfg, graphdef, params, case, compile_mode)
     extra = {}
     if impl in XLA_IMPLS:
         text, memory = runner.compile_report()
@@ -86,8 +89,30 @@ def run_case(impl, cfg, graphdef, params, case, ceilings) -> tuple[dict, Any]:
     rec.update(extra, **core_mesh.comm_record(cfg, case, 2 if FLAGS.dtype == "bf16" else 4))
     if getattr(runner, "compile_seconds", None) is not None:  # torch_compile: apart from timing
         rec["compile_seconds"] = runner.compile_seconds
-        rec["torch_compile_mode"] = compile_mode_for(FLAGS.torch_compile_mode, case.mode)
+        rec["torch_compile_mode"] = compile_mode
     runner.release()
+    return rec, out
+
+
+def run_torch_compile(
+    cfg, graphdef, params, case, ceilings, conformance: dict, modes: tuple[str, ...]
+) -> tuple[dict, Any]:
+    """torch_compile timed in each of `modes` (`compile_modes_for(--torch_compile_mode)`), one
+    after another in this process, each mode's Core checked (`check_conformance`): the fastest
+    mode's record (by ms per iteration), with every mode's times (`torch_compile_modes`: ms per
+    iteration, waited and back to back), and output."""
+    timed = {}
+    for mode in modes:
+        rec, out = run_case("torch_compile", cfg, graphdef, params, case, ceilings, mode)
+        check_conformance("torch_compile", mode, conformance)
+        timed[mode] = (rec, out)
+    fastest = min(timed, key=lambda mode: timed[mode][0]["ms_per_iteration"])
+    rec, out = timed[fastest]
+    keys = ("ms_per_iteration", "back_to_back_ms_per_iteration")
+    rec["torch_compile_modes"] = {m: {k: r.get(k) for k in keys} for m, (r, _) in timed.items()}
+    if len(modes) > 1:
+        each = ", ".join(f"{m} {r['ms_per_iteration']:.3f}" for m, (r, _) in timed.items())
+        print(f"torch_compile {case.spec()}: {each} ms per iteration; kept {fastest}")
     return rec, out
 
 
@@ -120,10 +145,9 @@ def runnable(impls: list[str], on_gpu: bool) -> list[str]:
     return impls
 
 
-def check_conformance(impl: str, case_mode: str, conformance: dict[str, dict]) -> None:
-    """A torch impl's Core (torch_compile: in the case's compile mode) against the conformance
+def check_conformance(impl: str, compile_mode: str, conformance: dict[str, dict]) -> None:
+    """A torch impl's Core (torch_compile: in `compile_mode`) against the conformance
     checkpoint, once per run; UserError when it misses, as its timings would then be void."""
-    compile_mode = compile_mode_for(FLAGS.torch_compile_mode, case_mode)
     key = f"{impl} ({compile_mode})" if impl == "torch_compile" else impl
     if impl not in TORCH_IMPLS or key in conformance:
         return
@@ -166,7 +190,13 @@ def run(cases: list[Case], impls: list[str], result: dict | None = None) -> dict
             print(f"note: {impl} skipped for {case.spec()}: {reason}")
             continue
         try:
-            rec, out = run_case(impl, cfg, graphdef, params, case, ceilings)
+            if impl == "torch_compile":
+                modes = compile_modes_for(FLAGS.torch_compile_mode)
+                rec, out = run_torch_compile(
+                    cfg, graphdef, params, case, ceilings, conformance, modes
+                )
+            else:
+                rec, out = run_case(impl, cfg, graphdef, params, case, ceilings)
         except Exception as e:  # out of memory in one case of a sweep: note it, go on
             if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
                 raise
@@ -177,7 +207,7 @@ def run(cases: list[Case], impls: list[str], result: dict | None = None) -> dict
             continue
         records.append(rec)
         outputs[(case, impl)] = out
-        check_conformance(impl, case.mode, conformance)
+        check_conformance(impl, profiling.compile_mode_of(rec), conformance)
     if FLAGS.trace_dir:
         profiling.trace_all(records, cfg, graphdef, params)
     compare.add_vs_best(

@@ -30,14 +30,13 @@ import numpy as np
 from experiments.torch_ref.fast_layers import fast_layer, fast_layer_list, rope_table
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
-# The fastest mode of the Core step per kind of case on the H200 (each mode timed in one
-# process per mode; docs/peers.md): experiments.core's default `--torch_compile_mode=fastest`.
-FASTEST_COMPILE_MODE = {"decode": "max-autotune-no-cudagraphs", "prefill": "default"}
 
 
-def compile_mode_for(flag_value: str, case_mode: str) -> str:
-    """torch.compile's mode for a Core case: the flag's, or with "fastest" the case mode's."""
-    return FASTEST_COMPILE_MODE[case_mode] if flag_value == "fastest" else flag_value
+def compile_modes_for(flag_value: str) -> tuple[str, ...]:
+    """torch.compile's modes to time for a Core case: the flag's, or with "fastest" every mode
+    (experiments.core times each in the same process and keeps the fastest: which one that is
+    changes with the case and, for the autotuning mode, from process to process; docs/peers.md)."""
+    return COMPILE_MODES if flag_value == "fastest" else (flag_value,)
 
 
 def _rope(x_BxTxHxK, positions_T, base: float):
