@@ -13,8 +13,9 @@ token is the time from the token before it being ready to it being ready.
 `--persistent_schedule` (unless given, the case's: `persistent.default_schedule`). PyTorch
 (`--torch_impls`, `experiments.torch_ref.huginn.run_loop`), the same weights (DLPack on CUDA):
 - torch_compile: gpt-fast style, the position a tensor; prelude, one Core iteration and coda
-  compiled once each (`--torch_compile_mode`), the whole token in one CUDA graph replayed at
-  every position (Inductor's own graphs with reduce-overhead);
+  compiled once each (`--torch_compile_mode`: by default every mode, one after another, the
+  fastest kept), the whole token in one CUDA graph replayed at every position (Inductor's own
+  graphs with reduce-overhead);
 - torch_graph: FastCore's eager Core, a CUDA graph of the whole token captured per position;
 - torch_reference: the same loop with the reference-faithful Core.
 A torch_compile token is one replay, made before the token before it is read and timed as JAX's
@@ -30,8 +31,9 @@ each torch loop first reproduces the conformance checkpoint's greedy tokens in f
 (`torch_ref.conformance.check_generation_impl`); a failure exits 1 after the JSON is written.
 Without torch the JAX half runs alone (one note line); without CUDA torch runs on the CPU
 without CUDA graphs. `--trace_dir`: after its timed tokens, torch_compile's decode step replays
-TRACE_TOKENS tokens under torch.profiler (a Chrome trace there) and its kernels per token are
-printed and kept in the JSON: where PyTorch's token goes beside its Core iterations.
+TRACE_TOKENS tokens under torch.profiler (a Chrome trace there, one per mode) and the kept
+mode's kernels per token are printed and kept in the JSON: where PyTorch's token goes beside
+its Core iterations.
 """
 
 from __future__ import annotations
@@ -60,7 +62,10 @@ from experiments.generate_vs_torch_report import (  # noqa: E402
 )
 from experiments.measure import trace as trace_lib  # noqa: E402
 from experiments.torch_ref import chain as torch_chain  # noqa: E402 (imports no torch)
-from experiments.torch_ref.core import COMPILE_MODES  # noqa: E402 (imports no torch)
+from experiments.torch_ref.core import (  # noqa: E402 (imports no torch)
+    COMPILE_MODES,
+    compile_modes_for,
+)
 from experiments.torch_ref.huginn import LOOPS as TORCH_LOOPS  # noqa: E402 (imports no torch)
 from huginn_jax.checkpoint import from_pretrained  # noqa: E402
 from huginn_jax.config import (  # noqa: E402
@@ -132,10 +137,12 @@ def define_flags() -> None:
     )
     flags.DEFINE_enum(
         "torch_compile_mode",
-        "default",
-        list(COMPILE_MODES),
-        "torch.compile's mode for torch_compile (reduce-overhead: Inductor's CUDA graphs, "
-        "otherwise one CUDA graph captured around the compiled token).",
+        "fastest",
+        ["fastest", *COMPILE_MODES],
+        "torch.compile's mode for torch_compile (fastest: every mode compiled and run in this "
+        "process, one after another, the fastest kept for the row, each mode's median in the "
+        "JSON's compile_modes; reduce-overhead: Inductor's CUDA graphs, otherwise one CUDA "
+        "graph captured around the compiled token).",
     )
     flags.DEFINE_bool(
         "torch_coordinate_descent",
@@ -240,7 +247,9 @@ def run_jax(model: Huginn, plan: Plan) -> Generation:
 def run_torch(model: Huginn, plan: Plan, impls: list[str], notes: list[str], details: dict):
     """Each PyTorch loop of `impls` over `model`'s weights, after its conformance check (with
     --torch_conformance): ({impl: TorchGeneration}, {impl: check}), each loop's JSON details
-    added to `details` as it ends; empty (with a note) when torch is missing."""
+    added to `details` as it ends; empty (with a note) when torch is missing. torch_compile runs
+    in each mode of --torch_compile_mode (`compile_modes_for`: every mode with "fastest"), one
+    after another, and keeps the fastest (by median latency; every mode's in its details)."""
     if not impls:
         return {}, {}
     if not torch_chain.available():
@@ -248,12 +257,9 @@ def run_torch(model: Huginn, plan: Plan, impls: list[str], notes: list[str], det
         return {}, {}
     import torch
 
-    from experiments.torch_ref.conformance import check_generation_impl
     from experiments.torch_ref.core import FastCore, to_torch_fn
-    from experiments.torch_ref.huginn import run_loop
 
     cuda = jax.default_backend() == "gpu" and torch.cuda.is_available()
-    device = "cuda" if cuda else "cpu"
     if not cuda:
         notes.append("no CUDA for torch: its loops run on the CPU, without CUDA graphs")
         # One intra-op thread: an OpenMP team beside JAX's thread pool waits on descheduled
@@ -262,54 +268,83 @@ def run_torch(model: Huginn, plan: Plan, impls: list[str], notes: list[str], det
     torch._inductor.config.coordinate_descent_tuning = FLAGS.torch_coordinate_descent
     dtype = torch_chain.torch_dtype(str(jnp.dtype(model.dtype)))
     params = nnx.to_pure_dict(nnx.state(model))
-    to_torch = to_torch_fn(device, dtype)
+    to_torch = to_torch_fn("cuda" if cuda else "cpu", dtype)
     shared = {"torch_compile", "torch_graph"} & set(impls)
     fast_core = FastCore(params, model.config, to_torch) if shared else None
     runs, checks = {}, {}
     for impl in program.progress(impls, "generate_vs_torch: torch loops"):
-        if FLAGS.torch_conformance:
-            checks[impl] = check_generation_impl(
-                impl, device, FLAGS.torch_compile_mode, FLAGS.graph_warmup
-            )
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        traced: dict = {}
-        trace = None
-        if FLAGS.trace_dir and impl == "torch_compile":
-            trace = token_tracer(Path(FLAGS.trace_dir) / f"{impl}.trace.json", plan, traced)
-        gen = run_loop(
-            impl,
-            params,
-            model.config,
-            to_torch,
-            plan.ids,
-            plan.max_new_tokens,
-            plan.spec.num_steps,
-            compile_mode=FLAGS.torch_compile_mode,
-            warmup=FLAGS.graph_warmup,
-            fast_core=fast_core,
-            trace=trace,
-        )
-        runs[impl] = gen
-        details[impl] = {
-            "loop": loop_text(impl, cuda, FLAGS.torch_compile_mode),
-            "graph": gen.graph,
-            "compile_mode": FLAGS.torch_compile_mode if impl == "torch_compile" else None,
-            "coordinate_descent_tuning": (
-                FLAGS.torch_coordinate_descent if impl == "torch_compile" else None
-            ),
-            "graphs_compiled": gen.graphs_compiled,
-            "prefill_s": gen.prefill_s,
-            "setup_s": gen.setup_s,
-            "capture_s": gen.capture_s,
-            "decode_latency_s": gen.latencies_s,
-            "latency_median_s": gen.latency_median_s,
-            "tokens": gen.tokens.tolist(),
-            "device": torch.cuda.get_device_name() if cuda else "cpu",
-            "peak_bytes_allocated": torch.cuda.max_memory_allocated() if cuda else None,
-            **traced,
-        }
+        modes = compile_modes_for(FLAGS.torch_compile_mode) if impl == "torch_compile" else ("",)
+        tried = []
+        for mode in modes:
+            trace = None  # torch_compile's decode tokens traced, each mode's apart
+            if FLAGS.trace_dir and impl == "torch_compile":
+                name = f"{impl}.trace.json" if len(modes) == 1 else f"{impl}.{mode}.trace.json"
+                trace = Path(FLAGS.trace_dir) / name
+            loop = (impl, mode, params, model, plan, to_torch, fast_core, cuda, trace)
+            tried.append(run_torch_loop(*loop))
+        gen, detail, check = min(tried, key=lambda t: t[0].latency_median_s)
+        if len(tried) > 1:
+            detail["compile_modes"] = {d["compile_mode"]: g.latency_median_s for g, d, _ in tried}
+            each = ", ".join(f"{m} {1e3 * s:.2f}" for m, s in detail["compile_modes"].items())
+            print(f"{impl}: {each} ms per token; kept {detail['compile_mode']}")
+        missed = [c for _, _, c in tried if c is not None and not c["passed"]]
+        if check is not None:
+            checks[impl] = missed[0] if missed else check  # any mode's miss voids the timings
+        runs[impl], details[impl] = gen, detail
+        del tried
     return runs, checks
+
+
+def run_torch_loop(impl, mode, params, model, plan, to_torch, fast_core, cuda, trace_path):
+    """One PyTorch loop (torch_compile in `mode`), after its conformance check (with
+    --torch_conformance), its decode tokens traced into `trace_path` (None: not traced):
+    (TorchGeneration, its JSON details, the check or None)."""
+    import torch
+
+    from experiments.torch_ref.conformance import check_generation_impl
+    from experiments.torch_ref.huginn import run_loop
+
+    device = "cuda" if cuda else "cpu"
+    compile_mode = mode or "default"  # the loops other than torch_compile compile nothing
+    check = None
+    if FLAGS.torch_conformance:
+        check = check_generation_impl(impl, device, compile_mode, FLAGS.graph_warmup)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    traced: dict = {}
+    trace = token_tracer(trace_path, plan, traced) if trace_path else None
+    gen = run_loop(
+        impl,
+        params,
+        model.config,
+        to_torch,
+        plan.ids,
+        plan.max_new_tokens,
+        plan.spec.num_steps,
+        compile_mode=compile_mode,
+        warmup=FLAGS.graph_warmup,
+        fast_core=fast_core,
+        trace=trace,
+    )
+    detail = {
+        "loop": loop_text(impl, cuda, compile_mode),
+        "graph": gen.graph,
+        "compile_mode": compile_mode if impl == "torch_compile" else None,
+        "coordinate_descent_tuning": (
+            FLAGS.torch_coordinate_descent if impl == "torch_compile" else None
+        ),
+        "graphs_compiled": gen.graphs_compiled,
+        "prefill_s": gen.prefill_s,
+        "setup_s": gen.setup_s,
+        "capture_s": gen.capture_s,
+        "decode_latency_s": gen.latencies_s,
+        "latency_median_s": gen.latency_median_s,
+        "tokens": gen.tokens.tolist(),
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "peak_bytes_allocated": torch.cuda.max_memory_allocated() if cuda else None,
+        **traced,
+    }
+    return gen, detail, check
 
 
 def token_tracer(path: Path, plan: Plan, into: dict):

@@ -13,6 +13,8 @@ from pathlib import Path
 import jax
 import pytest
 
+from experiments.torch_ref.core import COMPILE_MODES
+
 
 def run(tmp_path, decode_attention, *flags):
     out = tmp_path / f"{decode_attention}{len(flags)}.json"
@@ -100,8 +102,9 @@ def run_program(out, *flags, prelude: str = ""):
 def test_program_with_every_torch_loop(tmp_path):
     """Every torch loop by default: one record per loop with vs_best against the other
     framework's fastest, its tokens equal to JAX's (float32), its conformance check passed,
-    compile time apart; the table prints one row per loop. --trace_dir: torch_compile's decode
-    tokens traced after its timed ones (a Chrome trace; no CUDA kernels on a CPU)."""
+    compile time apart; the table prints one row per loop; torch_compile in every mode, the
+    fastest kept. --trace_dir: torch_compile's decode tokens traced after its timed ones (a
+    Chrome trace per mode; no CUDA kernels on a CPU)."""
     pytest.importorskip("torch", reason='needs PyTorch: pip install -e ".[torch]"')
     out = tmp_path / "r.json"
     proc = run_program(out, f"--trace_dir={tmp_path / 'traces'}")
@@ -124,10 +127,16 @@ def test_program_with_every_torch_loop(tmp_path):
         assert len(details["decode_latency_s"]) == 5
         assert details["comparison"]["logits_max_abs_diff_same_inputs"] < 1e-3
         assert details["graph"] == (jax.default_backend() == "gpu")
-    assert data["torch"]["torch_compile"]["graphs_compiled"] == 6
-    assert data["torch"]["torch_compile"]["compile_mode"] == "default"
+    compiled = data["torch"]["torch_compile"]  # every mode run, the fastest kept
+    assert compiled["graphs_compiled"] == 6
+    assert list(compiled["compile_modes"]) == list(COMPILE_MODES)
+    kept = min(compiled["compile_modes"], key=compiled["compile_modes"].get)
+    assert compiled["compile_mode"] == kept
+    assert compiled["latency_median_s"] == compiled["compile_modes"][kept]
+    assert f"ms per token; kept {kept}" in proc.stdout
     traced = data["torch"]["torch_compile"]
     assert traced["trace_tokens"] == 4 and Path(traced["trace_file"]).is_file()
+    assert Path(traced["trace_file"]).name == f"torch_compile.{kept}.trace.json"
     assert set(traced["trace_us_per_token"]) == {"span", "busy", "gaps"}
     assert "trace" not in data["torch"]["torch_graph"]
     assert f"torch_compile: 4 decode tokens traced ({traced['trace_file']})" in proc.stdout

@@ -192,8 +192,9 @@ stage_generate() {
   # CORE_DECODE=persistent: JAX's decode steps through the persistent Core kernel;
   # processes $FIRST (default 1) to GEN_PROCESSES (default 1; with 3 or more from 1, a headline
   # over them), the PyTorch loops GEN_TORCH_IMPLS (default all), the conformance check in
-  # process 1 only (none with GEN_CONFORMANCE=0). A process takes 150-300 s: FIRST splits 3
-  # processes over two calls (experiments.headline then combines their JSONs anywhere)
+  # process 1 only (none with GEN_CONFORMANCE=0), torch.compile's mode GEN_TORCH_MODE (default
+  # fastest: every mode run, the fastest kept). A process took 150-300 s in one mode: FIRST
+  # splits 3 processes over two calls (experiments.headline then combines their JSONs anywhere)
   local d=$1 name=generate_vs_torch i check=--torch_conformance
   [ "${CORE_DECODE:-xla}" = xla ] || name="generate_vs_torch_$CORE_DECODE"
   [ "$FIRST" = 1 ] && [ "${GEN_CONFORMANCE:-1}" = 1 ] || check=--notorch_conformance
@@ -201,6 +202,7 @@ stage_generate() {
     timeout "${GEN_TIMEOUT:-500}" python3 -m experiments.generate_vs_torch --prompt_len=1024 \
       --max_new_tokens=32 --num_steps=32 --core_decode="${CORE_DECODE:-xla}" $check \
       --torch_impls="${GEN_TORCH_IMPLS:-torch_compile,torch_graph,torch_reference}" \
+      --torch_compile_mode="${GEN_TORCH_MODE:-fastest}" \
       --json_out="$d/${name}_$i.json" > "$d/${name}_$i.txt" 2>&1
     stamp "generate process $i rc $?"
     check=--notorch_conformance
