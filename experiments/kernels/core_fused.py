@@ -264,6 +264,20 @@ def profile(w, batch: int, context: int, schedule) -> dict:
     )  # fmt: skip
 
 
+def profile_hint(shape, schedule, iterations: int) -> str:
+    """Where a profile of `iterations` does not fit beside `schedule`: the most iterations whose
+    profile does, as a hint ('' where none does, or the schedule fails without a profile)."""
+    from pallas_kernels.core_step.fused_fit import check_fused
+
+    for n in range(iterations - 1, 0, -1):
+        try:
+            check_fused(shape, WORKERS, schedule, profiled_iterations=n)
+        except ValueError:
+            continue
+        return f"; a profile of {n} iterations fits (--iterations={n})"
+    return ""
+
+
 def parse_schedule(text: str):
     """The `fused_plan.Schedule` of a --schedules entry; UserError for a bad one."""
     from pallas_kernels.core_step.fused_plan import Schedule
@@ -376,7 +390,8 @@ def main(argv: list[str]) -> None:
                 )
             except ValueError as e:
                 what = " (--profile)" if profiled_iterations else ""
-                raise UserError(f"schedule {sch}, --batch={batch}{what}: {e}") from None
+                hint = profile_hint(fused_shape(batch), sch, profiled_iterations)
+                raise UserError(f"schedule {sch}, --batch={batch}{what}: {e}{hint}") from None
     program.check_outputs(FLAGS.json_out)
     device = jax.devices()[0]
     if device.platform != "gpu":
