@@ -58,6 +58,8 @@ done
 OUT=${OUT:-out/h200}
 PROCESSES=${PROCESSES:-3}
 FIRST=${FIRST:-1}  # the first process's number in core and generate (three can span two calls)
+# torch.compile's mode in the experiments.core stages (fastest: every mode timed, the fastest kept)
+CORE_TORCH_MODE=${CORE_TORCH_MODE:-fastest}
 mkdir -p "$OUT"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. PYTHONUNBUFFERED=1
 python3 -c "from flax import nnx; nnx.List" 2>/dev/null || pip install -q --no-deps .wheels/flax-*.whl
@@ -123,7 +125,7 @@ stage_core() {
   for i in $(seq "$FIRST" "$PROCESSES"); do
     timeout "${CORE_TIMEOUT:-400}" python3 -m experiments.core --iterations=8 \
       --mode="${CORE_MODES:-decode,prefill}" --batch="${CORE_BATCH:-1}" \
-      --impls="${CORE_IMPLS_OVERRIDE:-$CORE_IMPLS}" \
+      --impls="${CORE_IMPLS_OVERRIDE:-$CORE_IMPLS}" --torch_compile_mode="$CORE_TORCH_MODE" \
       $CEILINGS --json_out="$d/core_$i.json" > "$d/core_$i.txt" 2>&1
     stamp "core process $i rc $?"; grep -E "^(decode|prefill) " "$d/core_$i.txt"
   done
@@ -229,7 +231,8 @@ stage_core_persistent() {
   local d=$1
   timeout 520 python3 -m experiments.core --mode=decode \
     --impls=persistent,xla_pallas,torch_compile --iterations=8 --context=1024 --batch=1,8 \
-    $CEILINGS --json_out="$d/core_persistent.json" > "$d/core_persistent.txt" 2>&1
+    --torch_compile_mode="$CORE_TORCH_MODE" $CEILINGS --json_out="$d/core_persistent.json" \
+    > "$d/core_persistent.txt" 2>&1
   echo "== core_persistent rc $?"; grep -v "it/s\]" "$d/core_persistent.txt" | tail -12
 }
 
@@ -241,7 +244,8 @@ stage_core_persistent_profile() {
   local impls=${PROFILE_IMPLS:-persistent,torch_compile}
   timeout "${PROFILE_TIMEOUT:-560}" python3 -m experiments.core --mode=decode --impls="$impls" \
     --iterations=8 --context=1024 --batch=1 --trace_dir="$d/trace" --hlo_dir="$d/hlo" --hbm \
-    --hbm_impls="$impls" $CEILINGS --json_out="$d/core_persistent_profile.json" \
+    --hbm_impls="$impls" --torch_compile_mode="$CORE_TORCH_MODE" $CEILINGS \
+    --json_out="$d/core_persistent_profile.json" \
     > "$d/core_persistent_profile.txt" 2>&1
   echo "== core_persistent_profile rc $?"
   grep -v "it/s\]" "$d/core_persistent_profile.txt" | grep -v "^AUTOTUNE\|triton_mm\|strides:\|dtypes:" | tail -40
@@ -251,7 +255,8 @@ stage_core_persistent_hbm() {
   local d=$1
   timeout "${HBM_TIMEOUT:-590}" python3 -m experiments.core --mode=decode \
     --impls=persistent,torch_compile --iterations=8 --context=1024 --batch=1 --hbm \
-    --hbm_impls=persistent --ncu_timeout="${NCU_TIMEOUT:-380}" $CEILINGS \
+    --hbm_impls=persistent --ncu_timeout="${NCU_TIMEOUT:-380}" \
+    --torch_compile_mode="$CORE_TORCH_MODE" $CEILINGS \
     --json_out="$d/core_persistent_hbm.json" > "$d/core_persistent_hbm.txt" 2>&1
   echo "== core_persistent_hbm rc $?"
   grep -v "it/s\]" "$d/core_persistent_hbm.txt" | grep -v "^AUTOTUNE\|triton_mm\|strides:\|dtypes:" | tail -25
@@ -260,7 +265,8 @@ stage_core_persistent_hbm() {
 stage_core_persistent_b8() {
   local d=$1
   timeout 300 python3 -m experiments.core --mode=decode --impls=persistent,torch_compile \
-    --iterations=8 --context=1024 --batch=8 $CEILINGS --json_out="$d/core_persistent_b8.json" \
+    --iterations=8 --context=1024 --batch=8 --torch_compile_mode="$CORE_TORCH_MODE" $CEILINGS \
+    --json_out="$d/core_persistent_b8.json" \
     > "$d/core_persistent_b8.txt" 2>&1
   echo "== core_persistent_b8 rc $?"; grep -E "^(mode|decode|conformance)" "$d/core_persistent_b8.txt"
 }
