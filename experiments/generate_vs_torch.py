@@ -273,11 +273,13 @@ def run_torch(model: Huginn, plan: Plan, impls: list[str], notes: list[str], det
     fast_core = FastCore(params, model.config, to_torch) if shared else None
     runs, checks = {}, {}
     for impl in program.progress(impls, "generate_vs_torch: torch loops"):
-        modes = compile_modes_for(FLAGS.torch_compile_mode) if impl == "torch_compile" else ("",)
+        # the loops other than torch_compile compile nothing: they run once, "default" unused
+        compiled = impl == "torch_compile"
+        modes = compile_modes_for(FLAGS.torch_compile_mode) if compiled else ("default",)
         tried = []
         for mode in modes:
             trace = None  # torch_compile's decode tokens traced, each mode's apart
-            if FLAGS.trace_dir and impl == "torch_compile":
+            if FLAGS.trace_dir and compiled:
                 name = f"{impl}.trace.json" if len(modes) == 1 else f"{impl}.{mode}.trace.json"
                 trace = Path(FLAGS.trace_dir) / name
             loop = (impl, mode, params, model, plan, to_torch, fast_core, cuda, trace)
@@ -305,10 +307,9 @@ def run_torch_loop(impl, mode, params, model, plan, to_torch, fast_core, cuda, t
     from experiments.torch_ref.huginn import run_loop
 
     device = "cuda" if cuda else "cpu"
-    compile_mode = mode or "default"  # the loops other than torch_compile compile nothing
     check = None
     if FLAGS.torch_conformance:
-        check = check_generation_impl(impl, device, compile_mode, FLAGS.graph_warmup)
+        check = check_generation_impl(impl, device, mode, FLAGS.graph_warmup)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     traced: dict = {}
@@ -321,15 +322,15 @@ def run_torch_loop(impl, mode, params, model, plan, to_torch, fast_core, cuda, t
         plan.ids,
         plan.max_new_tokens,
         plan.spec.num_steps,
-        compile_mode=compile_mode,
+        compile_mode=mode,
         warmup=FLAGS.graph_warmup,
         fast_core=fast_core,
         trace=trace,
     )
     detail = {
-        "loop": loop_text(impl, cuda, compile_mode),
+        "loop": loop_text(impl, cuda, mode),
         "graph": gen.graph,
-        "compile_mode": compile_mode if impl == "torch_compile" else None,
+        "compile_mode": mode if impl == "torch_compile" else None,
         "coordinate_descent_tuning": (
             FLAGS.torch_coordinate_descent if impl == "torch_compile" else None
         ),
