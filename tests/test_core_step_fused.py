@@ -155,6 +155,7 @@ HUGINN = (5280, 55, 17920, 4)
 SMALL_SCHEDULE = (64, Schedule(3, 3, 0, 0))
 OVERLAP = Schedule(3, 2, overlap=1)
 DATAFLOW, DATAFLOW_OVERLAP = Schedule(3, 3, dataflow=1), Schedule(3, 2, overlap=1, dataflow=1)
+PAIRS = Schedule(3, 2, head_pairs=1)  # two-head items: 4 splits of each pair window
 GPU_CASES = [
     (SMALL, 16, 1, 2, 130, 192, SMALL_SCHEDULE),
     (SMALL, 16, 1, 2, 130, 192, (64, Schedule(3, 3, handover=0))),
@@ -173,6 +174,9 @@ GPU_CASES = [
     (SMALL, 16, 1, 3, 130, 192, (64, DATAFLOW_OVERLAP)),
     (HUGINN, 132, 8, 2, 200, 256, (256, DATAFLOW)),
     (HUGINN, 132, 1, 3, 1000, 1024, (256, DATAFLOW_OVERLAP)),
+    (SMALL, 16, 8, 1, 200, 256, (64, PAIRS)),
+    (HUGINN, 132, 8, 2, 200, 256, (256, PAIRS)),
+    (HUGINN, 132, 1, 1, 1000, 1024, (256, PAIRS)),
 ]
 
 
@@ -210,9 +214,19 @@ def check_against_the_step_program(
         assert rel_fro(np.asarray(g, np.float32), np.asarray(r, np.float32)) <= RTOL
 
 
+def case_id(case) -> str:
+    """huginn-b8-it1-u256-3:2:0:0:64:0:0:8:0:0:1: the shape, batch, iterations, units, schedule."""
+    dims, _, batch, iterations, _, _, (cols, schedule) = case
+    return f"{'huginn' if dims == HUGINN else 'small'}-b{batch}-it{iterations}-u{cols}-{schedule}"
+
+
 @gpu
 @requires_gpu
-@pytest.mark.parametrize("dims,workers,batch,iterations,pos,slot_len,schedule", GPU_CASES)
+@pytest.mark.parametrize(
+    "dims,workers,batch,iterations,pos,slot_len,schedule",
+    GPU_CASES,
+    ids=[case_id(c) for c in GPU_CASES],
+)
 def test_matches_the_step_program_gpu(dims, workers, batch, iterations, pos, slot_len, schedule):
     check_against_the_step_program(dims, workers, batch, iterations, pos, slot_len, schedule)
 
@@ -270,6 +284,18 @@ def test_interpret_key_blocks_of_the_heads_own_columns():
     )
 
 
+@pytest.mark.parametrize("dims,batch", [((256, 4, 256, 1), 2), ((320, 5, 256, 1), 1)])
+def test_interpret_two_head_items(dims, batch):
+    """Two-head items (`Schedule.head_pairs`) on heads of 64: each pair window's key blocks
+    split at 64 columns, its value blocks read as the window's first and last 64; 5 heads:
+    the last window ends at d and also holds head 3, which the window before combines. One
+    worker in interpret mode (one split per window)."""
+    check_against_the_step_program(
+        dims, 1, batch, 1, 100, 128, (64, Schedule(2, 2, head_pairs=1)),
+        interpret=plgpu.InterpretGPUParams(),
+    )  # fmt: skip
+
+
 def test_gpu_configurations_fit():
     """The GPU tests' schedules pass the checks (ring, shared memory) on CPU."""
     for (d, heads, f, layers), workers, batch, _, _, _, (cols, sched) in GPU_CASES:
@@ -279,7 +305,8 @@ def test_gpu_configurations_fit():
 
 # the batch is a loop bound: 1 lowers the same code
 @pytest.mark.parametrize(
-    "batch,schedule", [(8, Schedule()), (8, OVERLAP), (8, DATAFLOW), (1, DATAFLOW_OVERLAP)]
+    "batch,schedule",
+    [(8, Schedule()), (8, OVERLAP), (8, DATAFLOW), (1, DATAFLOW_OVERLAP), (8, PAIRS)],
 )
 def test_lowers_for_cuda_with_every_sm(batch, schedule):
     """Traces and lowers the kernel for sm_90 at huginn-0125's shapes (one Core layer, to keep

@@ -19,6 +19,7 @@ from pallas_kernels.core_step.fused_fit import (
 from pallas_kernels.core_step.fused_plan import (
     FusedShape,
     Schedule,
+    attention_items,
     attention_tile_heads,
     tile_signals,
     unit_ranges,
@@ -163,7 +164,9 @@ def test_schedule_is_written_as_parsed():
     assert Schedule.parse("3:2:0:0:64:0:0:8:1:1") == Schedule(3, 2, overlap=1, dataflow=1)
     assert str(Schedule(3, 3, dataflow=1)) == "3:3:0:0:64:0:0:8:0:1"
     assert str(Schedule(3, 3, handover=0)) == "3:3:0:0:64:0:0:0"
-    for bad in ("6", "6:3:1:2:64:4:5:6:1:1:7", "6:x"):
+    assert Schedule.parse("3:2:0:0:64:0:0:8:0:0:1") == Schedule(3, 2, head_pairs=1)
+    assert str(Schedule(3, 2, head_pairs=1)) == "3:2:0:0:64:0:0:8:0:0:1"
+    for bad in ("6", "6:3:1:2:64:4:5:6:1:1:1:7", "6:x"):
         with pytest.raises(ValueError, match="is not RING:KV_STAGES"):
             Schedule.parse(bad)
     with pytest.raises(ValueError, match="kv_block=96 must be one of"):
@@ -209,3 +212,53 @@ def test_profiler_records_both_warpgroups_of_the_default():
     assert one_warpgroup <= SMEM_LIMIT
     with pytest.raises(ValueError, match="for the profiler's records of 3 iterations"):
         check_fused(four_layers, 132, default, profiled_iterations=3)
+
+
+PAIRS = Schedule(3, 2, head_pairs=1)  # two-head items
+
+
+def test_two_head_windows_hold_each_head_once_in_whole_tiles():
+    """huginn-0125's 55 heads of 96 in 28 pair windows of 192 columns, the last (ending at d)
+    holding heads 53 and 54; each head's value rows in a 128-column slice of its window
+    (`value_window`), heads 0 to 53 where their own windows of 128 start or 32 columns
+    before, head 54 where its own does (d - 128); slices and windows in tiles of 32."""
+    shape = FusedShape(5280, 55, 96, 17920, 4, 8)
+    assert shape.pairs == 28 and shape.pair_cols == 192 and shape.operand_tile(True) == 32
+    assert [shape.pair_window(p) for p in (0, 1, 26, 27)] == [0, 192, 4992, 5088]
+    assert shape.value_window(0, True) == (0, 0) == shape.head_window(0)
+    assert shape.value_window(1, True) == (64, 32)  # the window's last 128 of 192
+    assert shape.value_window(53, True) == (4992 + 64, 32)
+    assert shape.value_window(54, True) == (5152, 32) == shape.head_window(54)
+    for h in range(shape.heads):
+        c0, delta = shape.value_window(h, True)
+        first = shape.pair_window(h // 2)
+        assert first <= c0 and c0 + shape.kp <= first + shape.pair_cols
+        assert c0 + delta == 96 * h and 0 <= delta <= shape.kp - shape.head_dim
+        assert c0 % 32 == 0 and first % 32 == 0
+    small = FusedShape(512, 8, 64, 1024, 1, 8)  # heads of 64: slices of 64 at 0 and 64
+    assert small.value_window(3, True) == (192, 0) and small.operand_tile(True) == 64
+
+
+def test_two_head_items_split_each_window_four_ways_at_most():
+    """28 windows x 4 splits = 112 items on 132 workers (55 heads x 2 without pairs); a small
+    shape on many workers stops at `MAX_SPLITS`."""
+    huginn = FusedShape(5280, 55, 96, 17920, 4, 8)
+    assert attention_items(huginn, 132, True) == (112, 4)
+    assert attention_items(huginn, 132, False) == (110, 2)
+    assert attention_items(FusedShape(512, 8, 64, 1024, 1, 8), 132, False) == (32, 4)
+
+
+def test_two_head_items_fit_at_batch_8_beside_a_ring_of_3():
+    """Pair blocks of 192 + 192 columns: 3:2 fits at huginn-0125 (two stages of pair blocks
+    hold more bytes than three of 96 + 128), 3:3 does not; neither overlap nor dataflow, nor
+    heads whose windows are not whole tiles of 32 columns."""
+    shape = FusedShape(5280, 55, 96, 17920, 4, 8)
+    check_fused(shape, 132, PAIRS)
+    check_fused(shape, 132, PAIRS, profiled_iterations=2)
+    with pytest.raises(ValueError, match="bytes of smem"):
+        check_fused(shape, 132, Schedule(3, 3, head_pairs=1))
+    for other in (dict(overlap=1), dict(dataflow=1)):
+        with pytest.raises(ValueError, match="without overlap and dataflow"):
+            check_fused(shape, 132, Schedule(3, 2, head_pairs=1, **other))
+    with pytest.raises(ValueError, match="a multiple of 32"):
+        check_fused(FusedShape(96, 4, 24, 160, 1, 8, 64), 1, Schedule(2, 2, head_pairs=1))

@@ -8,12 +8,13 @@ Python leaves the kernel the same (a refactor): no GPU needed.
 Per configuration (the default schedule at huginn-0125's shapes at batch 1 and 8, the
 second warpgroup, the timing bound without some barriers, grid barriers without hand-overs
 with L2 prefetches, blocks of 128 positions, prefetches at the barriers, one grid barrier per
-iteration with the second warpgroup at batch 1 and without it at batch 8): the kernel lowered
-for sm_90 (`fused_step.lowered_for_hopper`), its Mosaic GPU module printed without source
-locations, then that text's length and SHA-256. Lines moved between files change no
-fingerprint; an operation added, removed or reordered changes its configuration's. The names
-of global semaphores count up over the kernels traced in one process, so compare runs of the
-same NAMEs (all by default), not lines of runs that traced different configurations.
+iteration with the second warpgroup at batch 1 and without it at batch 8, two-head attention
+items at batch 8): the kernel lowered for sm_90 (`fused_step.lowered_for_hopper`), its Mosaic
+GPU module printed without source locations, then that text's length and SHA-256. Lines
+moved between files change no fingerprint; an operation added, removed or reordered changes
+its configuration's. The names of global semaphores count up over the kernels traced in one
+process, so compare runs of the same NAMEs (all by default), not lines of runs that traced
+different configurations.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ CONFIGURATIONS = {  # name: (shape, cached positions per slot, kernel options)
     "dataflow_b1_2_layers": (FusedShape(*HUGINN, 2, 1), 1024, dict(workers=132, schedule=DATAFLOW)),
     "dataflow_b8": (
         FusedShape(*HUGINN, 1, 8), 1024, dict(workers=132, schedule=Schedule(3, 3, dataflow=1))
+    ),
+    "head_pairs_b8": (
+        FusedShape(*HUGINN, 1, 8), 1024, dict(workers=132, schedule=Schedule(3, 2, head_pairs=1))
     ),
 }  # fmt: skip
 

@@ -7,9 +7,9 @@ the grid barriers (`stream.py`); its schedule is `plan.py`, its plain-JAX refere
 its grid barriers (`step_program.py`).
 The whole iteration in one kernel: `fused_step.fused_core_decode` over `pack_weights`' packed
 weights (the kernel's steps and barriers `fused.py`, its products `fused_products.py` and their
-weight ring `fused_ring.py`, its attention step `fused_attention.py`, what each product reads
-`fused_inputs.py`, its layout `fused_plan.py`, its shared memory and what fits `fused_fit.py`,
-register tiles `tiles.py`).
+weight ring `fused_ring.py`, its attention step `fused_attention.py` and the attention's cached
+blocks `fused_blocks.py`, what each product reads `fused_inputs.py`, its layout `fused_plan.py`,
+its shared memory and what fits `fused_fit.py`, register tiles `tiles.py`).
 """
 
 from pallas_kernels.core_step.plan import Phase, core_phases, stream_bytes

@@ -68,8 +68,8 @@ from pallas_kernels.core_step.fused_plan import (
     Buffers,
     FusedShape,
     Schedule,
+    attention_items,
     kind_of,
-    splits_for,
 )
 from pallas_kernels.core_step.fused_products import Products
 from pallas_kernels.looped_matmul.barrier import GridBarrier
@@ -119,7 +119,7 @@ def build_fused_core(
     kv_stages = schedule.kv_stages
     phases, layers = shape.phases, shape.layers
     n_phases, n_kinds = len(phases), len(PRODUCT_KINDS)
-    splits = splits_for(shape.heads, workers)
+    items, splits = attention_items(shape, workers, bool(schedule.head_pairs))
     overlap = bool(schedule.overlap)
     steps_per_iteration = shape.steps_per_iteration
     barrier_of = {}  # step -> its barrier's place in the iteration, for the barriers kept
@@ -136,13 +136,13 @@ def build_fused_core(
         worker = lax.axis_index("b")
         named = dict(zip(SCRATCH_NAMES, refs[n_kinds + 4 :], strict=True))
         k = KernelContext(
-            shape=shape, eps=eps, workers=workers, splits=splits, items=shape.heads * splits,
+            shape=shape, eps=eps, workers=workers, splits=splits, items=items,
             reduce=workers > 1, worker=worker, meta=meta, pos=meta[0], act=act, scal=scal,
             parts=parts, kv_new=kv_new, tables=tables, rope_bias=rope_bias, k_cache=k_cache,
             v_cache=v_cache, s={name: named[name] for name in scratch},
             scope=scopes_of(named, "first"), kv_stages=kv_stages, kv_block=schedule.kv_block,
             overlap=overlap, parts_ready=named.get("second.parts_ready"), parities=parities,
-            dataflow=bool(schedule.dataflow),
+            dataflow=bool(schedule.dataflow), head_pairs=bool(schedule.head_pairs),
             flags=pl.get_global(plgpu.SemaphoreType.REGULAR((shape.heads,)))
             if splits > 1 else None,
             q_done=pl.get_global(plgpu.SemaphoreType.REGULAR) if overlap else None,
@@ -261,8 +261,9 @@ def build_fused_core(
     params = plgpu.CompilerParams()
     if profile_dir:
         ranges = profile_ranges(
-            shape, workers, iterations, bool(schedule.dataflow), bool(schedule.overlap)
-        )
+            shape, workers, iterations, bool(schedule.dataflow), bool(schedule.overlap),
+            bool(schedule.head_pairs),
+        )  # fmt: skip
         params = plgpu.CompilerParams(profile_space=ranges, profile_dir=profile_dir)
     threads = dict(num_threads=2, thread_name="wg") if overlap else {}
     return plgpu.kernel(

@@ -15,6 +15,11 @@ huginn-0125's 96 are), v that of the cached value blocks (`FusedShape.head_windo
   and, once the others' flags count their partials, combines them and adds the head's rows into
   the attention output; it also writes the new k and v rows for the caller's cache write.
 
+With `Schedule.head_pairs`, an item is a split of two neighbouring heads' window
+(`FusedShape.pair_window`): one RoPE over the window, each block's step once per head slot, and
+each slot's combine on a split of its own (`_two_head_item`). The blocks, the splits' partials
+and their merge are `fused_blocks.py`.
+
 With `Schedule.overlap`, a second warpgroup per worker takes its item's q as soon as every
 worker has put out its units of q's tiles, runs the item's blocks while the first warpgroup
 streams the qkv's k and v columns, and puts its partials out before the barrier after the qkv
@@ -33,30 +38,31 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.core_step.fused_plan import (
-    N_PAD,
-    SCALAR_ROWS,
-    SHIFT,
-    Buffers,
-    ScalarRows,
+from pallas_kernels.core_step.fused_blocks import (
+    add_head_rows,
+    item_window,
+    merge,
+    merge_others,
+    own_blocks,
+    partials_out,
 )
-from pallas_kernels.core_step.tiles import WGMMA, bcast_rows, in_row, round_bf16, row_of
-
-MASKED = -1e30  # the model's masked score: finite, so exp(MASKED - m) is 0, never NaN
+from pallas_kernels.core_step.fused_plan import N_PAD, SHIFT, Buffers, ScalarRows
+from pallas_kernels.core_step.tiles import WGMMA, bcast_rows, round_bf16
 
 
 def attention_step(k, it, j) -> None:
     """Layer j's attention at iteration `it`; `k`: the kernel's `fused.KernelContext`. With
     `k.overlap`, the worker's first item's blocks ran during the qkv (`blocks_ahead`)."""
 
+    run = _two_head_item if k.head_pairs else _head_item
+
     @pl.loop(0, -(-k.items // k.workers))
     def _item(rr):
         item = k.worker + rr * k.workers  # with overlap, one item per worker at most
-        pl.when(item < k.items)(lambda: _head_item(k, it, j, item))
+        pl.when(item < k.items)(lambda: run(k, it, j, item))
 
 
 def _masks(k, h, starts):
@@ -74,7 +80,7 @@ def _masks(k, h, starts):
 def _head_item(k, it, j, item) -> None:
     """One item. With `k.overlap` its blocks ran during the qkv and every split's partials are
     out, so only a head's first split has work left."""
-    h, split, starts = _window(k, item)
+    h, split, starts = item_window(k, item)
     masks = _masks(k, h, starts)
 
     def run():
@@ -86,7 +92,8 @@ def _head_item(k, it, j, item) -> None:
         parts = None
         if not k.overlap:
             with jax.named_scope("blocks"):
-                parts = k.scope("blocks", lambda s: _own_blocks(k, it, j, q, starts, split, s))
+                blocks = k.scope("blocks", lambda s: own_blocks(k, it, j, q, starts, split, s))
+                parts = blocks[0]
         of, new = (h, split, item), (q, k_new, v_new)
         with jax.named_scope("combine"):
             k.scope("combine", lambda s: _combine(k, it, j, of, starts[1], masks[1], new, parts, s))
@@ -97,13 +104,93 @@ def _head_item(k, it, j, item) -> None:
         run()
 
 
+def _two_head_item(k, it, j, item) -> None:
+    """One item of two-head items (`Schedule.head_pairs`): a split of a pair window's cached
+    blocks (`FusedShape.pair_window`) for both its head slots. Every split puts out its
+    partials of the slots whose heads it does not combine, then combines the others: slot e
+    is combined by split e mod splits. The first slot of the last window of an odd number of
+    heads is the head before it, which the window before combines: left out here."""
+    shape = k.shape
+    pair, split, starts = item_window(k, item)
+    first_head = starts[0] // shape.head_dim
+    heads = (first_head, first_head + 1)
+    own = (first_head >= 2 * pair, True)
+    with jax.named_scope("rope"):
+        q, k_pair, news = k.scope("rope", lambda s: _pair_rope(k, it, j, starts[0], s))
+    with jax.named_scope("blocks"):
+        parts = k.scope("blocks", lambda s: own_blocks(k, it, j, q, starts, split, s))
+    combiners = tuple(e % k.splits for e in range(2))
+
+    def combine(s):
+        s = {**k.s, **s}
+        for e in range(2 if k.splits > 1 else 0):
+            puts = jnp.logical_and(own[e], split != combiners[e])
+            index = heads[e] * k.splits + split
+            pl.when(puts)(
+                lambda e=e, index=index: partials_out(k, index, parts[e], s["pout"], heads[e])
+            )
+        for e in range(2):
+            combines = jnp.logical_and(own[e], split == combiners[e])
+            args = (heads[e], starts[0], k_pair, news[e], parts[e], combiners[e])
+            pl.when(combines)(lambda e=e, args=args: _combine_slot(k, it, j, e, *args, s))
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the scope's bytes are reused next
+
+    with jax.named_scope("combine"):
+        k.scope("combine", combine)
+
+
+def _pair_rope(k, it, j, first, s):
+    """(q, k rows [pair_cols, 8], per head slot (its new position's score [8], its value
+    slice's new v rows [kp, 8])) of the pair window from column `first`, scaled and RoPE'd as
+    `_rope`'s."""
+    shape = k.shape
+    hd, kp, rows = shape.head_dim, shape.kp, shape.pair_cols
+    scale, scaled, window, tab = _rope_inputs(k, it, j, (first, first), rows, s)
+    q = (scaled * _roped(window, tab, 0) + tab(3)) * (1.0 / math.sqrt(hd))
+    k_new = round_bf16(scaled * _roped(window, tab, 1) + tab(4))
+    row = plgpu.broadcasted_iota(jnp.int32, (rows, N_PAD), 0, layout=WGMMA)
+    news = []
+    for e in range(2):
+        in_slot = jnp.logical_and(row >= e * hd, row < (e + 1) * hd)
+        score = jnp.sum(jnp.where(in_slot, q * k_new, 0.0), axis=0)
+        v_new = round_bf16(bcast_rows(scale, kp) * window(2, shape.pair_slot_start(e), kp))
+        news.append((score, v_new))
+    return q, k_new, news
+
+
+def _combine_slot(k, it, j, e, h, first, k_pair, new, parts, combiner, s) -> None:
+    """Head slot e's combine (head h, its pair window from column `first`): its new k rows
+    (the head's own columns) and v rows (its value slice, `FusedShape.value_window`) out, its
+    blocks' partials merged with the new position and the other splits', its rows added into
+    the attention output."""
+    shape = k.shape
+    hd, kp, rows = shape.head_dim, shape.kp, shape.pair_cols
+    score, v_new = new
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    s["pout"].at[pl.ds(0, rows)][...] = k_pair
+    s["pout"].at[pl.ds(rows, kp)][...] = v_new
+    plgpu.commit_smem()
+    k_dst = k.kv_new.at[it, j, 0, h, pl.ds(0, hd)]
+    plgpu.copy_smem_to_gmem(s["pout"].at[pl.ds(e * hd, hd)], k_dst)
+    plgpu.copy_smem_to_gmem(s["pout"].at[pl.ds(rows, kp)], k.kv_new.at[it, j, 1, h])
+    s_new = bcast_rows(score, kp)
+    merged = merge(*parts, s_new, jnp.ones_like(s_new), v_new)
+    others = [(combiner + r) % k.splits for r in range(1, k.splits)]
+    merged = merge_others(k, it, j, h, merged, others, k.splits > 1, s)
+    c0 = first + shape.pair_slot_start(e)
+    delta = h * hd - c0
+    row = plgpu.broadcasted_iota(jnp.int32, (kp, N_PAD), 0, layout=WGMMA)
+    valid = jnp.logical_and(row >= delta, row < delta + hd)
+    add_head_rows(k, it, j, merged, c0, valid, s)
+
+
 def blocks_ahead(k, it, j, item) -> None:
     """Item `item`'s q and cached blocks, run by the worker's second warpgroup (`k` its
     context, `Schedule.overlap`) while the first streams the qkv's k and v columns: once every
     worker has put out its units of q's tiles, q is RoPE'd and the blocks taken; the partials
     go out, then the first warpgroup is told (`parts_ready`). Profiled (in the second
     warpgroup's trace) as ahead{j}, holding wait_q, rope, blocks and partials_out."""
-    h, split, starts = _window(k, item)
+    h, split, starts = item_window(k, item)
     target = k.workers * (it * k.shape.layers + j + 1)
     with jax.named_scope(f"ahead{j}"):
         with jax.named_scope("wait_q"):
@@ -111,9 +198,9 @@ def blocks_ahead(k, it, j, item) -> None:
         with jax.named_scope("rope"):
             q = k.scope("rope", lambda s: _rope(k, it, j, starts, _masks(k, h, starts), s)[0])
         with jax.named_scope("blocks"):
-            parts = k.scope("blocks", lambda s: _own_blocks(k, it, j, q, starts, split, s))
+            parts = k.scope("blocks", lambda s: own_blocks(k, it, j, q, starts, split, s))
         with jax.named_scope("partials_out"):
-            _partials_out(k, item, parts, k.s["pin"])
+            partials_out(k, item, parts[0], k.s["pin"])
             if k.dataflow and k.splits > 1:  # no barrier after the qkv: the first split waits
 
                 @pl.when(split > 0)
@@ -124,64 +211,62 @@ def blocks_ahead(k, it, j, item) -> None:
 
 
 def _scale(k, it, j):
-    """[kp, 8]: the layer input's two norms (rx r1) from the scalar tile in shared memory."""
+    """[8]: the layer input's two norms (rx r1) from the scalar tile in shared memory."""
     if j == 0:
         rx = plgpu.layout_cast(jnp.ones((N_PAD,), jnp.float32), WGMMA.reduce(0))
     else:
         rx = k.inv_rms(k.scalar(it, ScalarRows.z(j)))
     r1 = k.inv_rms(k.scalar(it, ScalarRows.zg(j)) * rx * rx)
-    return bcast_rows(rx * r1, k.shape.kp)
+    return rx * r1
 
 
-def _rope(k, it, j, starts, masks, s):
-    """(q, k_new, v_new) [kp, 8], RoPE'd and scaled: q and k_new of the key window (first
-    column ck), v_new of the value window (c0); `starts` (ck, c0), `masks` their head rows. The
-    scalar tile, the windows and the tables are copied at once, then waited for."""
-    shape = k.shape
-    kp, hd, d = shape.kp, shape.head_dim, shape.d
-    (ck, c0), (kvalid, valid) = starts, masks
-    win = kp + 2 * SHIFT
+def _rope_inputs(k, it, j, starts, rows, s):
+    """Layer j's q, k and v windows of `rows` rows (q and k from column ck, v from c0 of
+    `starts`, with SHIFT rows either side), the RoPE tables and qk bias of the key window's
+    rows and the scalar tile, copied at once, then waited for: (the norms' scale [8], it
+    broadcast [rows, 8], window(w, shift, n=rows), tab(t)), the loads of window w's n rows
+    shifted by `shift` and of table t (cos, -sin, sin, q's and k's bias)."""
+    d = k.shape.d
+    ck, c0 = starts
+    win = rows + 2 * SHIFT
     qkv = Buffers.of("qkv", j)
     k.load_scalars(wait=False)
     for w, start in enumerate((ck, d + ck, 2 * d + c0)):
         src = k.acts(it).at[qkv, pl.ds(start, win), :]
         plgpu.copy_gmem_to_smem(src, s["win"].at[w], s["abar"])
     tabs, biases = s["tab"].at[pl.ds(0, 3)], s["tab"].at[pl.ds(3, 2)]
-    plgpu.copy_gmem_to_smem(k.tables.at[:, pl.ds(ck, kp), :], tabs, s["abar"])
-    plgpu.copy_gmem_to_smem(k.rope_bias.at[j, :, pl.ds(ck, kp), :], biases, s["abar"])
+    plgpu.copy_gmem_to_smem(k.tables.at[:, pl.ds(ck, rows), :], tabs, s["abar"])
+    plgpu.copy_gmem_to_smem(k.rope_bias.at[j, :, pl.ds(ck, rows), :], biases, s["abar"])
     plgpu.barrier_wait(k.s["scbar"])
     scale = _scale(k, it, j)
+    scaled = bcast_rows(scale, rows)
     plgpu.barrier_wait(s["abar"])
 
-    def window(w, shift):
-        return plgpu.load(s["win"].at[w, pl.ds(SHIFT + shift, kp)], layout=WGMMA)
+    def window(w, shift, n=rows):
+        return plgpu.load(s["win"].at[w, pl.ds(SHIFT + shift, n)], layout=WGMMA)
 
     def tab(t):
         return plgpu.load(s["tab"].at[t], layout=WGMMA)
 
-    def rope(w):
-        return window(w, 0) * tab(0) + window(w, 1) * tab(1) + window(w, -1) * tab(2)
+    return scale, scaled, window, tab
 
-    q = jnp.where(kvalid, (scale * rope(0) + tab(3)) * (1.0 / math.sqrt(hd)), 0.0)
-    k_new = jnp.where(kvalid, round_bf16(scale * rope(1) + tab(4)), 0.0)
+
+def _roped(window, tab, w):
+    """Window w RoPE'd by rows shifted by one: x cos + x[r + 1] (-sin) + x[r - 1] sin."""
+    return window(w, 0) * tab(0) + window(w, 1) * tab(1) + window(w, -1) * tab(2)
+
+
+def _rope(k, it, j, starts, masks, s):
+    """(q, k_new, v_new) [kp, 8], RoPE'd and scaled: q and k_new of the key window (first
+    column ck), v_new of the value window (c0); `starts` (ck, c0), `masks` their head rows."""
+    shape = k.shape
+    kvalid, valid = masks
+    _, scale, window, tab = _rope_inputs(k, it, j, starts, shape.kp, s)
+    inv_sqrt = 1.0 / math.sqrt(shape.head_dim)
+    q = jnp.where(kvalid, (scale * _roped(window, tab, 0) + tab(3)) * inv_sqrt, 0.0)
+    k_new = jnp.where(kvalid, round_bf16(scale * _roped(window, tab, 1) + tab(4)), 0.0)
     v_new = jnp.where(valid, round_bf16(scale * window(2, 0)), 0.0)
     return q, k_new, v_new
-
-
-def _partials_out(k, item, parts, buf, signal: bool = False) -> None:
-    """An item's (max, sum, weighted values) into `k.parts` through `buf` ([kp + 64, 8] of
-    shared memory); `signal`: then counts it on its head's flag."""
-    kp = k.shape.kp
-    m_all, l_all, acc_all = parts
-    ml = in_row(jnp.max(m_all, axis=0), 0) + in_row(jnp.max(l_all, axis=0), 1)
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    buf.at[pl.ds(0, kp)][...] = acc_all
-    buf.at[pl.ds(kp, SCALAR_ROWS)][...] = ml
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(buf.at[pl.ds(0, kp + SCALAR_ROWS)], k.parts.at[item])
-    plgpu.wait_smem_to_gmem(0)
-    if signal:
-        plgpu.semaphore_signal(k.flags.at[item // k.splits], 1, memory_scope="gpu")
 
 
 def _combine(k, it, j, of, c0, valid, new, parts, s) -> None:
@@ -204,181 +289,17 @@ def _combine(k, it, j, of, c0, valid, new, parts, s) -> None:
         for w in range(2):
             plgpu.copy_smem_to_gmem(s["pout"].at[pl.ds(w * kp, kp)], k.kv_new.at[it, j, w, h])
 
-    def merge(m_all, l_all, acc_all, m_o, l_o, acc_o):
-        m_new = jnp.maximum(m_all, m_o)
-        wa, wo = jnp.exp(m_all - m_new), jnp.exp(m_o - m_new)
-        return m_new, l_all * wa + l_o * wo, acc_all * wa + acc_o * wo
-
     def first_split():
         s_new = bcast_rows(jnp.sum(q * k_new, axis=0), kp)
         merged = (s_new, jnp.ones_like(s_new), v_new)
         if parts is not None:
             merged = merge(*parts, *merged)
-        if k.splits > 1 and (parts is not None or k.dataflow):
-            target = jnp.asarray((it * k.shape.layers + j + 1) * (k.splits - 1), jnp.int32)
-            plgpu.semaphore_wait(k.flags.at[h], target, decrement=False, memory_scope="gpu")
-        for other in range(0 if parts is None else 1, k.splits):
-            plgpu.copy_gmem_to_smem(k.parts.at[h * k.splits + other], s["pin"], s["pbar"])
-            plgpu.barrier_wait(s["pbar"])
-            acc_o = plgpu.load(s["pin"].at[pl.ds(0, kp)], layout=WGMMA)
-            ml = plgpu.load(s["pin"].at[pl.ds(kp, SCALAR_ROWS)], layout=WGMMA)
-            merged = merge(*merged, row_of(ml, 0, kp), row_of(ml, 1, kp), acc_o)
-        _, l_fin, acc_fin = merged
-        out = jnp.where(valid, acc_fin / l_fin, 0.0)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        s["pout"].at[pl.ds(0, kp)][...] = out
-        plgpu.commit_smem()
-        dst = k.acts(it).at[Buffers.of("att", j), pl.ds(c0, kp), :]
-        k.add_into(s["pout"].at[pl.ds(0, kp)], dst, kp)
-        if k.dataflow:  # proj's units wait for the tiles the head's rows went into
-            plgpu.wait_smem_to_gmem(0)
-            k.counters.signal_head(j, c0)
+        others = range(0 if parts is None else 1, k.splits)
+        wait_flags = k.splits > 1 and (parts is not None or k.dataflow)
+        merged = merge_others(k, it, j, h, merged, others, wait_flags, s)
+        add_head_rows(k, it, j, merged, c0, valid, s)
 
     if k.splits > 1 and parts is not None:
-        pl.when(split > 0)(lambda: _partials_out(k, item, parts, s["pout"], signal=True))
+        pl.when(split > 0)(lambda: partials_out(k, item, parts, s["pout"], flag=h))
     pl.when(split == 0)(first_split)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the scope's bytes are reused next
-
-
-class _Pairs:
-    """The (sequence, block) pairs of split `split` of a head at layer j, iteration it: its
-    blocks [lo, hi) of the cached positions (< pos) for every sequence of the batch, `total`
-    of them; pair f is block lo + f mod own of sequence f // own, in cache slot `slot`."""
-
-    def __init__(self, k, it, j, split):
-        self.k = k
-        self.block = k.kv_block
-        nb = (k.pos + self.block - 1) // self.block
-        self.lo, self.hi = nb * split // k.splits, nb * (split + 1) // k.splits
-        self.own = jnp.maximum(self.hi - self.lo, 1)
-        self.total = k.shape.batch * (self.hi - self.lo)
-        self.slot = k.meta[1 + it * k.shape.layers + j]
-
-    def pair(self, f):
-        """(sequence, block) of pair f."""
-        b = f // self.own
-        return b, self.lo + f - b * self.own
-
-    def source(self, cache, f, c0, cols):
-        """Pair f's window of `cache`: `cols` columns from c0 of its block's cached positions."""
-        b, blk = self.pair(f)
-        return cache.at[self.slot, b, pl.ds(blk * self.block, self.block), pl.ds(c0, cols)]
-
-    def stream(self, starts, s):
-        """Issues the copies of the first kv_stages - 1 pairs' k and v blocks (`sources`, from
-        the windows' `starts`), each into stage f mod kv_stages of the blocks' scope `s`;
-        returns take(f), which waits for pair f's stage, issues the copy kv_stages - 1 pairs
-        ahead (into the stage the step before read, whose wgmmas are done) and returns the
-        stage."""
-        stages = self.k.kv_stages
-
-        def copy_block(f):
-            st = lax.rem(f, stages)
-            blocks = (s["kblk"], s["vblk"])
-            for src, buf in zip(self.sources(f, *starts), blocks, strict=True):
-                plgpu.copy_gmem_to_smem(src, buf.at[st], s["kvbar"].at[st])
-
-        for f in range(stages - 1):
-            pl.when(f < self.total)(lambda f=f: copy_block(f))
-
-        def take(f):
-            st = lax.rem(f, stages)
-            plgpu.barrier_wait(s["kvbar"].at[st])
-            ahead = f + stages - 1
-            pl.when(ahead < self.total)(lambda: copy_block(ahead))
-            return st
-
-        return take
-
-    def sources(self, f, ck, c0):
-        """Pair f's key block (`key_cols` from ck) and value block (kp columns from c0)."""
-        k = self.k
-        return (
-            self.source(k.k_cache, f, ck, k.shape.key_cols),
-            self.source(k.v_cache, f, c0, k.shape.kp),
-        )
-
-
-def _window(k, item):
-    """(head, split, (ck, c0)) of an item: ck and c0 the first columns of the head's key window
-    (`FusedShape.key_window`) and value window (`head_window`)."""
-    h = item // k.splits
-    starts = k.shape.key_window(h, jnp.minimum)[0], k.shape.head_window(h, jnp.minimum)[0]
-    return h, lax.rem(item, k.splits), starts
-
-
-def prefetch_blocks(k, it, j, count: int) -> None:
-    """Layer j's attention at iteration `it`: the first `count` (sequence, block) pairs (k and
-    v) of each of the worker's items into L2, ahead of their copies."""
-
-    def prefetch(item):
-        _, split, starts = _window(k, item)
-        pairs = _Pairs(k, it, j, split)
-        for f in range(count):
-            for src in pairs.sources(f, *starts):
-                plgpu.async_prefetch(src, predicate=f < pairs.total)
-
-    for rr in range(-(-k.items // k.workers)):
-        item = k.worker + rr * k.workers
-        pl.when(item < k.items)(lambda item=item: prefetch(item))
-
-
-def _own_blocks(k, it, j, q, starts, split, s):
-    """This split's (sequence, block) pairs (`_Pairs`), one pass over them with `kv_stages`
-    copies in flight, an online softmax per sequence: (max, sum, weighted values), each [kp, 8]
-    (column b the sequence b's; the [8] ones broadcast over the rows). The scores are those of
-    every q column against sequence b's keys, of which column b is kept (q rounded to bf16 for
-    the wgmma). The softmax's sums are kept per row of a block and summed over the rows once,
-    after the pass: a block's step reduces across its rows (over the warps) for the max only.
-    `starts`: the first columns (ck, c0) of the key and value windows; q is in the key
-    window's rows, whose first `key_cols` the key blocks hold."""
-    kp, block, f32 = k.shape.kp, k.kv_block, jnp.float32
-    pairs = _Pairs(k, it, j, split)
-    lo, hi, total = pairs.lo, pairs.hi, pairs.total
-    colidx = plgpu.broadcasted_iota(jnp.int32, (kp, N_PAD), 1, layout=WGMMA)
-    block_cols = plgpu.broadcasted_iota(jnp.int32, (block, N_PAD), 1, layout=WGMMA)
-    rows = plgpu.broadcasted_iota(jnp.int32, (block, N_PAD), 0, layout=WGMMA)
-    s["btq"].T[...] = q.astype(jnp.bfloat16)
-    plgpu.commit_smem()
-    q_keys = s["btq"].at[:, pl.ds(0, k.shape.key_cols)].T
-
-    take = pairs.stream(starts, s)
-
-    def step(f, carry):
-        m, ll, acc, m_all, l_all, acc_all = carry  # ll, l_all: [block, 8] sums per row
-        b, blk = pairs.pair(f)
-        st = take(f)
-        keep = (blk != lo).astype(f32)  # 0 at a sequence's first block: start afresh
-        m, ll, acc = m * keep + MASKED * (1.0 - keep), ll * keep, acc * keep
-
-        def scores_of(acc_ref):
-            plgpu.wgmma(acc_ref, s["kblk"].at[st], q_keys)
-            return acc_ref[...]
-
-        sc = pl.run_scoped(scores_of, plgpu.ACC((block, N_PAD), f32))
-        sc = jnp.where(rows + blk * block < k.pos, sc, MASKED)
-        m_new = jnp.maximum(m, jnp.max(sc, axis=0))
-        alpha = jnp.exp(m - m_new)
-        pr = jnp.exp(sc - bcast_rows(m_new, block))
-        ll = ll * bcast_rows(alpha, block) + pr
-        s["pb"].T[...] = pr.astype(jnp.bfloat16)
-        plgpu.commit_smem()
-
-        def pv(acc_ref):
-            plgpu.wgmma(acc_ref, s["vblk"].at[st].T, s["pb"].T)
-            return acc_ref[...]
-
-        acc = acc * bcast_rows(alpha, kp) + pl.run_scoped(pv, plgpu.ACC((kp, N_PAD), f32))
-        last = jnp.where(blk == hi - 1, b, -1)  # column b at its last block
-        m_all = jnp.where(colidx == last, bcast_rows(m_new, kp), m_all)
-        l_all = jnp.where(block_cols == last, ll, l_all)
-        acc_all = jnp.where(colidx == last, acc, acc_all)
-        return m_new, ll, acc, m_all, l_all, acc_all
-
-    def tile(rows, value):
-        return plgpu.layout_cast(jnp.full((rows, N_PAD), value, f32), WGMMA)
-
-    m0 = plgpu.layout_cast(jnp.full((N_PAD,), MASKED, f32), WGMMA.reduce(0))
-    init = (m0, tile(block, 0.0), tile(kp, 0.0), tile(kp, MASKED), tile(block, 0.0), tile(kp, 0.0))
-    _, _, _, m_all, l_rows, acc_all = lax.fori_loop(0, total, step, init)
-    return m_all, bcast_rows(jnp.sum(l_rows, axis=0), kp), acc_all

@@ -12,12 +12,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.core_step.fused_plan import (
+    MAX_SPLITS,
     N_PAD,
     SCALAR_ROWS,
     SHIFT,
     FusedShape,
     Schedule,
-    splits_for,
+    attention_items,
 )
 from pallas_kernels.core_step.plan import UNIT
 from pallas_kernels.core_step.stream import MAX_RING, SMEM_ALIGN, SMEM_LIMIT, SWIZZLE_128
@@ -91,15 +92,20 @@ SECOND_WARPGROUP_PARTS = ("ahead", "wait_q", "rope", "blocks", "partials_out")
 
 
 def profile_ranges(
-    shape: FusedShape, workers: int, iterations: int, dataflow: bool = False, overlap: bool = False
+    shape: FusedShape,
+    workers: int,
+    iterations: int,
+    dataflow: bool = False,
+    overlap: bool = False,
+    head_pairs: bool = False,
 ) -> int:
     """Ranges the on-device profiler keeps room for, per warpgroup: each step's, each barrier's
     twice (as a barrier and by the kind of step it follows), the parts (`ATTENTION_PARTS`) of
     each of a worker's attention items, with `dataflow` the waits on counters
     (`DATAFLOW_PRODUCT_PARTS`, `DATAFLOW_ITEM_PARTS`), with `overlap` each qkv's wait for the
     second warpgroup's partials (whose own ranges, `SECOND_WARPGROUP_PARTS` per layer, are
-    fewer), and a few more."""
-    items = -(-shape.heads * splits_for(shape.heads, workers) // workers)
+    fewer), and a few more. `head_pairs`: two-head items (`Schedule.head_pairs`)."""
+    items = -(-attention_items(shape, workers, head_pairs)[0] // workers)
     item_parts = len(ATTENTION_PARTS) + (len(DATAFLOW_ITEM_PARTS) if dataflow else 0)
     per_iteration = 3 * shape.steps_per_iteration + item_parts * items * shape.layers
     if dataflow:
@@ -133,9 +139,14 @@ def check_fused(
         raise ValueError(f"schedule {schedule}: the L2 prefetches must be >= 0")
     if schedule.handover < 0:
         raise ValueError(f"schedule {schedule}: handover must be >= 0")
-    if schedule.overlap not in (0, 1) or schedule.dataflow not in (0, 1):
-        raise ValueError(f"schedule {schedule}: overlap and dataflow must be 0 or 1")
-    items = shape.heads * splits_for(shape.heads, workers)
+    if not {schedule.overlap, schedule.dataflow, schedule.head_pairs} <= {0, 1}:
+        raise ValueError(f"schedule {schedule}: overlap, dataflow and head_pairs must be 0 or 1")
+    if schedule.head_pairs and (schedule.overlap or schedule.dataflow or shape.pairs_unfit()):
+        raise ValueError(
+            f"schedule {schedule}: two-head items run without overlap and dataflow"
+            + (f"; {shape.pairs_unfit()}" if shape.pairs_unfit() else "")
+        )
+    items = attention_items(shape, workers, bool(schedule.head_pairs))[0]
     if schedule.overlap and items > workers:
         raise ValueError(
             f"schedule {schedule}: overlap runs one attention item per worker, not {items} on "
@@ -156,8 +167,9 @@ def check_fused(
         raise ValueError(f"schedule {schedule}: {need} bytes of smem > {SMEM_LIMIT}")
     if profiled_iterations:
         ranges = profile_ranges(
-            shape, workers, profiled_iterations, bool(schedule.dataflow), bool(schedule.overlap)
-        )
+            shape, workers, profiled_iterations, bool(schedule.dataflow), bool(schedule.overlap),
+            bool(schedule.head_pairs),
+        )  # fmt: skip
         profiler = PROFILE_RANGE_BYTES * ranges * (2 if schedule.overlap else 1)  # per warpgroup
         if need + profiler > SMEM_LIMIT:
             raise ValueError(
@@ -170,12 +182,17 @@ def scratch_types(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int
     """The kernel's shared memory and barriers, by name, as five dicts: the kernel-wide ones
     (the weight ring, zeros, scalar tiles, partials in), then those of four scopes that take
     the same bytes in turn: a product's, the attention's RoPE (its windows and tables), its
-    blocks and its combine (`smem_bytes` counts them)."""
-    attention = attention_transforms(shape)
+    blocks and its combine (`smem_bytes` counts them). With `Schedule.head_pairs` the
+    attention's windows, tables and blocks are a pair window's, and the combine takes the
+    other splits' partials into buffers of its own, all copies at once."""
+    pairs = bool(schedule.head_pairs)
+    attention = attention_transforms(shape, pairs)
     bf16, f32, cols = jnp.bfloat16, jnp.float32, shape.unit_cols
     ring, kv_stages, kv_block = schedule.ring, schedule.kv_stages, schedule.kv_block
     kp, chunk = shape.kp, (UNIT, N_PAD)
-    win = kp + 2 * SHIFT
+    rows = shape.pair_cols if pairs else kp  # of a window, its tables and its q
+    key_cols, value_cols = (rows, rows) if pairs else (shape.key_cols, kp)
+    win = rows + 2 * SHIFT
     kernel_wide = dict(
         ring=plgpu.SMEM((ring, UNIT, cols), bf16, transforms=SWIZZLE_128),
         wbar=plgpu.Barrier(num_barriers=ring),
@@ -202,17 +219,22 @@ def scratch_types(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int
     )
     rope = dict(
         win=plgpu.SMEM((3, win, N_PAD), f32),
-        tab=plgpu.SMEM((5, kp, N_PAD), f32),
+        tab=plgpu.SMEM((5, rows, N_PAD), f32),
         abar=plgpu.Barrier(num_arrivals=5),
     )
     blocks = dict(
-        kblk=plgpu.SMEM((kv_stages, kv_block, shape.key_cols), bf16, transforms=attention),
-        vblk=plgpu.SMEM((kv_stages, kv_block, kp), bf16, transforms=attention),
+        kblk=plgpu.SMEM((kv_stages, kv_block, key_cols), bf16, transforms=attention),
+        vblk=plgpu.SMEM((kv_stages, kv_block, value_cols), bf16, transforms=attention),
         kvbar=plgpu.Barrier(num_arrivals=2, num_barriers=kv_stages),
-        btq=plgpu.SMEM((N_PAD, kp), bf16, transforms=attention),
+        btq=plgpu.SMEM((N_PAD, rows), bf16, transforms=attention),
         pb=plgpu.SMEM((N_PAD, kv_block), bf16, transforms=attention),
     )
-    combine = dict(pout=plgpu.SMEM((2 * kp, N_PAD), f32))
+    combine = dict(pout=plgpu.SMEM((rows + kp, N_PAD), f32))  # the new k rows, then v's
+    if pairs:
+        combine |= dict(
+            pins=plgpu.SMEM((MAX_SPLITS - 1, kp + SCALAR_ROWS, N_PAD), f32),
+            pinbar=plgpu.Barrier(num_barriers=MAX_SPLITS - 1),
+        )
     return kernel_wide, product, rope, blocks, combine
 
 
@@ -229,12 +251,12 @@ def second_warpgroup_types(shape: FusedShape) -> dict:
     )
 
 
-def attention_transforms(shape: FusedShape) -> tuple:
+def attention_transforms(shape: FusedShape, head_pairs: bool = False) -> tuple:
     """The shared-memory tiling and swizzle of the attention's wgmma operands (a wgmma's
-    operands share a swizzle): tiles of `FusedShape.attention_tile` bf16 columns, 128 bytes
+    operands share a swizzle): tiles of `FusedShape.operand_tile` bf16 columns, 128 bytes
     (64 columns), 64 bytes (32, huginn-0125: head_dim 96) or 32 (16: the kernel needs
     multiples of 16)."""
-    cols = shape.attention_tile
+    cols = shape.operand_tile(head_pairs)
     return plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(2 * cols)
 
 

@@ -59,12 +59,15 @@ class Schedule:
     position and the splits' combine stay after the barrier; one item per worker at most).
     `dataflow` 1: one grid barrier per iteration, after its last product; every other step
     waits on counters for the data it reads (`fused_counters.py`; `handover` then unused).
+    `head_pairs` 1: each attention item takes two neighbouring heads, whose 2 head_dim cached
+    columns are whole tiles, so that the value blocks are read without the columns a head's
+    window holds beyond its own (`FusedShape.pair_window`; not with overlap or dataflow).
     Written RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION
-    [:HANDOVER[:OVERLAP[:DATAFLOW]]]]]]]] (`parse`, `str`). The defaults are the kernel's,
-    for its default [64, 256] weight units: the shared memory bounds ring x unit width and
-    kv_stages x kv_block together (3:3, 3:4, 4:2 and 3:2 with blocks of 128 fit at [64, 256]
-    units, 6:3 and 8:2 at [64, 128]; docs/core_step.md: how they compare), and the L2
-    prefetches were slower than none."""
+    [:HANDOVER[:OVERLAP[:DATAFLOW[:HEAD_PAIRS]]]]]]]]] (`parse`, `str`). The defaults are
+    the kernel's, for its default [64, 256] weight units: the shared memory bounds ring x unit
+    width and kv_stages x kv_block together (3:3, 3:4, 4:2 and 3:2 with blocks of 128 fit at
+    [64, 256] units, 6:3 and 8:2 at [64, 128]; docs/core_step.md: how they compare), and the
+    L2 prefetches were slower than none."""
 
     ring: int = 3
     kv_stages: int = 3
@@ -76,6 +79,7 @@ class Schedule:
     handover: int = 8
     overlap: int = 0
     dataflow: int = 0
+    head_pairs: int = 0
 
     @property
     def l2_reach(self) -> int:
@@ -91,10 +95,10 @@ class Schedule:
         """6:3, 6:3:16:8, 4:2:0:0:128 or 3:3:0:0:64:0:0:0 (the fields left out take their
         defaults); ValueError otherwise."""
         parts = text.split(":")
-        if not 2 <= len(parts) <= 10 or not all(p.isdigit() for p in parts):
+        if not 2 <= len(parts) <= 11 or not all(p.isdigit() for p in parts):
             raise ValueError(
-                f"{text!r} is not RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK"
-                "[:L2_BARRIER[:L2_ATTENTION[:HANDOVER[:OVERLAP[:DATAFLOW]]]]]]]] (6:3:16:8)"
+                f"{text!r} is not RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER"
+                "[:L2_ATTENTION[:HANDOVER[:OVERLAP[:DATAFLOW[:HEAD_PAIRS]]]]]]]]] (6:3:16:8)"
             )
         return cls(*(int(p) for p in parts))
 
@@ -212,6 +216,57 @@ class FusedShape:
         return self.head_window(head, minimum)
 
     @property
+    def pair_cols(self) -> int:
+        """Columns of a two-head item's window (`Schedule.head_pairs`): 2 head_dim."""
+        return 2 * self.head_dim
+
+    @property
+    def pairs(self) -> int:
+        """Two-head items' windows: one per two heads, the last of an odd number of heads
+        with the head before it (`pair_window`)."""
+        return -(-self.heads // 2)
+
+    def pairs_unfit(self) -> str:
+        """Why this shape cannot take two-head items ('' where it can): their windows and
+        the slices of them that the wgmmas take must be whole tiles of 32 columns."""
+        if self.head_dim % 32 or self.heads < 2:
+            return f"two-head items need head_dim={self.head_dim} a multiple of 32 and 2 heads"
+        return ""
+
+    def pair_window(self, pair, minimum=min):
+        """The first column of two-head item `pair`'s window of `pair_cols` columns: heads
+        2 pair and 2 pair + 1, where the last window of an odd number of heads ends at d and
+        holds the head before the last too (its first slot, whose head another pair has). Its
+        key blocks take head slot e's columns [e head_dim, (e + 1) head_dim), its value blocks
+        the kp columns from `pair_slot_start(e)`. `minimum`: jnp.minimum where traced."""
+        return minimum(pair * self.pair_cols, self.d - self.pair_cols)
+
+    def pair_slot_start(self, slot: int) -> int:
+        """The first column, in a two-head window, of slot `slot`'s kp value columns: the
+        window's first kp, or its last kp."""
+        return slot * (self.pair_cols - self.kp)
+
+    def value_window(self, head, head_pairs: bool, minimum=min) -> tuple:
+        """(c0, delta) of the kp-row window that holds head `head`'s value rows (of the
+        attention output, the new v row, the weighted values): `head_window`, or with
+        two-head items the value slice of its pair's window at its slot."""
+        if not head_pairs:
+            return self.head_window(head, minimum)
+        first = self.pair_window(head // 2, minimum)
+        slot = (head * self.head_dim - first) // self.head_dim
+        c0 = first + slot * (self.pair_cols - self.kp)
+        return c0, head * self.head_dim - c0
+
+    def operand_tile(self, head_pairs: bool) -> int:
+        """Columns of a tile of the attention's shared-memory operands: `attention_tile`,
+        or with two-head items the widest of 64 and 32 that divides the pair windows' first
+        columns and the slices' (head_dim, `pair_slot_start(1)`)."""
+        if not head_pairs:
+            return self.attention_tile
+        step = math.gcd(self.head_dim, self.pair_cols - self.kp, self.d - self.pair_cols)
+        return 64 if step % 64 == 0 else 32
+
+    @property
     def q_tiles(self) -> int:
         """The qkv product's first output tiles, those that hold q's columns (the last of them
         also the first k columns): `Schedule.overlap` streams them first."""
@@ -289,10 +344,22 @@ class ScalarRows:
 GAIN_G4_BEFORE, GAIN_G2 = 0, 1  # columns of a layer's gain tile: norm_4 of the layer before, norm_2
 
 
+MAX_SPLITS = 4  # splits of an item's cached blocks at most
+
+
 def splits_for(heads: int, workers: int) -> int:
-    """Blocks of each head's cached positions, one per worker: as many as keep every split on
-    its own worker (at least 1)."""
-    return max(1, workers // heads)
+    """Splits of each item's cached positions (`heads` items, or a pair window's with
+    two-head items), one per worker: as many as keep every split on its own worker, at least 1
+    and at most `MAX_SPLITS`."""
+    return min(MAX_SPLITS, max(1, workers // heads))
+
+
+def attention_items(shape: FusedShape, workers: int, head_pairs: bool) -> tuple[int, int]:
+    """(items, splits) of the attention step: every head's (or with `head_pairs` every pair
+    window's) cached positions in `splits` of one item each."""
+    groups = shape.pairs if head_pairs else shape.heads
+    splits = splits_for(groups, workers)
+    return groups * splits, splits
 
 
 def unit_ranges(shape: FusedShape, phase: Phase, worker, workers: int, overlap: bool) -> tuple:

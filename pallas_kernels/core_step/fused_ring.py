@@ -11,7 +11,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.core_step.fused_attention import prefetch_blocks
+from pallas_kernels.core_step.fused_blocks import prefetch_blocks
 from pallas_kernels.core_step.fused_inputs import KernelContext
 from pallas_kernels.core_step.fused_plan import Schedule, kind_of, unit_ranges
 from pallas_kernels.core_step.plan import UNIT

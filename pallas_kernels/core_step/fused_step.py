@@ -252,9 +252,10 @@ def fused_core_decode(
     z = act[last, Buffers.of("m", shape.layers - 1), :d, :b].T  # the last mlp output + residual
     # kv_new [it, L, 2, H, kp, 8] -> the head's rows (k of its key window, v of its value
     # window) -> [2, it, L, B, H, K]
+    pairs = bool(schedule.head_pairs)
     rows = np.stack([
         [np.arange(shape.head_dim) + window(h)[1] for h in range(shape.heads)]
-        for window in (shape.key_window, shape.head_window)
+        for window in (shape.key_window, lambda h: shape.value_window(h, pairs))
     ])  # fmt: skip
     picked = jnp.take_along_axis(kv_new, rows[None, None, :, :, :, None], axis=4)
     new = jnp.moveaxis(picked[..., :b], -1, 3).transpose(2, 0, 1, 3, 4, 5)
