@@ -33,7 +33,9 @@
 #             ($PROFILE_IMPLS)
 #   core_persistent_hbm  the persistent call beside torch_compile, batch 1, one process, and
 #             its HBM bytes per iteration by Nsight Compute (the persistent call only)
-#   core_persistent_b8  the same comparison at batch 8, without Nsight Compute
+#   core_persistent_b8  the same comparison at batch 8, without Nsight Compute ($B8_SCHEDULE:
+#             the kernel's schedule, e.g. 3:2:0:0:64:0:0:8:0:0:1 for two-head attention items;
+#             default the model's)
 #   core_fused  that kernel per context, batch and schedule ($FUSED_SCHEDULES, RING:KV_STAGES,
 #             in $FUSED_JOBS processes at once; $FUSED_UNIT_COLS: the weight units' width,
 #             128 as recorded) against its floor and its bare weight stream, and where its time
@@ -266,7 +268,7 @@ stage_core_persistent_b8() {
   local d=$1
   timeout 300 python3 -m experiments.core --mode=decode --impls=persistent,torch_compile \
     --iterations=8 --context=1024 --batch=8 --torch_compile_mode="$CORE_TORCH_MODE" $CEILINGS \
-    --json_out="$d/core_persistent_b8.json" \
+    --persistent_schedule="${B8_SCHEDULE:-}" --json_out="$d/core_persistent_b8.json" \
     > "$d/core_persistent_b8.txt" 2>&1
   echo "== core_persistent_b8 rc $?"; grep -E "^(mode|decode|conformance)" "$d/core_persistent_b8.txt"
 }
