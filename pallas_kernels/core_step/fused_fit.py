@@ -141,11 +141,10 @@ def check_fused(
         raise ValueError(f"schedule {schedule}: handover must be >= 0")
     if not {schedule.overlap, schedule.dataflow, schedule.head_pairs} <= {0, 1}:
         raise ValueError(f"schedule {schedule}: overlap, dataflow and head_pairs must be 0 or 1")
-    if schedule.head_pairs and (schedule.overlap or schedule.dataflow or shape.pairs_unfit()):
-        raise ValueError(
-            f"schedule {schedule}: two-head items run without overlap and dataflow"
-            + (f"; {shape.pairs_unfit()}" if shape.pairs_unfit() else "")
-        )
+    if schedule.head_pairs and (schedule.overlap or schedule.dataflow):
+        raise ValueError(f"schedule {schedule}: two-head items run without overlap and dataflow")
+    if schedule.head_pairs and shape.pairs_unfit():
+        raise ValueError(f"schedule {schedule}: {shape.pairs_unfit()}")
     items = attention_items(shape, workers, bool(schedule.head_pairs))[0]
     if schedule.overlap and items > workers:
         raise ValueError(
