@@ -5,10 +5,13 @@
 Writes `results/<device>/ceilings.json` (e.g. results/h200/ceilings.json, the file
 `experiments.measure.ceilings.for_device` loads; elsewhere than on a GPU, out/ceilings.json and
 smaller sizes, so that the program runs in seconds):
-  read_bytes_per_s   read-only streaming: a bf16 GEMV x [1, K] @ W [K, N] and XLA's reduction
-                     of W over K, W `gib` GiB (far larger than L2, so every call reads HBM);
-                     device time per call by CUPTI, or wall time where CUPTI is unavailable;
-                     the ceiling is the faster of the two, and the file names which;
+  read_bytes_per_s   read-only streaming: a bf16 GEMV x [1, K] @ W [K, N], XLA's reduction
+                     of W over K and, on a Hopper GPU, W's bytes copied by TMA into every SM's
+                     shared memory, [64, 256] units, 4 in flight per SM, nothing else done
+                     (`experiments.measure.probes.tma_probe`); W `gib` GiB (far larger than
+                     L2, so every call reads HBM); device time per call by CUPTI, or wall time
+                     where CUPTI is unavailable; the ceiling is the fastest, and the file
+                     names which;
   bf16_flops_per_s   sustained dense bf16 GEMM: N 8192^3 matmuls dispatched back to back, then
                      one wait, median over repeats with an idle pause before each; the ceiling
                      is the largest N (long enough for the clock to settle as in a long
@@ -158,7 +161,7 @@ def gemm_records(size: int, counts: list[int], repeats: int, idle_s: float, seed
 
 
 def ceilings_of(records: list[dict], repeats: int) -> dict:
-    """The ceilings from the records: the faster read-only case, the largest matmul count."""
+    """The ceilings from the records: the fastest read-only case, the largest matmul count."""
     reads = [r for r in records if r["kind"] == "read"]
     best = max(reads, key=lambda r: r["bytes_per_s"])
     sustained = max((r for r in records if r["kind"] == "gemm"), key=lambda r: r["count"])

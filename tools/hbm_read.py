@@ -1,15 +1,19 @@
 """How fast this GPU streams bytes it only reads: the ceiling a batch-1 decode GEMV can reach.
 
-    python3 tools/hbm_read.py [--gib=2] [--reps=20]
+    python3 tools/hbm_read.py [--gib=2] [--reps=20] [--tma_cols=128,256] [--tma_rings=2,3,4,6]
 
 Device time of the kernels of one call (median of `reps`; CUPTI, or wall time where CUPTI is
 unavailable, as the method column says) over bf16 weights, every call reading HBM (each weight
-> L2, or the Core's weights rotated over > 2 x L2). The first three cases are those of
+> L2, or the Core's weights rotated over > 2 x L2). The first cases are those of
 `python -m experiments.ceilings` (the same code, experiments.measure.probes), which stores the
-ceiling; this tool adds the Core's shapes:
+ceiling; this tool adds the TMA stream's other shapes and the Core's GEMVs:
   gemv      x [1, K] @ W [K, N], XLA's dot in cuBLAS as experiments.core runs it, `gib` GiB
   sum       XLA's reduction of W [K, N] over K to [N], `gib` GiB (reads W once)
   copy      W + 1 written to a new array, `gib` GiB (read + write)
+  tma       (Hopper) W's bytes copied by TMA into every SM's shared memory, [64, 256] units,
+            4 in flight per SM, nothing else done (`pallas_kernels.tma_read`)
+  tma [64, C] xR  the same with [64, C] units, R in flight per SM, for each of --tma_cols and
+            --tma_rings that fits in shared memory: the rate per bytes in flight
   gemv NAME xC  the GEMV at one of the Core's decode shapes (huginn-0125), C weight copies, each
             with its own x (XLA can merge dots that share an operand, so a shared x would time
             another kernel)
@@ -48,6 +52,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=2.0)
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--tma_cols", default="128,256", help="columns of the TMA probe's units")
+    parser.add_argument("--tma_rings", default="2,3,4,6", help="TMA units in flight per SM")
     args = parser.parse_args()
     use_gemm("cublas")  # before the backend starts
     w = probes.stream_weight(int(args.gib * 2**30), K, jax.random.key(0))
@@ -56,6 +62,16 @@ def main() -> None:
     for probe in probes.read_probes(w):
         name = f"{probe.name} {w.nbytes / 1e9:.2f} GB"
         report(name, probe.fn, probe.nbytes, args.reps, probe.args)
+    for cols in map(int, args.tma_cols.split(",")):
+        for ring in map(int, args.tma_rings.split(",")):
+            try:
+                probe = probes.tma_probe(w, cols=cols, ring=ring)
+            except ValueError as e:  # a ring that does not fit
+                print(f"tma [64, {cols}] x{ring}: {e}")
+                continue
+            if probe is not None:
+                name = f"tma [64, {cols}] x{ring}"
+                report(name, probe.fn, probe.nbytes, args.reps, probe.args)
     del w, probe
     for name, (rows, columns) in CORE_SHAPES.items():
         ws = probes.weights(rows, columns, 2 * L2_BYTES, jax.random.key(1))

@@ -2,8 +2,11 @@
 
 `python -m experiments.ceilings` measures two rates on the device it runs on and writes them to
 `results/<device>/ceilings.json` (e.g. `results/h200/ceilings.json`):
-  read_bytes_per_s   the read-only streaming rate: a large bf16 GEMV [1, K] @ [K, N] over
-                     weights far larger than L2 (the best any batch-1 decode GEMV can do);
+  read_bytes_per_s   the read-only streaming rate over weights far larger than L2: the fastest
+                     of a large bf16 GEMV [1, K] @ [K, N], XLA's reduction of the weight, and
+                     on a Hopper GPU its bytes copied by TMA into every SM's shared memory
+                     with nothing done with them (the best a batch-1 decode GEMV or a
+                     persistent kernel's weight stream can do);
   bf16_flops_per_s   the sustained dense bf16 GEMM rate: 8192^3 matmuls back to back for about
                      a second (the rate a long prefill sees, not a short burst's).
 Programs load that file for the device they run on (`for_device`); with no file for the device

@@ -8,6 +8,8 @@ print the same probes with extra cases (tools/hbm_read.py, tools/gemm_sustained.
                   wall time of calls dispatched back to back; the method is recorded either way;
   `read_probes`   over a bf16 weight W [K, N]: XLA's reduction of W over K, the GEMV
                   x [1, K] @ W (both read W once) and W + 1 into a new array (read + write);
+                  on a Hopper GPU also W's bytes copied by TMA into every SM's shared memory
+                  and nothing else done with them (`pallas_kernels.tma_read`, `tma_probe`);
   `gemm_times`    N square bf16 matmuls dispatched back to back, then one wait: the wall time
                   of the whole run, repeated after an idle pause (the clock recovers), for each N.
 Sizes are the caller's: a weight much larger than L2 so that every call reads HBM, and enough
@@ -110,10 +112,33 @@ class Probe:
     what: str
 
 
+TMA_COLS, TMA_RING = 256, 4  # the persistent kernels' [64, 256] weight units, 128 KiB in flight
+
+
+def tma_probe(w: jax.Array, *, cols: int = TMA_COLS, ring: int = TMA_RING) -> Probe | None:
+    """W's bytes as [64, cols] units copied by TMA, `ring` in flight per SM, one worker per SM
+    (`pallas_kernels.tma_read`); None where that cannot run: not a Hopper (or later) GPU, or W
+    not whole units, or a GPU that does not report its SM count. W is reshaped inside the call
+    (a bitcast: no copy)."""
+    from pallas_kernels.tma_read import UNIT_ROWS, check_read, tma_read
+
+    device = jax.devices()[0]
+    capability = float(getattr(device, "compute_capability", None) or 0)
+    workers = getattr(device, "core_count", None)
+    if device.platform != "gpu" or capability < 9.0 or not workers or w.size % (UNIT_ROWS * cols):
+        return None
+    units = w.size // (UNIT_ROWS * cols)
+    check_read(units, cols, workers, ring)
+    fn = jax.jit(lambda w: tma_read(w.reshape(units, UNIT_ROWS, cols), workers=workers, ring=ring))
+    what = f"W [{w.shape[0]}, {w.shape[1]}] bf16 as [{UNIT_ROWS}, {cols}] units, {ring} per SM"
+    return Probe("tma", fn, (w,), w.nbytes, True, f"{what} in flight by TMA, {workers} SMs")
+
+
 def read_probes(w: jax.Array) -> list[Probe]:
     """The probes over one weight W [K, N]: "sum" (W summed over K in float32, [N] out),
-    "gemv" (x [1, K] @ W, x all ones) and "copy" (W + 1 into a new array). Bytes counted: W for
-    the two read-only probes, 2 W for the copy; x and the [N] outputs are left out."""
+    "gemv" (x [1, K] @ W, x all ones), "copy" (W + 1 into a new array) and, where it runs,
+    "tma" (`tma_probe`). Bytes counted: W for the read-only probes, 2 W for the copy; x and
+    the [N] outputs are left out."""
     k, n = w.shape
     x = jnp.ones((1, k), w.dtype)
     shape = f"[{k}, {n}] bf16"
@@ -135,7 +160,7 @@ def read_probes(w: jax.Array) -> list[Probe]:
             f"sum of W {shape} over K",
         ),
         Probe("copy", jax.jit(lambda w: w + 1), (w,), 2 * w.nbytes, False, f"W {shape} + 1"),
-    ]
+    ] + [probe for probe in (tma_probe(w),) if probe]
 
 
 def square_operands(size: int, key: jax.Array) -> tuple[jax.Array, jax.Array]:
