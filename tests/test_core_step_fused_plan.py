@@ -240,12 +240,14 @@ def test_two_head_windows_hold_each_head_once_in_whole_tiles():
 
 
 def test_two_head_items_split_each_window_four_ways_at_most():
-    """28 windows x 4 splits = 112 items on 132 workers (55 heads x 2 without pairs); a small
-    shape on many workers stops at `MAX_SPLITS`."""
+    """28 windows x 4 splits = 112 items on 132 workers (55 heads x 2 without pairs); on a
+    small shape with many workers the pair windows stop at 4 splits, the heads do not."""
     huginn = FusedShape(5280, 55, 96, 17920, 4, 8)
     assert attention_items(huginn, 132, True) == (112, 4)
     assert attention_items(huginn, 132, False) == (110, 2)
-    assert attention_items(FusedShape(512, 8, 64, 1024, 1, 8), 132, False) == (32, 4)
+    small = FusedShape(512, 8, 64, 1024, 1, 8)
+    assert attention_items(small, 132, True) == (16, 4)
+    assert attention_items(small, 132, False) == (128, 16)
 
 
 def test_two_head_items_fit_at_batch_8_beside_a_ring_of_3():

@@ -12,7 +12,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.core_step.fused_plan import (
-    MAX_SPLITS,
+    MAX_PAIR_SPLITS,
     N_PAD,
     SCALAR_ROWS,
     SHIFT,
@@ -231,8 +231,8 @@ def scratch_types(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int
     combine = dict(pout=plgpu.SMEM((rows + kp, N_PAD), f32))  # the new k rows, then v's
     if pairs:
         combine |= dict(
-            pins=plgpu.SMEM((MAX_SPLITS - 1, kp + SCALAR_ROWS, N_PAD), f32),
-            pinbar=plgpu.Barrier(num_barriers=MAX_SPLITS - 1),
+            pins=plgpu.SMEM((MAX_PAIR_SPLITS - 1, kp + SCALAR_ROWS, N_PAD), f32),
+            pinbar=plgpu.Barrier(num_barriers=MAX_PAIR_SPLITS - 1),
         )
     return kernel_wide, product, rope, blocks, combine
 

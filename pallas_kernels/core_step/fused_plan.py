@@ -230,7 +230,10 @@ class FusedShape:
         """Why this shape cannot take two-head items ('' where it can): their windows and
         the slices of them that the wgmmas take must be whole tiles of 32 columns."""
         if self.head_dim % 32 or self.heads < 2:
-            return f"two-head items need head_dim={self.head_dim} a multiple of 32 and 2 heads"
+            return (
+                f"two-head items need a head_dim that is a multiple of 32 and 2 heads at least "
+                f"(head_dim={self.head_dim}, heads={self.heads})"
+            )
         return ""
 
     def pair_window(self, pair, minimum=min):
@@ -344,22 +347,24 @@ class ScalarRows:
 GAIN_G4_BEFORE, GAIN_G2 = 0, 1  # columns of a layer's gain tile: norm_4 of the layer before, norm_2
 
 
-MAX_SPLITS = 4  # splits of an item's cached blocks at most
+MAX_PAIR_SPLITS = 4  # splits of a pair window's cached positions at most (`attention_items`)
 
 
 def splits_for(heads: int, workers: int) -> int:
-    """Splits of each item's cached positions (`heads` items, or a pair window's with
-    two-head items), one per worker: as many as keep every split on its own worker, at least 1
-    and at most `MAX_SPLITS`."""
-    return min(MAX_SPLITS, max(1, workers // heads))
+    """Blocks of each head's cached positions, one per worker: as many as keep every split on
+    its own worker (at least 1)."""
+    return max(1, workers // heads)
 
 
 def attention_items(shape: FusedShape, workers: int, head_pairs: bool) -> tuple[int, int]:
-    """(items, splits) of the attention step: every head's (or with `head_pairs` every pair
-    window's) cached positions in `splits` of one item each."""
-    groups = shape.pairs if head_pairs else shape.heads
-    splits = splits_for(groups, workers)
-    return groups * splits, splits
+    """(items, splits) of the attention step: every head's cached positions in `splits` of
+    one item each (`splits_for`), or with `head_pairs` every pair window's, in at most
+    `MAX_PAIR_SPLITS` (the combine takes the other splits' partials into a buffer each)."""
+    if head_pairs:
+        splits = min(MAX_PAIR_SPLITS, splits_for(shape.pairs, workers))
+        return shape.pairs * splits, splits
+    splits = splits_for(shape.heads, workers)
+    return shape.heads * splits, splits
 
 
 def unit_ranges(shape: FusedShape, phase: Phase, worker, workers: int, overlap: bool) -> tuple:
