@@ -256,7 +256,7 @@ def build_fused_core(
         jax.ShapeDtypeStruct((parities, Buffers.count(layers), shape.buffer_rows, N_PAD), f32),
         jax.ShapeDtypeStruct((2, SCALAR_ROWS, N_PAD), f32),
         jax.ShapeDtypeStruct((shape.heads * splits, kp + SCALAR_ROWS, N_PAD), f32),
-        jax.ShapeDtypeStruct((iterations, layers, 2, shape.heads, kp, N_PAD), f32),
+        jax.ShapeDtypeStruct((iterations, layers, 2, shape.heads, N_PAD, kp), jnp.bfloat16),
     )
     params = plgpu.CompilerParams()
     if profile_dir:

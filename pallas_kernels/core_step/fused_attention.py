@@ -52,6 +52,8 @@ from pallas_kernels.core_step.fused_blocks import (
 from pallas_kernels.core_step.fused_plan import N_PAD, SHIFT, Buffers, ScalarRows
 from pallas_kernels.core_step.tiles import WGMMA, bcast_rows, round_bf16
 
+ROW_BUFFERS = ("krow", "vrow")  # the combine's buffers of the new k and v rows, transposed
+
 
 def attention_step(k, it, j) -> None:
     """Layer j's attention at iteration `it`; `k`: the kernel's `fused.KernelContext`. With
@@ -164,15 +166,15 @@ def _combine_slot(k, it, j, e, h, first, k_pair, new, parts, combiner, s) -> Non
     blocks' partials merged with the new position and the other splits', its rows added into
     the attention output."""
     shape = k.shape
-    hd, kp, rows = shape.head_dim, shape.kp, shape.pair_cols
+    hd, kp = shape.head_dim, shape.kp
     score, v_new = new
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    s["pout"].at[pl.ds(0, rows)][...] = k_pair
-    s["pout"].at[pl.ds(rows, kp)][...] = v_new
+    s["krow"].T[...] = k_pair.astype(jnp.bfloat16)
+    s["vrow"].T[...] = v_new.astype(jnp.bfloat16)
     plgpu.commit_smem()
-    k_dst = k.kv_new.at[it, j, 0, h, pl.ds(0, hd)]
-    plgpu.copy_smem_to_gmem(s["pout"].at[pl.ds(e * hd, hd)], k_dst)
-    plgpu.copy_smem_to_gmem(s["pout"].at[pl.ds(rows, kp)], k.kv_new.at[it, j, 1, h])
+    k_dst = k.kv_new.at[it, j, 0, h, :, pl.ds(0, hd)]
+    plgpu.copy_smem_to_gmem(s["krow"].at[:, pl.ds(e * hd, hd)], k_dst)
+    plgpu.copy_smem_to_gmem(s["vrow"], k.kv_new.at[it, j, 1, h])
     s_new = bcast_rows(score, kp)
     merged = merge(*parts, s_new, jnp.ones_like(s_new), v_new)
     others = [(combiner + r) % k.splits for r in range(1, k.splits)]
@@ -284,10 +286,10 @@ def _combine(k, it, j, of, c0, valid, new, parts, s) -> None:
     @pl.when(split == 0)
     def _store_new_rows():
         for w, value in enumerate((k_new, v_new)):
-            s["pout"].at[pl.ds(w * kp, kp)][...] = value
+            s[ROW_BUFFERS[w]].T[...] = value.astype(jnp.bfloat16)
         plgpu.commit_smem()
         for w in range(2):
-            plgpu.copy_smem_to_gmem(s["pout"].at[pl.ds(w * kp, kp)], k.kv_new.at[it, j, w, h])
+            plgpu.copy_smem_to_gmem(s[ROW_BUFFERS[w]], k.kv_new.at[it, j, w, h])
 
     def first_split():
         s_new = bcast_rows(jnp.sum(q * k_new, axis=0), kp)

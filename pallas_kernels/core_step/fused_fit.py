@@ -228,7 +228,11 @@ def scratch_types(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int
         btq=plgpu.SMEM((N_PAD, rows), bf16, transforms=attention),
         pb=plgpu.SMEM((N_PAD, kv_block), bf16, transforms=attention),
     )
-    combine = dict(pout=plgpu.SMEM((rows + kp, N_PAD), f32))  # the new k rows, then v's
+    combine = dict(
+        pout=plgpu.SMEM((kp + SCALAR_ROWS, N_PAD), f32),  # partials, the head's rows
+        krow=plgpu.SMEM((N_PAD, rows), bf16, transforms=attention),  # new k rows, transposed
+        vrow=plgpu.SMEM((N_PAD, kp), bf16, transforms=attention),  # new v rows, transposed
+    )
     if pairs:
         combine |= dict(
             pins=plgpu.SMEM((MAX_PAIR_SPLITS - 1, kp + SCALAR_ROWS, N_PAD), f32),

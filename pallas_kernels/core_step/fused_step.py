@@ -250,15 +250,15 @@ def fused_core_decode(
     d, b = shape.d, shape.batch
     last = (iterations - 1) % act.shape[0]  # the last iteration's buffers
     z = act[last, Buffers.of("m", shape.layers - 1), :d, :b].T  # the last mlp output + residual
-    # kv_new [it, L, 2, H, kp, 8] -> the head's rows (k of its key window, v of its value
-    # window) -> [2, it, L, B, H, K]
+    # kv_new [it, L, 2, H, 8, kp] bf16 -> the head's columns (k of its key window, v of its
+    # value window) of the batch's rows -> [2, it, L, B, H, K]
     pairs = bool(schedule.head_pairs)
-    rows = np.stack([
+    cols = np.stack([
         [np.arange(shape.head_dim) + window(h)[1] for h in range(shape.heads)]
         for window in (shape.key_window, lambda h: shape.value_window(h, pairs))
     ])  # fmt: skip
-    picked = jnp.take_along_axis(kv_new, rows[None, None, :, :, :, None], axis=4)
-    new = jnp.moveaxis(picked[..., :b], -1, 3).transpose(2, 0, 1, 3, 4, 5)
+    picked = jnp.take_along_axis(kv_new[..., :b, :], cols[None, None, :, :, None, :], axis=5)
+    new = picked.transpose(2, 0, 1, 4, 3, 5)
     return Pending(z, fw.last_norm), new[0].astype(k_cache.dtype), new[1].astype(v_cache.dtype)
 
 
