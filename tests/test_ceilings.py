@@ -289,3 +289,20 @@ def test_cupti_us_reads_one_iteration_and_several(monkeypatch):
     monkeypatch.setattr(profiler, "measure", lambda fn, **kw: lambda *a: (None, runs))
     us, kernels, _ = device_time.cupti_us(lambda: None, 3)
     assert us == pytest.approx(2.0) and kernels == 1
+
+
+def test_an_optional_probe_that_fails_is_left_out_and_a_required_one_stops(capsys):
+    """`probe_time`: an optional probe (the TMA one) that raises is reported on one line and
+    measured as None; a required one's error propagates."""
+
+    def broken(x):
+        raise RuntimeError("Mosaic GPU: no such thing\nsecond line")
+
+    x = jnp.ones(4)
+    optional = probes.Probe("tma", broken, (x,), 16, True, "a kernel", optional=True)
+    assert probes.probe_time(optional, reps=2) is None
+    assert capsys.readouterr().out == "tma left out: RuntimeError: Mosaic GPU: no such thing\n"
+    with pytest.raises(RuntimeError, match="no such thing"):
+        probes.probe_time(probes.Probe("gemv", broken, (x,), 16, True, "a GEMV"), reps=2)
+    ok = probes.Probe("sum", jax.jit(jnp.sum), (x,), 16, True, "a sum", optional=True)
+    assert len(probes.probe_time(ok, reps=2).samples_us) == 2

@@ -41,9 +41,11 @@ CORE_SHAPES = {  # [K, N] of the Core's GEMVs: Wqkv, attention proj, fc, mlp pro
 }
 
 
-def report(name: str, fn, nbytes: int, reps: int, args) -> None:
-    measured = probes.device_time(fn, args, reps)
-    us = measured.median_us
+def report(name: str, probe: probes.Probe, reps: int) -> None:
+    measured = probes.probe_time(probe, reps)
+    if measured is None:
+        return
+    us, nbytes = measured.median_us, probe.nbytes
     kernels = "-" if measured.kernels is None else str(measured.kernels)
     print(f"{name:18s} {kernels:>7s}  {measured.method:>6s}  {us:11.1f}  {nbytes / us / 1e6:5.2f}")
 
@@ -61,7 +63,7 @@ def main() -> None:
     print("case               kernels  method  us (median)   TB/s")
     for probe in probes.read_probes(w):
         name = f"{probe.name} {w.nbytes / 1e9:.2f} GB"
-        report(name, probe.fn, probe.nbytes, args.reps, probe.args)
+        report(name, probe, args.reps)
     for cols in map(int, args.tma_cols.split(",")):
         for ring in map(int, args.tma_rings.split(",")):
             try:
@@ -70,15 +72,19 @@ def main() -> None:
                 print(f"tma [64, {cols}] x{ring}: {e}")
                 continue
             if probe is not None:
-                name = f"tma [64, {cols}] x{ring}"
-                report(name, probe.fn, probe.nbytes, args.reps, probe.args)
+                report(f"tma [64, {cols}] x{ring}", probe, args.reps)
     del w, probe
     for name, (rows, columns) in CORE_SHAPES.items():
         ws = probes.weights(rows, columns, 2 * L2_BYTES, jax.random.key(1))
         xs = [jnp.full((1, rows), i + 1, jnp.bfloat16) for i in range(len(ws))]
         gemvs = jax.jit(lambda xs, ws: [x @ w for x, w in zip(xs, ws, strict=True)])
         nbytes = sum(w.nbytes for w in ws)
-        report(f"gemv {name} x{len(ws)}", gemvs, nbytes, args.reps, (xs, ws))
+        what = f"{len(ws)} GEMVs at the Core's {name} shape"
+        report(
+            f"gemv {name} x{len(ws)}",
+            probes.Probe(name, gemvs, (xs, ws), nbytes, True, what),
+            args.reps,
+        )
 
 
 if __name__ == "__main__":

@@ -63,6 +63,17 @@ class DeviceTime:
         return statistics.median(self.samples_us)
 
 
+def probe_time(probe: Probe, reps: int) -> DeviceTime | None:
+    """`device_time` of `probe`; None, with a line on stdout, where an optional probe fails."""
+    try:
+        return device_time(probe.fn, probe.args, reps)
+    except Exception as e:  # an optional probe's failure is reported, not fatal
+        if not probe.optional:
+            raise
+        print(f"{probe.name} left out: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        return None
+
+
 def device_time(
     fn: Callable[..., Any], args: Sequence[Any], reps: int, *, wall_calls: int = 10
 ) -> DeviceTime:
@@ -102,7 +113,9 @@ def stream_weight(nbytes: int, k: int, key: jax.Array) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class Probe:
     """One streaming probe: `fn(*args)`, and the bytes one call moves through HBM that count
-    towards its rate (`read_only`: it writes next to nothing)."""
+    towards its rate (`read_only`: it writes next to nothing). `optional`: a probe whose
+    failure (e.g. a kernel that does not compile on this device) is reported and left out,
+    not one that stops the run."""
 
     name: str
     fn: Callable[..., Any]
@@ -110,6 +123,7 @@ class Probe:
     nbytes: int
     read_only: bool
     what: str
+    optional: bool = False
 
 
 TMA_COLS, TMA_RING = 256, 4  # the persistent kernels' [64, 256] weight units, 128 KiB in flight
@@ -131,7 +145,9 @@ def tma_probe(w: jax.Array, *, cols: int = TMA_COLS, ring: int = TMA_RING) -> Pr
     check_read(units, cols, workers, ring)
     fn = jax.jit(lambda w: tma_read(w.reshape(units, UNIT_ROWS, cols), workers=workers, ring=ring))
     what = f"W [{w.shape[0]}, {w.shape[1]}] bf16 as [{UNIT_ROWS}, {cols}] units, {ring} per SM"
-    return Probe("tma", fn, (w,), w.nbytes, True, f"{what} in flight by TMA, {workers} SMs")
+    return Probe(
+        "tma", fn, (w,), w.nbytes, True, f"{what} in flight by TMA, {workers} SMs", optional=True
+    )
 
 
 def read_probes(w: jax.Array) -> list[Probe]:
