@@ -226,16 +226,13 @@ def merge(m_all, l_all, acc_all, m_o, l_o, acc_o):
 
 def merge_others(k, it, j, h, merged, others, wait_flags, s):
     """`merged` with the partials of head h's splits `others` (after its flag counts the
-    layer's, where `wait_flags`): copied into the combine's buffers (`pins`, all at once) or
-    through `pin` one after another."""
+    layer's, where `wait_flags`): copied into the combine's buffers (`pins`) as many at once
+    as there are buffers, then merged in order."""
     kp = k.shape.kp
     if wait_flags:
         target = jnp.asarray((it * k.shape.layers + j + 1) * (k.splits - 1), jnp.int32)
         plgpu.semaphore_wait(k.flags.at[h], target, decrement=False, memory_scope="gpu")
-    if "pins" in s:
-        buffers = [(s["pins"].at[i], s["pinbar"].at[i]) for i in range(s["pins"].shape[0])]
-    else:
-        buffers = [(s["pin"], s["pbar"])]
+    buffers = [(s["pins"].at[i], s["pinbar"].at[i]) for i in range(s["pins"].shape[0])]
     for w0 in range(0, len(others), len(buffers)):
         chunk = others[w0 : w0 + len(buffers)]
         wave = list(zip(chunk, buffers[: len(chunk)], strict=True))

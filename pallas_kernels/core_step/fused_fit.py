@@ -24,6 +24,9 @@ from pallas_kernels.core_step.plan import UNIT
 from pallas_kernels.core_step.stream import MAX_RING, SMEM_ALIGN, SMEM_LIMIT, SWIZZLE_128
 
 REDUCTION_SCRATCH = 2048  # bytes Mosaic GPU adds for reductions across warps
+# Splits' partials a head's combine copies in at once (more go in waves): both of huginn-0125's
+# splits with the second warpgroup, whose combine merges every split's from global memory
+MERGE_BUFFERS = 2
 PROFILE_RANGE_BYTES = 16  # shared memory per range of Mosaic GPU's on-device profiler
 SCOPES = ("product", "rope", "blocks", "combine")  # the step scopes of `scratch_types`
 # With `Schedule.overlap`, the scopes each warpgroup enters, held at once as a union each
@@ -182,8 +185,7 @@ def scratch_types(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int
     (the weight ring, zeros, scalar tiles, partials in), then those of four scopes that take
     the same bytes in turn: a product's, the attention's RoPE (its windows and tables), its
     blocks and its combine (`smem_bytes` counts them). With `Schedule.head_pairs` the
-    attention's windows, tables and blocks are a pair window's, and the combine takes the
-    other splits' partials into buffers of its own, all copies at once."""
+    attention's windows, tables and blocks are a pair window's."""
     pairs = bool(schedule.head_pairs)
     attention = attention_transforms(shape, pairs)
     bf16, f32, cols = jnp.bfloat16, jnp.float32, shape.unit_cols
@@ -228,16 +230,14 @@ def scratch_types(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int
         btq=plgpu.SMEM((N_PAD, rows), bf16, transforms=attention),
         pb=plgpu.SMEM((N_PAD, kv_block), bf16, transforms=attention),
     )
+    merging = MAX_PAIR_SPLITS - 1 if pairs else MERGE_BUFFERS  # other splits' partials at once
     combine = dict(
         pout=plgpu.SMEM((kp + SCALAR_ROWS, N_PAD), f32),  # partials, the head's rows
         krow=plgpu.SMEM((N_PAD, rows), bf16, transforms=attention),  # new k rows, transposed
         vrow=plgpu.SMEM((N_PAD, kp), bf16, transforms=attention),  # new v rows, transposed
+        pins=plgpu.SMEM((merging, kp + SCALAR_ROWS, N_PAD), f32),
+        pinbar=plgpu.Barrier(num_barriers=merging),
     )
-    if pairs:
-        combine |= dict(
-            pins=plgpu.SMEM((MAX_PAIR_SPLITS - 1, kp + SCALAR_ROWS, N_PAD), f32),
-            pinbar=plgpu.Barrier(num_barriers=MAX_PAIR_SPLITS - 1),
-        )
     return kernel_wide, product, rope, blocks, combine
 
 
