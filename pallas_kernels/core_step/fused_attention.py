@@ -67,16 +67,18 @@ def attention_step(k, it, j) -> None:
         pl.when(item < k.items)(lambda: run(k, it, j, item))
 
 
+def _head_rows(rows, delta, head_dim):
+    """The head's rows of a window that starts `delta` columns before it, `rows` the window's
+    row index ([kp, 8] iota): a mask."""
+    return jnp.logical_and(rows >= delta, rows < delta + head_dim)
+
+
 def _masks(k, h, starts):
     """(key window's, value window's) head rows of head h: [kp, 8] masks."""
     kp, hd = k.shape.kp, k.shape.head_dim
     rows = plgpu.broadcasted_iota(jnp.int32, (kp, N_PAD), 0, layout=WGMMA)
-
-    def head_rows(delta):  # the head's rows of a window that starts delta columns before it
-        return jnp.logical_and(rows >= delta, rows < delta + hd)
-
     ck, c0 = starts
-    return head_rows(h * hd - ck), head_rows(h * hd - c0)
+    return _head_rows(rows, h * hd - ck, hd), _head_rows(rows, h * hd - c0, hd)
 
 
 def _head_item(k, it, j, item) -> None:
@@ -180,10 +182,8 @@ def _combine_slot(k, it, j, e, h, first, k_pair, new, parts, combiner, s) -> Non
     others = [(combiner + r) % k.splits for r in range(1, k.splits)]
     merged = merge_others(k, it, j, h, merged, others, k.splits > 1, s)
     c0 = first + shape.pair_slot_start(e)
-    delta = h * hd - c0
-    row = plgpu.broadcasted_iota(jnp.int32, (kp, N_PAD), 0, layout=WGMMA)
-    valid = jnp.logical_and(row >= delta, row < delta + hd)
-    add_head_rows(k, it, j, merged, c0, valid, s)
+    rows = plgpu.broadcasted_iota(jnp.int32, (kp, N_PAD), 0, layout=WGMMA)
+    add_head_rows(k, it, j, merged, c0, _head_rows(rows, h * hd - c0, hd), s)
 
 
 def blocks_ahead(k, it, j, item) -> None:

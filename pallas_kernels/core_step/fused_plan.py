@@ -37,6 +37,11 @@ STEP_KINDS = (*PRODUCT_KINDS, "attn")  # the steps a grid barrier can follow
 DEFAULT_UNIT_COLS = 256  # output columns of the kernel's [64, unit_cols] weight units
 
 
+def widest_tile(step: int) -> int:
+    """The widest swizzle tile (64, 32 or 16 bf16 columns) that divides `step` columns."""
+    return next((c for c in (64, 32) if step % c == 0), 16)
+
+
 def kind_of(name: str) -> tuple[str, int]:
     """("qkv", 2) of the phase "qkv2"; ("adapter", -1)."""
     kind = name.rstrip("0123456789")
@@ -196,8 +201,7 @@ class FusedShape:
         """Columns of a tile of the attention's shared-memory operands: the widest swizzle's
         (64, 32 or 16 columns) that divides every head window's first column (h * head_dim, or
         d - kp for the last heads), so that a window is whole tiles."""
-        step = math.gcd(self.head_dim, self.d - self.kp)
-        return next((c for c in (64, 32) if step % c == 0), 16)
+        return widest_tile(math.gcd(self.head_dim, self.d - self.kp))
 
     @property
     def key_cols(self) -> int:
@@ -256,18 +260,17 @@ class FusedShape:
         if not head_pairs:
             return self.head_window(head, minimum)
         first = self.pair_window(head // 2, minimum)
-        slot = (head * self.head_dim - first) // self.head_dim
-        c0 = first + slot * (self.pair_cols - self.kp)
+        c0 = first + self.pair_slot_start((head * self.head_dim - first) // self.head_dim)
         return c0, head * self.head_dim - c0
 
     def operand_tile(self, head_pairs: bool) -> int:
         """Columns of a tile of the attention's shared-memory operands: `attention_tile`,
-        or with two-head items the widest of 64 and 32 that divides the pair windows' first
-        columns and the slices' (head_dim, `pair_slot_start(1)`)."""
+        or with two-head items the widest that divides the pair windows' first columns and the
+        slices' (head_dim, `pair_slot_start(1)`): 32 or 64 where `pairs_unfit` is ''."""
         if not head_pairs:
             return self.attention_tile
-        step = math.gcd(self.head_dim, self.pair_cols - self.kp, self.d - self.pair_cols)
-        return 64 if step % 64 == 0 else 32
+        slice_start, last_window = self.pair_slot_start(1), self.d - self.pair_cols
+        return widest_tile(math.gcd(self.head_dim, slice_start, last_window))
 
     @property
     def q_tiles(self) -> int:
