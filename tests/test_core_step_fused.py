@@ -263,7 +263,8 @@ def test_profile_records_both_warpgroups_gpu(tmp_path):
     assert scopes.recording_workers(trace) == 16
     assert scopes.recording_workers(trace, warpgroup=1) == 16  # 8 heads x 2 splits
     second = scopes.scope_cycles(trace, per=2, warpgroup=1)
-    assert set(second) == {"ahead", "wait_q", "rope", "blocks", "partials_out"}
+    own = set(second) - {"Init"}  # Mosaic GPU's own region: the kernel's setup
+    assert own == {"ahead", "wait_q", "rope", "blocks", "partials_out"}
     assert second["blocks"]["median"] > 0
     first = scopes.scope_cycles(trace, per=2)
     assert {"qkv", "wait_parts", "combine", "barrier"} <= set(first)
