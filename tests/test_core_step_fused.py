@@ -94,7 +94,8 @@ def kernel_run(w, batch, iterations, pos, *, workers, interpret, schedule, slot=
 # kv_stages 3 over 2 sequences x 2 blocks: the copies run ahead across a sequence's end; the L2
 # prefetches (no-ops when interpreted) are traced where they reach into the next product, per
 # unit or as each product ends (the last one's into the next iteration's adapter); blocks of 128
-# positions over 2 sequences x 2 blocks, the last one partly masked
+# positions over 2 sequences x 2 blocks, the last one partly masked; a wgmma lag of 0 (a unit's
+# slot refilled as soon as its wgmma is done, one B tile)
 @pytest.mark.parametrize(
     "batch,iterations,pos,schedule,slot",
     [
@@ -103,6 +104,7 @@ def kernel_run(w, batch, iterations, pos, *, workers, interpret, schedule, slot=
         (1, 2, 5, Schedule(ring=2, kv_stages=2, l2_barrier=1, l2_attention=1), SLOT),
         (2, 1, 200, Schedule(ring=2, kv_stages=2, kv_block=128), 2 * SLOT),
         (2, 3, 70, Schedule(ring=3, kv_stages=2, dataflow=1), SLOT),
+        (2, 2, 70, Schedule(ring=2, kv_stages=2, dataflow=1, lag=0), SLOT),
     ],
 )
 def test_interpret_one_worker_matches_the_step_program(batch, iterations, pos, schedule, slot):
@@ -156,6 +158,7 @@ SMALL_SCHEDULE = (64, Schedule(3, 3, 0, 0))
 OVERLAP = Schedule(3, 2, overlap=1)
 DATAFLOW, DATAFLOW_OVERLAP = Schedule(3, 3, dataflow=1), Schedule(3, 2, overlap=1, dataflow=1)
 PAIRS = Schedule(3, 2, head_pairs=1)  # two-head items: 4 splits of each pair window
+LAG0 = Schedule(3, 2, overlap=1, dataflow=1, lag=0)  # the batch-1 default, a slot freed at once
 GPU_CASES = [
     (SMALL, 16, 1, 2, 130, 192, SMALL_SCHEDULE),
     (SMALL, 16, 1, 2, 130, 192, (64, Schedule(3, 3, handover=0))),
@@ -177,6 +180,9 @@ GPU_CASES = [
     (SMALL, 16, 8, 1, 200, 256, (64, PAIRS)),
     (HUGINN, 132, 8, 2, 200, 256, (256, PAIRS)),
     (HUGINN, 132, 1, 1, 1000, 1024, (256, PAIRS)),
+    (SMALL, 16, 1, 3, 130, 192, (64, LAG0)),
+    (HUGINN, 132, 1, 2, 1000, 1024, (256, LAG0)),
+    (HUGINN, 132, 8, 2, 200, 256, (256, Schedule(3, 3, lag=0))),
 ]
 
 
@@ -307,7 +313,7 @@ def test_gpu_configurations_fit():
 # the batch is a loop bound: 1 lowers the same code
 @pytest.mark.parametrize(
     "batch,schedule",
-    [(8, Schedule()), (8, OVERLAP), (8, DATAFLOW), (1, DATAFLOW_OVERLAP), (8, PAIRS)],
+    [(8, Schedule()), (8, OVERLAP), (8, DATAFLOW), (1, DATAFLOW_OVERLAP), (8, PAIRS), (1, LAG0)],
 )
 def test_lowers_for_cuda_with_every_sm(batch, schedule):
     """Traces and lowers the kernel for sm_90 at huginn-0125's shapes (one Core layer, to keep
@@ -388,6 +394,8 @@ def test_refuses_what_it_cannot_run():
     huginn = FusedShape(5280, 55, 96, 17920, 1, 1)
     with pytest.raises(ValueError, match="L2 lookahead"):  # 13 units of the adapter per worker
         check_fused(huginn, 132, Schedule(ring=3, l2_units=10))
+    with pytest.raises(ValueError, match="lag=2 < ring=2"):  # a slot reused before its wgmma
+        check_fused(huginn, 132, Schedule(ring=2, lag=2))
     # the on-device profiler's records of 24 iterations of 4 layers take 28.3 KiB, of 32 37.8
     # KiB: 3:3 leaves 29.9 (key blocks of 96 columns, a tile of zeros of 64 rows)
     four_layers = FusedShape(5280, 55, 96, 17920, 4, 1)

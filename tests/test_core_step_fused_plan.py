@@ -36,7 +36,7 @@ def test_overlap_needs_both_warpgroups_buffers_and_one_item_per_worker():
     once); 110 attention items fit on 132 workers, 55 not on 50; no interpret mode."""
     shape = FusedShape(5280, 55, 96, 17920, 4, 1)
     check_fused(shape, 132, OVERLAP)
-    assert smem_bytes(shape, OVERLAP, 2, 1) > smem_bytes(shape, Schedule(3, 2), 2, 1)
+    assert smem_bytes(shape, OVERLAP, 2) > smem_bytes(shape, Schedule(3, 2), 2)
     with pytest.raises(ValueError, match="bytes of smem"):
         check_fused(shape, 132, Schedule(3, 3, overlap=1))
     with pytest.raises(ValueError, match="one attention item per worker"):
@@ -166,7 +166,11 @@ def test_schedule_is_written_as_parsed():
     assert str(Schedule(3, 3, handover=0)) == "3:3:0:0:64:0:0:0"
     assert Schedule.parse("3:2:0:0:64:0:0:8:0:0:1") == Schedule(3, 2, head_pairs=1)
     assert str(Schedule(3, 2, head_pairs=1)) == "3:2:0:0:64:0:0:8:0:0:1"
-    for bad in ("6", "6:3:1:2:64:4:5:6:1:1:1:7", "6:x"):
+    assert Schedule.parse("3:2:0:0:64:0:0:8:1:1:0:0") == Schedule(
+        3, 2, overlap=1, dataflow=1, lag=0
+    )
+    assert str(Schedule(3, 3, lag=0)) == "3:3:0:0:64:0:0:8:0:0:0:0"
+    for bad in ("6", "6:3:1:2:64:4:5:6:1:1:1:0:7", "6:x"):
         with pytest.raises(ValueError, match="is not RING:KV_STAGES"):
             Schedule.parse(bad)
     with pytest.raises(ValueError, match="kv_block=96 must be one of"):
@@ -208,7 +212,7 @@ def test_profiler_records_both_warpgroups_of_the_default():
     assert profile_ranges(one_layer, 132, 1, overlap=True) == 3 * 6 + 3 + 1 + 8
     check_fused(four_layers, 132, default, profiled_iterations=2)
     three = profile_ranges(four_layers, 132, 3, dataflow=True, overlap=True)
-    one_warpgroup = smem_bytes(four_layers, default, 2, 1) + PROFILE_RANGE_BYTES * three
+    one_warpgroup = smem_bytes(four_layers, default, 2) + PROFILE_RANGE_BYTES * three
     assert one_warpgroup <= SMEM_LIMIT
     with pytest.raises(ValueError, match="for the profiler's records of 3 iterations"):
         check_fused(four_layers, 132, default, profiled_iterations=3)

@@ -83,7 +83,6 @@ def build_fused_core(
     eps: float,
     schedule: Schedule = DEFAULT_SCHEDULE,
     x_stages: int = 2,
-    lag: int = 1,
     interpret: Any = None,
     profile_dir: str = "",
     skip_barriers: tuple[str, ...] = (),
@@ -115,7 +114,7 @@ def build_fused_core(
             f"head_dim={shape.head_dim} and d - {shape.kp} must be multiples of 16: a head's "
             "cache columns are copied into tiles of 16 columns"
         )
-    check_fused(shape, workers, schedule, x_stages, lag, iterations if profile_dir else 0)
+    check_fused(shape, workers, schedule, x_stages, iterations if profile_dir else 0)
     kv_stages = schedule.kv_stages
     phases, layers = shape.phases, shape.layers
     n_phases, n_kinds = len(phases), len(PRODUCT_KINDS)
@@ -149,7 +148,7 @@ def build_fused_core(
         )  # fmt: skip
         barrier = GridBarrier(workers, "wait", 0, 1) if k.reduce else None
         inputs = dict(weights=w_refs, state=state, e_part=e_part, gains=gains)
-        ps = Products(k, schedule, iterations, x_stages, lag, skip_barriers, inputs, barrier)
+        ps = Products(k, schedule, iterations, x_stages, skip_barriers, inputs, barrier)
         k.counters = ps.counters
 
         def epoch_of(it, step):
@@ -225,7 +224,7 @@ def build_fused_core(
         pl.run_scoped(second_warpgroup, pad, collective_axes="wg")
         pl.when(wg == 0)(streams)
 
-    scratch, *scopes = scratch_types(shape, schedule, x_stages, lag)
+    scratch, *scopes = scratch_types(shape, schedule, x_stages)
     groups = dict(zip(SCOPES, scopes, strict=True))
     second = second_warpgroup_types(shape)
     layout = dict(scratch)

@@ -34,13 +34,13 @@ SCOPES = ("product", "rope", "blocks", "combine")  # the step scopes of `scratch
 WARPGROUP_SCOPES = {"first": ("product", "rope", "combine"), "second": ("rope", "blocks")}
 
 
-def smem_bytes(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int) -> int:
+def smem_bytes(shape: FusedShape, schedule: Schedule, x_stages: int) -> int:
     """Shared memory of one block, from `scratch_types`: the kernel-wide buffers, then the
     largest of the step scopes (they reuse the same bytes one after the other), each buffer
     aligned to 1 KiB as Pallas allocates them, 8 bytes per mbarrier. With `Schedule.overlap`
     the two warpgroups' scopes (`WARPGROUP_SCOPES`) and reductions take bytes of their own, at
     once."""
-    groups = scratch_types(shape, schedule, x_stages, lag)
+    groups = scratch_types(shape, schedule, x_stages)
 
     def buffer_bytes(types: dict) -> int:
         sizes = [
@@ -124,7 +124,6 @@ def check_fused(
     workers: int,
     schedule: Schedule,
     x_stages: int = 2,
-    lag: int = 1,
     profiled_iterations: int = 0,
 ) -> None:
     """ValueError unless the schedule can run (as `stream.check_schedule`): a ring longer than
@@ -133,7 +132,7 @@ def check_fused(
     `most_workers` workers, at least 2 stages of cached blocks, buffers that fit (with the
     profiler's records of `profiled_iterations`, where it runs: each warpgroup's; with
     `Schedule.overlap`, both warpgroups' buffers at once, one attention item per worker)."""
-    ring, kv_stages = schedule.ring, schedule.kv_stages
+    ring, kv_stages, lag = schedule.ring, schedule.kv_stages, schedule.lag
     if not 1 <= ring <= MAX_RING or not 0 <= lag < ring or not 1 <= x_stages <= ring:
         raise ValueError(f"need 0 <= lag={lag} < ring={ring} <= {MAX_RING}, x_stages <= ring")
     if not 2 <= kv_stages <= MAX_RING:
@@ -164,7 +163,7 @@ def check_fused(
             f"a worker owns {fewest} units of some product with {workers} workers: the ring "
             f"({ring}) and the L2 lookahead ({schedule.l2_reach}) must be shorter ({fits})"
         )
-    need = smem_bytes(shape, schedule, x_stages, lag)
+    need = smem_bytes(shape, schedule, x_stages)
     if need > SMEM_LIMIT:
         raise ValueError(f"schedule {schedule}: {need} bytes of smem > {SMEM_LIMIT}")
     if profiled_iterations:
@@ -180,7 +179,7 @@ def check_fused(
             )
 
 
-def scratch_types(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int):
+def scratch_types(shape: FusedShape, schedule: Schedule, x_stages: int):
     """The kernel's shared memory and barriers, by name, as five dicts: the kernel-wide ones
     (the weight ring, zeros, scalar tiles, partials in), then those of four scopes that take
     the same bytes in turn: a product's, the attention's RoPE (its windows and tables), its
@@ -210,7 +209,7 @@ def scratch_types(shape: FusedShape, schedule: Schedule, x_stages: int, lag: int
         bara=plgpu.Barrier(num_barriers=x_stages),
         barb=plgpu.Barrier(num_barriers=x_stages),
         barg=plgpu.Barrier(num_barriers=x_stages),
-        bt=plgpu.SMEM((lag + 1, N_PAD, UNIT), bf16, transforms=SWIZZLE_128),
+        bt=plgpu.SMEM((schedule.lag + 1, N_PAD, UNIT), bf16, transforms=SWIZZLE_128),
         out=plgpu.SMEM((cols, N_PAD), f32),
         vst=plgpu.SMEM(chunk, f32),
         sst=plgpu.SMEM(chunk, f32),

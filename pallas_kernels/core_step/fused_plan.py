@@ -67,8 +67,11 @@ class Schedule:
     `head_pairs` 1: each attention item takes two neighbouring heads, whose 2 head_dim cached
     columns are whole tiles, so that the value blocks are read without the columns a head's
     window holds beyond its own (`FusedShape.pair_window`; not with overlap or dataflow).
+    `lag`: wgmmas in flight behind a unit's; a unit's ring slot takes its next copy once the
+    wgmma `lag` units later is issued and its own is done (0: at once, one more copy in flight
+    while the worker waits for a unit; 1: that wgmma overlaps the next unit's input).
     Written RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION
-    [:HANDOVER[:OVERLAP[:DATAFLOW[:HEAD_PAIRS]]]]]]]]] (`parse`, `str`). The defaults are
+    [:HANDOVER[:OVERLAP[:DATAFLOW[:HEAD_PAIRS[:LAG]]]]]]]]]] (`parse`, `str`). The defaults are
     the kernel's, for its default [64, 256] weight units: the shared memory bounds ring x unit
     width and kv_stages x kv_block together (3:3, 3:4, 4:2 and 3:2 with blocks of 128 fit at
     [64, 256] units, 6:3 and 8:2 at [64, 128]; docs/core_step.md: how they compare), and the
@@ -85,6 +88,7 @@ class Schedule:
     overlap: int = 0
     dataflow: int = 0
     head_pairs: int = 0
+    lag: int = 1
 
     @property
     def l2_reach(self) -> int:
@@ -100,10 +104,10 @@ class Schedule:
         """6:3, 6:3:16:8, 4:2:0:0:128 or 3:3:0:0:64:0:0:0 (the fields left out take their
         defaults); ValueError otherwise."""
         parts = text.split(":")
-        if not 2 <= len(parts) <= 11 or not all(p.isdigit() for p in parts):
+        if not 2 <= len(parts) <= 12 or not all(p.isdigit() for p in parts):
             raise ValueError(
                 f"{text!r} is not RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER"
-                "[:L2_ATTENTION[:HANDOVER[:OVERLAP[:DATAFLOW[:HEAD_PAIRS]]]]]]]]] (6:3:16:8)"
+                "[:L2_ATTENTION[:HANDOVER[:OVERLAP[:DATAFLOW[:HEAD_PAIRS[:LAG]]]]]]]]]] (6:3:16:8)"
             )
         return cls(*(int(p) for p in parts))
 

@@ -48,13 +48,12 @@ class Products:
         schedule: Schedule,
         iterations: int,
         x_stages: int,
-        lag: int,
         skip_barriers: tuple[str, ...],
         inputs: dict,
         barrier: GridBarrier | None,
     ):
         self.k, self.schedule, self.iterations = k, schedule, iterations
-        self.x_stages, self.lag, self.skip_barriers = x_stages, lag, skip_barriers
+        self.x_stages, self.lag, self.skip_barriers = x_stages, schedule.lag, skip_barriers
         self.barrier = barrier
         self.state, self.e_part, self.gains = inputs["state"], inputs["e_part"], inputs["gains"]
         shape = k.shape
