@@ -14,16 +14,17 @@ class UserError(Exception):
     reported as one line on stderr, exit code 2, no traceback."""
 
 
-def positive_ints(name: str, values: list[str]) -> list[int]:
-    """The list flag `--name` as integers >= 1; UserError naming the flag otherwise."""
+def positive_ints(name: str, values: list[str], least: int = 1) -> list[int]:
+    """The list flag `--name` as integers >= `least` (1: positive); UserError naming the flag
+    otherwise."""
     if not values:
         raise UserError(f"--{name} is empty: give at least one value")
     try:
         ints = [int(v) for v in values]
     except ValueError:
         raise UserError(f"--{name}={','.join(values)}: expected integers") from None
-    if min(ints) < 1:
-        raise UserError(f"--{name}={','.join(values)}: values must be >= 1")
+    if min(ints) < least:
+        raise UserError(f"--{name}={','.join(values)}: values must be >= {least}")
     return ints
 
 

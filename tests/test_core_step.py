@@ -122,9 +122,10 @@ def test_schedule_errors():
 
 
 @pytest.mark.parametrize(
-    "unit_cols,m,iterations", [(64, 1, 1), (64, 3, 2), (128, 3, 1), (256, 3, 2)]
+    "unit_cols,m,iterations,lag",
+    [(64, 1, 1, 1), (64, 3, 2, 1), (128, 3, 1, 1), (256, 3, 2, 1), (64, 3, 2, 0)],
 )
-def test_interpret_one_worker_matches_reference(unit_cols, m, iterations):
+def test_interpret_one_worker_matches_reference(unit_cols, m, iterations, lag):
     phases = core_phases(*(TINY if unit_cols == 64 else TINY_WIDE), unit_cols=unit_cols)
     x0, weights = make_inputs(phases, m)
     got = weight_stream(
@@ -136,6 +137,7 @@ def test_interpret_one_worker_matches_reference(unit_cols, m, iterations):
         unit_cols=unit_cols,
         ring=min(3, min_units(phases, 1, unit_cols) - 1),
         x_stages=2,
+        lag=lag,
         interpret=plgpu.InterpretGPUParams(),
     )
     want = reference(x0, weights, phases=phases, iterations=iterations)
@@ -170,19 +172,23 @@ def test_interpret_refuses_several_workers():
         )  # fmt: skip
 
 
-@pytest.mark.parametrize("unit_cols,ring", [(64, 24), (128, 12), (256, 6)])
-def test_lowers_for_cuda_with_every_sm(unit_cols, ring):
+@pytest.mark.parametrize(
+    "unit_cols,ring,lag", [(64, 24, 1), (128, 12, 1), (256, 6, 1), (256, 4, 0)]
+)
+def test_lowers_for_cuda_with_every_sm(unit_cols, ring, lag):
     """Traces and lowers the kernel (grid barrier, reduce-adds, the [unit_cols, 64] transposed
     A operand) for sm_90 at huginn-0125's shapes (one Core layer, to keep the test short) with
-    the longest ring that fits; catches API misuse and smem overflow."""
+    the longest ring that fits, and with a wgmma lag of 0; catches API misuse and smem
+    overflow."""
     phases = core_phases(*HUGINN[:3], 1, unit_cols=unit_cols)
     x0 = jax.ShapeDtypeStruct((1, phases[0].k), jnp.float32)
     weights = tuple(jax.ShapeDtypeStruct((p.k, p.n), jnp.bfloat16) for p in phases)
 
     def f(x, w):
         return weight_stream(
-            x, w, phases=phases, iterations=8, workers=132, unit_cols=unit_cols, ring=ring
-        )
+            x, w, phases=phases, iterations=8, workers=132, unit_cols=unit_cols, ring=ring,
+            lag=lag,
+        )  # fmt: skip
 
     text = jax.jit(f).trace(x0, weights).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text

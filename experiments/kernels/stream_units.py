@@ -1,17 +1,18 @@
 """How fast one worker of the weight stream takes a weight unit from L2 and from HBM.
 
-    python -m experiments.kernels.stream_units [--sizes=4096,16384 --unit_cols=256 --ring=3]
+    python -m experiments.kernels.stream_units [--sizes=4096,16384 --rings=3,4 --lags=0,1]
 
 Each size s is one [s, s] bf16 product chained to itself (`weight_stream`, 132 workers, a grid
 barrier after every iteration), --iterations per call: at 4096 its 32 MiB of weights stay in
 the H200's 60 MiB L2 from one iteration to the next, at 16384 (512 MiB) every unit comes from
-HBM. Per size: the device time per iteration (CUPTI, median of --reps) and its rate, then from
-Mosaic GPU's on-device profiler (one more call) the cycles a worker spends per unit in the
-product's loop (its units' scope over the units it owns, median over the workers) and in the
-barrier per iteration. What the L2 row's cycles per unit measure is the worker's own work on a
-unit (its input chunk's wait and conversion, the wgmma, the copies' issue) with the weight a
-short wait away: the rate at which units prefetched into L2 could be consumed. Needs an sm_90
-GPU.
+HBM. Per size, ring and wgmma lag (a unit's slot takes its next copy once the wgmma `lag` units
+later is issued; 0: at once, one more copy in flight while a worker waits for a unit): the
+device time per iteration (CUPTI, median of --reps) and its rate, then from Mosaic GPU's
+on-device profiler (one more call) the cycles a worker spends per unit in the product's loop
+(its units' scope over the units it owns, median over the workers) and in the barrier per
+iteration. What the L2 row's cycles per unit measure is the worker's own work on a unit (its
+input chunk's wait and conversion, the wgmma, the copies' issue) with the weight a short wait
+away: the rate at which units prefetched into L2 could be consumed. Needs an sm_90 GPU.
 """
 
 from __future__ import annotations
@@ -41,7 +42,10 @@ def define_flags() -> None:
         "sizes", ["4096", "16384"], "k = n of the product, a list (32 MiB in L2, 512 MiB not)."
     )
     flags.DEFINE_integer("unit_cols", 256, "Output columns of a [64, unit_cols] weight unit.")
-    flags.DEFINE_integer("ring", 3, "Weight units in flight per worker.")
+    flags.DEFINE_list("rings", ["3"], "Ring slots of weight units per worker, a list.")
+    flags.DEFINE_list(
+        "lags", ["1"], "wgmmas in flight behind a unit's before its slot is refilled."
+    )
     flags.DEFINE_integer("x_stages", 2, "Input chunks in flight per worker.")
     flags.DEFINE_integer("iterations", 16, "Iterations (products) per call.")
     flags.DEFINE_integer("reps", 20, "Timed calls per row (median).")
@@ -54,22 +58,22 @@ def phases_of(size: int):
     return (Phase(NAME, size, size),)
 
 
-def check_flags(sizes: list[int]) -> None:
-    """UserError unless every size's schedule runs, before the GPU is touched."""
+def check_flags(cases: list[tuple[int, int, int]]) -> None:
+    """UserError unless every (size, ring, lag) runs, before the GPU is touched."""
     from pallas_kernels.core_step.stream import check_schedule
 
     if FLAGS.iterations < 1 or FLAGS.reps < 1:
         raise UserError("--iterations and --reps must be >= 1")
-    for size in sizes:
+    for size, ring, lag in cases:
         try:
             check_schedule(
-                phases_of(size), WORKERS, FLAGS.ring, FLAGS.x_stages, unit_cols=FLAGS.unit_cols
+                phases_of(size), WORKERS, ring, FLAGS.x_stages, unit_cols=FLAGS.unit_cols, lag=lag
             )
         except ValueError as e:
-            raise UserError(f"--sizes={size}: {e}") from None
+            raise UserError(f"--sizes={size}, ring {ring}, lag {lag}: {e}") from None
 
 
-def row_of(size: int) -> dict:
+def row_of(size: int, ring: int, lag: int) -> dict:
     from pallas_kernels.core_step import weight_stream
 
     phases = phases_of(size)
@@ -78,7 +82,7 @@ def row_of(size: int) -> dict:
     x0 = jax.random.normal(jax.random.fold_in(key, 1), (1, size))
     settings = dict(
         phases=phases, iterations=FLAGS.iterations, workers=WORKERS, unit_cols=FLAGS.unit_cols,
-        ring=FLAGS.ring, x_stages=FLAGS.x_stages,
+        ring=ring, x_stages=FLAGS.x_stages, lag=lag,
     )  # fmt: skip
 
     def call(x, weights):
@@ -91,7 +95,7 @@ def row_of(size: int) -> dict:
     units = phases[0].units(FLAGS.unit_cols) / WORKERS
     row = dict(
         size=size, weight_bytes=phases[0].weight_bytes, unit_cols=FLAGS.unit_cols,
-        ring=FLAGS.ring, x_stages=FLAGS.x_stages, units_per_worker=units, note=note,
+        ring=ring, lag=lag, x_stages=FLAGS.x_stages, units_per_worker=units, note=note,
         cycles_per_unit=cycles[NAME]["median"] / units,
         barrier_cycles=cycles.get("barrier", {}).get("median"), cycles=cycles,
     )  # fmt: skip
@@ -102,30 +106,39 @@ def row_of(size: int) -> dict:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = f"{'size':>6}{'MiB':>6}{'us/iter':>9}{'TB/s':>7}{'cycles/unit':>13}{'barrier':>9}"
+    head = (
+        f"{'size':>6}{'MiB':>6}{'ring':>5}{'lag':>4}{'us/iter':>9}{'TB/s':>7}{'cycles/unit':>13}"
+        f"{'barrier':>9}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         us = r.get("us_per_iteration")
         rate = f"{us:9.2f}{r['bytes_per_s'] / 1e12:7.2f}" if us else f"{'-':>9}{'-':>7}"
         barrier = f"{r['barrier_cycles']:9.0f}" if r["barrier_cycles"] is not None else f"{'-':>9}"
         mib = r["weight_bytes"] / 2**20
-        lines.append(f"{r['size']:>6}{mib:6.0f}{rate}{r['cycles_per_unit']:13.0f}{barrier}")
+        lines.append(
+            f"{r['size']:>6}{mib:6.0f}{r['ring']:>5}{r['lag']:>4}{rate}"
+            f"{r['cycles_per_unit']:13.0f}{barrier}"
+        )
     if rows:
         lines.append(
-            f"[64, {rows[0]['unit_cols']}] units, ring {rows[0]['ring']}, {WORKERS} workers; "
-            "cycles per unit: the product's scope / the units a worker owns (median)"
+            f"[64, {rows[0]['unit_cols']}] units, {WORKERS} workers; cycles per unit: the "
+            "product's scope / the units a worker owns (median)"
         )
     return "\n".join(lines)
 
 
 def main(argv: list[str]) -> None:
     sizes = cli.positive_ints("sizes", FLAGS.sizes)
-    check_flags(sizes)
+    rings = cli.positive_ints("rings", FLAGS.rings)
+    lags = cli.positive_ints("lags", FLAGS.lags, least=0)
+    cases = [(s, r, lag) for s in sizes for r in rings for lag in lags]
+    check_flags(cases)
     program.check_outputs(FLAGS.json_out)
     device = jax.devices()[0]
     if device.platform != "gpu":
         raise UserError(f"needs an sm_90 GPU (Mosaic GPU); the backend here is {device.platform}")
-    rows = [row_of(size) for size in program.progress(sizes, PROGRAM)]
+    rows = [row_of(*case) for case in program.progress(cases, PROGRAM)]
     program.write_results(FLAGS.json_out, {"rows": rows, "complete": True})
     print(format_table(rows))
 
