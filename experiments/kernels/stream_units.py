@@ -44,7 +44,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("unit_cols", 256, "Output columns of a [64, unit_cols] weight unit.")
     flags.DEFINE_list("rings", ["3"], "Ring slots of weight units per worker, a list.")
     flags.DEFINE_list(
-        "lags", ["1"], "wgmmas in flight behind a unit's before its slot is refilled."
+        "lags", ["1"], "wgmmas in flight behind a unit's before its slot is refilled, a list."
     )
     flags.DEFINE_integer("x_stages", 2, "Input chunks in flight per worker.")
     flags.DEFINE_integer("iterations", 16, "Iterations (products) per call.")
