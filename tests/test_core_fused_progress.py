@@ -25,6 +25,9 @@ def test_the_table_writes_each_rows_schedule_floor_and_error():
     assert lines[2].split() == ["1", "fused", "256", "3:2:0:0:64:0:0:8:1", "1024", "0.903",
                                 "0.787", "87.2%", "4.2e-02"]  # fmt: skip
     assert lines[3].split()[-1] == "bound"
+    lag0 = dict(timed, dataflow=1, head_pairs=0, lag=0)  # 12 fields: wider than the column
+    wide = format_table([lag0], []).splitlines()[2].split()
+    assert wide[2:4] == ["256", "3:2:0:0:64:0:0:8:1:1:0:0"]
     assert lines[4].startswith("bound: no grid barrier after proj, attn")
 
 

@@ -119,7 +119,9 @@ def define_flags() -> None:
     flags.DEFINE_bool(
         "profile", False, "Record the steps' cycles (first batch, last context), per schedule."
     )
-    flags.DEFINE_integer("jobs", 1, "Processes at once, one per (batch, schedule).")
+    flags.DEFINE_integer(
+        "jobs", 1, "Processes at once, one per (batch, schedule), each with its weights on the GPU."
+    )
     flags.DEFINE_bool("stream", True, "Time the bare weight stream per batch.")
     flags.DEFINE_string(
         "gpu_lock", "", "A file to lock around the GPU work (with --jobs, its processes share it)."
@@ -354,7 +356,10 @@ def _run_jobs(batches: list[int], schedules: list[str], work: Path):
                 for proc in running.values():
                     proc.kill()
                 tail = (work / f"case_{n}.log").read_text().splitlines()[-15:]
-                raise UserError(f"batch {batch} schedule {sch} failed:\n" + "\n".join(tail))
+                hint = ""
+                if any("RESOURCE_EXHAUSTED" in line for line in tail):
+                    hint = f"\nout of GPU memory with --jobs={FLAGS.jobs} processes at once: fewer"
+                raise UserError(f"batch {batch} schedule {sch} failed:\n" + "\n".join(tail) + hint)
             results[n] = json.loads((work / f"case_{n}.json").read_text())
             print(
                 f"[{len(results)}/{len(cases)}] batch {batch} schedule {sch}: "

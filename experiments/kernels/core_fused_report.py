@@ -12,12 +12,19 @@ def format_table(rows: list[dict], profiles: list[dict]) -> str:
     cycles per iteration and spread, and what each bound left out."""
     from pallas_kernels.core_step.fused_plan import Schedule
 
+    fields = dataclasses.fields(Schedule)  # rows of older runs lack the later fields
+
+    def schedule(r: dict) -> str:
+        if "kv_stages" not in r:
+            return str(r["ring"])  # the bare stream's
+        return str(Schedule(*(r.get(f.name, f.default) for f in fields)))
+
+    width = max([24] + [len(schedule(r)) + 2 for r in rows])
     head = (
-        f"{'batch':>5}  {'impl':<8}{'unit':>6}{'schedule':>24}{'context':>8}{'ms/iter':>9}"
+        f"{'batch':>5}  {'impl':<8}{'unit':>6}{'schedule':>{width}}{'context':>8}{'ms/iter':>9}"
         f"{'floor ms':>10}{'% floor':>9}  err"
     )
     lines = [head, "-" * len(head)]
-    fields = dataclasses.fields(Schedule)  # rows of older runs lack the later fields
     for r in rows:
         ms, floor = r.get("ms_per_iteration"), r.get("floor_ms")
         cells = f"{ms:9.3f}" if ms else f"{'-':>9}"
@@ -25,12 +32,10 @@ def format_table(rows: list[dict], profiles: list[dict]) -> str:
         err = f"{r['rel_err']:.1e}" if "rel_err" in r else "-"
         if r.get("skip_barriers"):
             err = "bound"
-        sched = r["ring"]  # the bare stream's
-        if "kv_stages" in r:
-            sched = str(Schedule(*(r.get(f.name, f.default) for f in fields)))
         unit = f"{r['unit_cols']:>6}"
         lines.append(
-            f"{r['batch']:>5}  {r['impl']:<8}{unit}{sched:>24}{r['context']:>8}{cells}  {err}"
+            f"{r['batch']:>5}  {r['impl']:<8}{unit}{schedule(r):>{width}}{r['context']:>8}{cells}"
+            f"  {err}"
         )
     for prof in profiles:
         lines.append(
