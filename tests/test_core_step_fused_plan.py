@@ -183,8 +183,8 @@ def test_profiler_records_each_attention_item_parts():
     split)."""
     four_layers = FusedShape(5280, 55, 96, 17920, 4, 1)
     per_step = 3 * four_layers.steps_per_iteration
-    assert profile_ranges(four_layers, 132, 8) == 8 * (per_step + 3 * 4) + 8
-    assert profile_ranges(four_layers, 16, 8) == 8 * (per_step + 3 * 4 * 4) + 8
+    assert profile_ranges(four_layers, 132, 8, Schedule(3, 3)) == 8 * (per_step + 3 * 4) + 8
+    assert profile_ranges(four_layers, 16, 8, Schedule(3, 3)) == 8 * (per_step + 3 * 4 * 4) + 8
 
 
 def test_profiler_records_the_waits_of_one_barrier_per_iteration():
@@ -193,8 +193,8 @@ def test_profiler_records_the_waits_of_one_barrier_per_iteration():
     iterations."""
     four_layers = FusedShape(5280, 55, 96, 17920, 4, 1)
     extra = 8 * (3 * len(four_layers.phases) + 1 * 4)
-    plain = profile_ranges(four_layers, 132, 8)
-    assert profile_ranges(four_layers, 132, 8, dataflow=True) == plain + extra
+    plain = profile_ranges(four_layers, 132, 8, Schedule(3, 3))
+    assert profile_ranges(four_layers, 132, 8, Schedule(3, 3, dataflow=1)) == plain + extra
     check_fused(four_layers, 132, Schedule(3, 3, dataflow=1), profiled_iterations=8)
 
 
@@ -206,12 +206,12 @@ def test_profiler_records_both_warpgroups_of_the_default():
     one warpgroup's records would leave room for)."""
     four_layers = FusedShape(5280, 55, 96, 17920, 4, 1)
     default = Schedule(3, 2, overlap=1, dataflow=1)
-    dataflow = profile_ranges(four_layers, 132, 2, dataflow=True)
-    assert profile_ranges(four_layers, 132, 2, dataflow=True, overlap=True) == dataflow + 2 * 4
+    dataflow = profile_ranges(four_layers, 132, 2, Schedule(3, 2, dataflow=1))
+    assert profile_ranges(four_layers, 132, 2, default) == dataflow + 2 * 4
     one_layer = FusedShape(5280, 55, 96, 17920, 1, 1)  # 6 steps, one item's 3 parts, 1 wait
-    assert profile_ranges(one_layer, 132, 1, overlap=True) == 3 * 6 + 3 + 1 + 8
+    assert profile_ranges(one_layer, 132, 1, Schedule(3, 2, overlap=1)) == 3 * 6 + 3 + 1 + 8
     check_fused(four_layers, 132, default, profiled_iterations=2)
-    three = profile_ranges(four_layers, 132, 3, dataflow=True, overlap=True)
+    three = profile_ranges(four_layers, 132, 3, default)
     one_warpgroup = smem_bytes(four_layers, default, 2) + PROFILE_RANGE_BYTES * three
     assert one_warpgroup <= SMEM_LIMIT
     with pytest.raises(ValueError, match="for the profiler's records of 3 iterations"):

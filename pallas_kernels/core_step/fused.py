@@ -259,10 +259,7 @@ def build_fused_core(
     )
     params = plgpu.CompilerParams()
     if profile_dir:
-        ranges = profile_ranges(
-            shape, workers, iterations, bool(schedule.dataflow), bool(schedule.overlap),
-            bool(schedule.head_pairs),
-        )  # fmt: skip
+        ranges = profile_ranges(shape, workers, iterations, schedule)
         params = plgpu.CompilerParams(profile_space=ranges, profile_dir=profile_dir)
     threads = dict(num_threads=2, thread_name="wg") if overlap else {}
     return plgpu.kernel(

@@ -94,26 +94,19 @@ DATAFLOW_ITEM_PARTS = ("wait_head",)
 SECOND_WARPGROUP_PARTS = ("ahead", "wait_q", "rope", "blocks", "partials_out")
 
 
-def profile_ranges(
-    shape: FusedShape,
-    workers: int,
-    iterations: int,
-    dataflow: bool = False,
-    overlap: bool = False,
-    head_pairs: bool = False,
-) -> int:
+def profile_ranges(shape: FusedShape, workers: int, iterations: int, schedule: Schedule) -> int:
     """Ranges the on-device profiler keeps room for, per warpgroup: each step's, each barrier's
     twice (as a barrier and by the kind of step it follows), the parts (`ATTENTION_PARTS`) of
-    each of a worker's attention items, with `dataflow` the waits on counters
-    (`DATAFLOW_PRODUCT_PARTS`, `DATAFLOW_ITEM_PARTS`), with `overlap` each qkv's wait for the
-    second warpgroup's partials (whose own ranges, `SECOND_WARPGROUP_PARTS` per layer, are
-    fewer), and a few more. `head_pairs`: two-head items (`Schedule.head_pairs`)."""
-    items = -(-attention_items(shape, workers, head_pairs)[0] // workers)
-    item_parts = len(ATTENTION_PARTS) + (len(DATAFLOW_ITEM_PARTS) if dataflow else 0)
+    each of a worker's attention items (two-head items with `Schedule.head_pairs`), with
+    `Schedule.dataflow` the waits on counters (`DATAFLOW_PRODUCT_PARTS`, `DATAFLOW_ITEM_PARTS`),
+    with `Schedule.overlap` each qkv's wait for the second warpgroup's partials (whose own
+    ranges, `SECOND_WARPGROUP_PARTS` per layer, are fewer), and a few more."""
+    items = -(-attention_items(shape, workers, bool(schedule.head_pairs))[0] // workers)
+    item_parts = len(ATTENTION_PARTS) + (len(DATAFLOW_ITEM_PARTS) if schedule.dataflow else 0)
     per_iteration = 3 * shape.steps_per_iteration + item_parts * items * shape.layers
-    if dataflow:
+    if schedule.dataflow:
         per_iteration += len(DATAFLOW_PRODUCT_PARTS) * len(shape.phases)
-    if overlap:
+    if schedule.overlap:
         per_iteration += shape.layers  # wait_parts
         per_iteration = max(per_iteration, len(SECOND_WARPGROUP_PARTS) * shape.layers)
     return iterations * per_iteration + 8
@@ -167,10 +160,7 @@ def check_fused(
     if need > SMEM_LIMIT:
         raise ValueError(f"schedule {schedule}: {need} bytes of smem > {SMEM_LIMIT}")
     if profiled_iterations:
-        ranges = profile_ranges(
-            shape, workers, profiled_iterations, bool(schedule.dataflow), bool(schedule.overlap),
-            bool(schedule.head_pairs),
-        )  # fmt: skip
+        ranges = profile_ranges(shape, workers, profiled_iterations, schedule)
         profiler = PROFILE_RANGE_BYTES * ranges * (2 if schedule.overlap else 1)  # per warpgroup
         if need + profiler > SMEM_LIMIT:
             raise ValueError(
