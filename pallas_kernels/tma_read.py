@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.core_step.plan import even_share
-from pallas_kernels.core_step.stream import MAX_RING, SMEM_ALIGN, SMEM_LIMIT, SWIZZLE_128
+from pallas_kernels.core_step.stream import MAX_RING, SMEM_LIMIT, SWIZZLE_128, aligned
 
 UNIT_ROWS = 64  # rows of a unit: the weight stream's k chunk
 
@@ -38,7 +38,7 @@ def check_read(units: int, cols: int, workers: int, ring: int) -> None:
         raise ValueError(
             f"{units} units over {workers} workers: each must own at least ring={ring}"
         )
-    need = ring * -(-UNIT_ROWS * cols * 2 // SMEM_ALIGN) * SMEM_ALIGN + 8 * ring
+    need = aligned(ring * UNIT_ROWS * cols * 2) + 8 * ring
     if need > SMEM_LIMIT:
         raise ValueError(f"ring={ring} of [{UNIT_ROWS}, {cols}] units: {need} bytes > {SMEM_LIMIT}")
 

@@ -21,7 +21,7 @@ from pallas_kernels.core_step.fused_plan import (
     attention_items,
 )
 from pallas_kernels.core_step.plan import UNIT
-from pallas_kernels.core_step.stream import MAX_RING, SMEM_ALIGN, SMEM_LIMIT, SWIZZLE_128
+from pallas_kernels.core_step.stream import MAX_RING, SMEM_LIMIT, SWIZZLE_128, aligned
 
 REDUCTION_SCRATCH = 2048  # bytes Mosaic GPU adds for reductions across warps
 # Splits' partials a head's combine copies in at once (more go in waves): both of huginn-0125's
@@ -48,7 +48,7 @@ def smem_bytes(shape: FusedShape, schedule: Schedule, x_stages: int) -> int:
             for t in types.values()
             if not isinstance(t, plgpu.Barrier)
         ]
-        return sum(-(-b // SMEM_ALIGN) * SMEM_ALIGN for b in sizes)
+        return sum(aligned(b) for b in sizes)
 
     barriers = sum(
         math.prod(t.num_barriers)
@@ -138,8 +138,8 @@ def check_fused(
         raise ValueError(f"schedule {schedule}: overlap, dataflow and head_pairs must be 0 or 1")
     if schedule.head_pairs and (schedule.overlap or schedule.dataflow):
         raise ValueError(f"schedule {schedule}: two-head items run without overlap and dataflow")
-    if schedule.head_pairs and shape.pairs_unfit():
-        raise ValueError(f"schedule {schedule}: {shape.pairs_unfit()}")
+    if schedule.head_pairs and (unfit := shape.pairs_unfit()):
+        raise ValueError(f"schedule {schedule}: {unfit}")
     items = attention_items(shape, workers, bool(schedule.head_pairs))[0]
     if schedule.overlap and items > workers:
         raise ValueError(

@@ -41,6 +41,11 @@ SMEM_LIMIT = 227 * 1024  # dynamic shared memory per block on sm_90 (Mosaic GPU'
 SMEM_ALIGN = 1024  # Pallas aligns every scratch buffer to 1 KiB
 
 
+def aligned(nbytes: int) -> int:
+    """A scratch buffer's shared memory: `nbytes` rounded up to `SMEM_ALIGN`."""
+    return -(-nbytes // SMEM_ALIGN) * SMEM_ALIGN
+
+
 def n_pad_rows(m: int) -> int:
     """Rows of the activation as multiplied: M rounded up to a multiple of 8 (the wgmma N)."""
     return max(8, -(-m // 8) * 8)
@@ -61,7 +66,7 @@ def smem_bytes(ring: int, x_stages: int, lag: int, unit_cols: int, n_pad: int) -
         unit_cols * n_pad * 4,  # out
         unit_cols * n_pad * 4,  # zero
     )
-    return sum(-(-b // SMEM_ALIGN) * SMEM_ALIGN for b in buffers) + 8 * (ring + x_stages)
+    return sum(aligned(b) for b in buffers) + 8 * (ring + x_stages)
 
 
 def check_schedule(
