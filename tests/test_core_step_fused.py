@@ -159,7 +159,6 @@ OVERLAP = Schedule(3, 2, overlap=1)
 DATAFLOW, DATAFLOW_OVERLAP = Schedule(3, 3, dataflow=1), Schedule(3, 2, overlap=1, dataflow=1)
 PAIRS = Schedule(3, 2, head_pairs=1)  # two-head items: 4 splits of each pair window
 LAG0 = Schedule(3, 2, overlap=1, dataflow=1, lag=0)  # the batch-1 default, a slot freed at once
-ROTATE = Schedule(3, 2, overlap=1, dataflow=1, rotate=1)  # the batch-1 default, shares turned
 GPU_CASES = [
     (SMALL, 16, 1, 2, 130, 192, SMALL_SCHEDULE),
     (SMALL, 16, 1, 2, 130, 192, (64, Schedule(3, 3, handover=0))),
@@ -184,9 +183,6 @@ GPU_CASES = [
     (SMALL, 16, 1, 3, 130, 192, (64, LAG0)),
     (HUGINN, 132, 1, 2, 1000, 1024, (256, LAG0)),
     (HUGINN, 132, 8, 2, 200, 256, (256, Schedule(3, 3, lag=0))),
-    (SMALL, 16, 1, 3, 130, 192, (64, ROTATE)),
-    (HUGINN, 132, 1, 2, 1000, 1024, (256, ROTATE)),
-    (HUGINN, 132, 8, 2, 200, 256, (256, Schedule(3, 3, dataflow=1, rotate=1))),
 ]
 
 
@@ -317,15 +313,7 @@ def test_gpu_configurations_fit():
 # the batch is a loop bound: 1 lowers the same code
 @pytest.mark.parametrize(
     "batch,schedule",
-    [
-        (8, Schedule()),
-        (8, OVERLAP),
-        (8, DATAFLOW),
-        (1, DATAFLOW_OVERLAP),
-        (8, PAIRS),
-        (1, LAG0),
-        (1, ROTATE),
-    ],
+    [(8, Schedule()), (8, OVERLAP), (8, DATAFLOW), (1, DATAFLOW_OVERLAP), (8, PAIRS), (1, LAG0)],
 )
 def test_lowers_for_cuda_with_every_sm(batch, schedule):
     """Traces and lowers the kernel for sm_90 at huginn-0125's shapes (one Core layer, to keep

@@ -125,8 +125,8 @@ def define_flags() -> None:
         "persistent_schedule",
         "",
         "The persistent impl's kernel schedule RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK"
-        "[:L2_BARRIER[:L2_ATTENTION[:HANDOVER[:OVERLAP[:DATAFLOW[:HEAD_PAIRS[:LAG"
-        "[:ROTATE]]]]]]]]]]] (pallas_kernels."
+        "[:L2_BARRIER[:L2_ATTENTION[:HANDOVER[:OVERLAP[:DATAFLOW[:HEAD_PAIRS[:LAG]]]]]]]]]] "
+        "(pallas_kernels."
         "core_step.fused_plan.Schedule; '' = each case's default, "
         "huginn_jax.persistent.default_schedule).",
     )

@@ -12,7 +12,6 @@ row's neighbour with a shifted window.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import jax.numpy as jnp
@@ -71,14 +70,12 @@ class Schedule:
     `lag`: wgmmas in flight behind a unit's; a unit's ring slot takes its next copy once the
     wgmma `lag` units later is issued and its own is done (0: at once, one more copy in flight
     while the worker waits for a unit; 1: that wgmma overlaps the next unit's input).
-    `rotate` 1: each product's even shares go round the workers by a turn of its own
-    (`share_turns`), so that no worker takes the larger share of every product.
     Written RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION
-    [:HANDOVER[:OVERLAP[:DATAFLOW[:HEAD_PAIRS[:LAG[:ROTATE]]]]]]]]]]] (`parse`, `str`). The
-    defaults are the kernel's, for its default [64, 256] weight units: the shared memory
-    bounds ring x unit width and kv_stages x kv_block together (3:3, 3:4, 4:2 and 3:2 with
-    blocks of 128 fit at [64, 256] units, 6:3 and 8:2 at [64, 128]; docs/core_step.md: how
-    they compare), and the L2 prefetches were slower than none."""
+    [:HANDOVER[:OVERLAP[:DATAFLOW[:HEAD_PAIRS[:LAG]]]]]]]]]] (`parse`, `str`). The defaults are
+    the kernel's, for its default [64, 256] weight units: the shared memory bounds ring x unit
+    width and kv_stages x kv_block together (3:3, 3:4, 4:2 and 3:2 with blocks of 128 fit at
+    [64, 256] units, 6:3 and 8:2 at [64, 128]; docs/core_step.md: how they compare), and the
+    L2 prefetches were slower than none."""
 
     ring: int = 3
     kv_stages: int = 3
@@ -92,7 +89,6 @@ class Schedule:
     dataflow: int = 0
     head_pairs: int = 0
     lag: int = 1
-    rotate: int = 0
 
     @property
     def l2_reach(self) -> int:
@@ -108,12 +104,10 @@ class Schedule:
         """6:3, 6:3:16:8, 4:2:0:0:128 or 3:3:0:0:64:0:0:0 (the fields left out take their
         defaults); ValueError otherwise."""
         parts = text.split(":")
-        fields = len(dataclasses.fields(cls))
-        if not 2 <= len(parts) <= fields or not all(p.isdigit() for p in parts):
+        if not 2 <= len(parts) <= 12 or not all(p.isdigit() for p in parts):
             raise ValueError(
                 f"{text!r} is not RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER"
-                "[:L2_ATTENTION[:HANDOVER[:OVERLAP[:DATAFLOW[:HEAD_PAIRS[:LAG[:ROTATE]]]]]]]]]]]"
-                " (6:3:16:8)"
+                "[:L2_ATTENTION[:HANDOVER[:OVERLAP[:DATAFLOW[:HEAD_PAIRS[:LAG]]]]]]]]]] (6:3:16:8)"
             )
         return cls(*(int(p) for p in parts))
 
@@ -380,17 +374,13 @@ def attention_items(shape: FusedShape, workers: int, head_pairs: bool) -> tuple[
     return shape.heads * splits, splits
 
 
-def unit_ranges(
-    shape: FusedShape, phase: Phase, worker, workers: int, overlap: bool, turn: int = 0
-) -> tuple:
+def unit_ranges(shape: FusedShape, phase: Phase, worker, workers: int, overlap: bool) -> tuple:
     """The ranges (first unit, units) of `phase` that `worker` of `workers` takes, in order:
     its even share of the units (`plan.even_share`), or with `overlap`, in a qkv, its share of
-    the tiles that hold q (`FusedShape.q_tiles`), then of the rest; with `turn` (in [0,
-    workers)), the shares of worker (worker + turn) % workers. `worker` may be traced."""
-    owner = (worker + turn) % workers if turn else worker
+    the tiles that hold q (`FusedShape.q_tiles`), then of the rest. `worker` may be traced."""
 
     def share(units, offset=0):
-        start, end = even_share(units, workers, owner)
+        start, end = even_share(units, workers, worker)
         return offset + start, end - start
 
     units = phase.units(shape.unit_cols)
@@ -398,25 +388,6 @@ def unit_ranges(
         in_q = shape.q_tiles * phase.k_chunks
         return share(in_q), share(units - in_q, in_q)
     return (share(units),)
-
-
-@functools.cache
-def share_turns(shape: FusedShape, workers: int, overlap: bool) -> tuple[int, ...]:
-    """The turn of each product's shares in an iteration (`Schedule.rotate`, `unit_ranges`):
-    product by product, the turn that leaves the workers' units so far least uneven (the most
-    any worker has, then the sum of their squares; the smallest turn of equals). Without it
-    `plan.even_share` gives the last worker the larger share of every product."""
-    totals, turns = [0] * workers, []
-    for phase in shape.phases:
-        ranges = [unit_ranges(shape, phase, w, workers, overlap) for w in range(workers)]
-        counts = [sum(n for _, n in pieces) for pieces in ranges]
-        options = [
-            [totals[w] + counts[(w + t) % workers] for w in range(workers)] for t in range(workers)
-        ]
-        turn = min((max(o), sum(x * x for x in o), t) for t, o in enumerate(options))[2]
-        totals = options[turn]
-        turns.append(turn)
-    return tuple(turns)
 
 
 def tile_signals(phase: Phase, cols: int, workers: int, residual_chunks: int, t, split_at=0):

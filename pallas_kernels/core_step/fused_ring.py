@@ -1,8 +1,8 @@
 """A worker's weight ring in the fused Core decode kernel (`fused.py`): its units of every
-product in one sequence (`fused_plan.unit_ranges`, turned with `Schedule.rotate`),
-`Schedule.ring` of them in flight into shared memory by TMA, so that the ring runs on from one
-product into the next, across the grid barriers and the attention between them; with
-`Schedule.l2_units`, also prefetched into L2 that many units ahead."""
+product in one sequence (`fused_plan.unit_ranges`), `Schedule.ring` of them in flight into
+shared memory by TMA, so that the ring runs on from one product into the next, across the grid
+barriers and the attention between them; with `Schedule.l2_units`, also prefetched into L2 that
+many units ahead."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.core_step.fused_blocks import prefetch_blocks
 from pallas_kernels.core_step.fused_inputs import KernelContext
-from pallas_kernels.core_step.fused_plan import Schedule, kind_of, share_turns, unit_ranges
+from pallas_kernels.core_step.fused_plan import Schedule, kind_of, unit_ranges
 from pallas_kernels.core_step.plan import UNIT
 
 
@@ -26,12 +26,8 @@ class WeightRing:
         self.k, self.schedule, self.iterations, self.weights = k, schedule, iterations, weights
         self.phases = k.shape.phases
         self.n_phases = len(self.phases)
-        turns = (
-            share_turns(k.shape, k.workers, k.overlap) if schedule.rotate else (0,) * self.n_phases
-        )
         self.pieces = [
-            unit_ranges(k.shape, phase, k.worker, k.workers, k.overlap, turn)
-            for phase, turn in zip(self.phases, turns, strict=True)
+            unit_ranges(k.shape, phase, k.worker, k.workers, k.overlap) for phase in self.phases
         ]
         self.first = [ranges[0][0] for ranges in self.pieces]
         self.count = [sum(n for _, n in ranges) for ranges in self.pieces]
