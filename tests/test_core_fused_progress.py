@@ -29,6 +29,12 @@ def test_the_table_writes_each_rows_schedule_floor_and_error():
     wide = format_table([lag0], []).splitlines()[2].split()
     assert wide[2:4] == ["256", "3:2:0:0:64:0:0:8:1:1:0:0"]
     assert lines[4].startswith("bound: no grid barrier after proj, attn")
+    waits = dict(bound, dataflow=1)  # one grid barrier per iteration: the counters' waits
+    assert (
+        format_table([waits], [])
+        .splitlines()[-1]
+        .startswith("bound: no unit waits on the output tiles of proj, attn")
+    )
 
 
 def test_a_profile_of_two_warpgroups_lists_the_second_apart():

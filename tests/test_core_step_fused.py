@@ -17,7 +17,7 @@ from huginn_jax.config import HuginnConfig
 from pallas_kernels.core_step import Pending, StepWeights, core_iteration, rope_row
 from pallas_kernels.core_step.fused import build_fused_core
 from pallas_kernels.core_step.fused_fit import check_fused
-from pallas_kernels.core_step.fused_plan import FusedShape, Schedule
+from pallas_kernels.core_step.fused_plan import STEP_KINDS, FusedShape, Schedule, step_before
 from pallas_kernels.core_step.fused_step import (
     fused_core_decode,
     interleave_halves,
@@ -343,6 +343,20 @@ def test_barriers_are_left_out_only_after_kinds_of_step():
     assert "mosaic_gpu" in bound.as_text()
     with pytest.raises(ValueError, match="each must be one of"):
         build_fused_core(shape, 2, eps=1e-6, workers=132, skip_barriers=("mlp",))
+
+
+def test_counter_waits_are_left_out_with_one_barrier_per_iteration():
+    """With one grid barrier per iteration the bound (`skip_barriers`) leaves out the units'
+    waits on the listed steps' output tiles: the lowered kernel is smaller than the one with
+    them, and every product but the adapter reads a step of one of the listed kinds."""
+    shape = FusedShape(5280, 55, 96, 17920, 1, 1)
+    kernel = lowered_for_hopper(shape, 2, 1024, workers=132, schedule=DATAFLOW_OVERLAP)
+    bound = lowered_for_hopper(
+        shape, 2, 1024, workers=132, schedule=DATAFLOW_OVERLAP, skip_barriers=STEP_KINDS
+    )
+    assert len(bound.as_text()) < len(kernel.as_text())
+    before = [step_before(p.name) for p in FusedShape(5280, 55, 96, 17920, 2, 1).phases]
+    assert before == ["", "adapter", "attn", "proj", "fc", "mlp_proj", "attn", "proj", "fc"]
 
 
 def test_tma_descriptors_do_not_grow_with_the_layers(monkeypatch):

@@ -27,7 +27,8 @@ before any work; the default at batch 1 fits a profile of 2 iterations, --iterat
 --unit_cols: the weight units' width, which the ring counts (`fused_plan.Schedule`'s defaults
 are for 256).
 --skip_barriers=proj,attn,...: a timing bound, the kernel without its grid barriers after those
-kinds of step (wrong results, marked "bound").
+kinds of step, or with one grid barrier per iteration without its units' waits on those steps'
+output tiles (wrong results, marked "bound").
 A schedule RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION[:HANDOVER
 [:OVERLAP[:DATAFLOW[:HEAD_PAIRS[:LAG]]]]]]]]]]:
 weight units in flight per worker and cached blocks in flight in the attention (the shared
@@ -112,8 +113,9 @@ def define_flags() -> None:
     flags.DEFINE_list(
         "skip_barriers", [],
         "A timing bound: the kinds of step (adapter, qkv, attn, proj, fc, mlp_proj) after which "
-        "the kernel leaves its grid barrier out (the last of an iteration stays). The results "
-        "are wrong (the err column says 'bound'); the time says what those barriers cost.",
+        "the kernel leaves its grid barrier out (the last of an iteration stays), or with one "
+        "grid barrier per iteration the units' waits on their output tiles. The results are "
+        "wrong (the err column says 'bound'); the time says what those barriers or waits cost.",
     )  # fmt: skip
     flags.DEFINE_integer("reps", 10, "Timed calls per row (median).")
     flags.DEFINE_bool(

@@ -63,11 +63,23 @@ def format_table(rows: list[dict], profiles: list[dict]) -> str:
             )
             for kind, c in second.items():
                 lines.append(f"  {kind:<10}{c['median']:>12.0f}   {c['p10']:.0f}-{c['p90']:.0f}")
-    skipped = sorted({", ".join(r["skip_barriers"]) for r in rows if r.get("skip_barriers")})
-    for kinds in skipped:
+    skipped = sorted(
+        {
+            (", ".join(r["skip_barriers"]), bool(r.get("dataflow")))
+            for r in rows
+            if r.get("skip_barriers")
+        }
+    )
+    for kinds, dataflow in skipped:
+        if dataflow:  # one grid barrier per iteration: the units' waits on counters instead
+            what = f"no unit waits on the output tiles of {kinds} (one grid barrier per iteration)"
+            left_out = "those waits"
+        else:
+            what = f"no grid barrier after {kinds} (the last of an iteration kept)"
+            left_out = "those barriers"
         lines.append(
-            f"bound: no grid barrier after {kinds} (the last of an iteration kept); the "
-            "results are wrong, the time is what the kernel takes without those barriers"
+            f"bound: {what}; the results are wrong, the time is what the kernel takes without "
+            f"{left_out}"
         )
     return "\n".join(lines)
 

@@ -102,7 +102,9 @@ def build_fused_core(
     entry and exit (SM clock) there, with `Schedule.overlap` the second warpgroup's parts
     (`fused_fit.SECOND_WARPGROUP_PARTS`) in a trace of its own. `skip_barriers`: kinds of step
     (`fused_plan.STEP_KINDS`) after which the grid barrier is left out, the last of an
-    iteration kept: a timing bound of what those barriers cost, whose results are wrong."""
+    iteration kept, or with `Schedule.dataflow` the next product's units' waits on those steps'
+    output tiles (`Counters.wait_input`): a timing bound of what those barriers or waits cost,
+    whose results are wrong."""
     if set(skip_barriers) - set(STEP_KINDS):
         raise ValueError(f"skip_barriers={skip_barriers}: each must be one of {STEP_KINDS}")
     if interpret is not None and workers != 1:

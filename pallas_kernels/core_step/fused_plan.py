@@ -48,6 +48,14 @@ def kind_of(name: str) -> tuple[str, int]:
     return kind, int(name[len(kind) :]) if kind != name else -1
 
 
+def step_before(name: str) -> str:
+    """The kind of step whose output the product `name` reads ("attn" for "proj1", "adapter"
+    for "qkv0", "mlp_proj" for a later qkv); "" for the adapter, which reads the state."""
+    kind, j = kind_of(name)
+    before = {"qkv": "mlp_proj" if j else "adapter", "proj": "attn", "fc": "proj", "mlp_proj": "fc"}
+    return before.get(kind, "")
+
+
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """How the kernel keeps its reads in flight (`fused.build_fused_core`): `ring` weight units

@@ -27,6 +27,7 @@ from pallas_kernels.core_step.fused_plan import (
     SCALAR_ROWS,
     Schedule,
     kind_of,
+    step_before,
 )
 from pallas_kernels.core_step.fused_ring import WeightRing
 from pallas_kernels.core_step.fused_zeros import Zeros
@@ -73,6 +74,11 @@ class Products:
         if self.k.dataflow or not (self.handover > 0 and kept and p + 1 < self.n_phases):
             return False
         return kind in ("proj", "mlp_proj")
+
+    def waits_on_inputs(self, p):
+        """Whether product p's units wait on the tiles of the step before it: with one grid
+        barrier per iteration, unless that step's kind is in `skip_barriers` (a bound)."""
+        return step_before(self.phases[p].name) not in self.skip_barriers
 
     def signals(self, p):
         """Whether product p's output tiles are counted: its reader starts on them."""
@@ -209,7 +215,7 @@ class Products:
 
         def issue_x(i):
             kc = lax.rem(ring.unit_of(p, i), kch)
-            if handed is not None or (dataflow and p > 0):
+            if handed is not None or (dataflow and p > 0 and self.waits_on_inputs(p)):
                 input_ready(i, kc)
             owns = None if dataflow else is_owner(i)
             self._copy_input(it, p, s, act, kc, lax.rem(i, x_stages), owns)
