@@ -17,7 +17,7 @@ from huginn_jax.config import HuginnConfig
 from pallas_kernels.core_step import Pending, StepWeights, core_iteration, rope_row
 from pallas_kernels.core_step.fused import build_fused_core
 from pallas_kernels.core_step.fused_fit import check_fused
-from pallas_kernels.core_step.fused_plan import STEP_KINDS, FusedShape, Schedule, step_before
+from pallas_kernels.core_step.fused_plan import STEP_KINDS, FusedShape, Schedule
 from pallas_kernels.core_step.fused_step import (
     fused_core_decode,
     interleave_halves,
@@ -355,7 +355,8 @@ def test_counter_waits_are_left_out_with_one_barrier_per_iteration():
         shape, 2, 1024, workers=132, schedule=DATAFLOW_OVERLAP, skip_barriers=STEP_KINDS
     )
     assert len(bound.as_text()) < len(kernel.as_text())
-    before = [step_before(p.name) for p in FusedShape(5280, 55, 96, 17920, 2, 1).phases]
+    two_layers = FusedShape(5280, 55, 96, 17920, 2, 1)
+    before = [two_layers.step_before(p) for p in range(len(two_layers.phases))]
     assert before == ["", "adapter", "attn", "proj", "fc", "mlp_proj", "attn", "proj", "fc"]
 
 

@@ -48,14 +48,6 @@ def kind_of(name: str) -> tuple[str, int]:
     return kind, int(name[len(kind) :]) if kind != name else -1
 
 
-def step_before(name: str) -> str:
-    """The kind of step whose output the product `name` reads ("attn" for "proj1", "adapter"
-    for "qkv0", "mlp_proj" for a later qkv); "" for the adapter, which reads the state."""
-    kind, j = kind_of(name)
-    before = {"qkv": "mlp_proj" if j else "adapter", "proj": "attn", "fc": "proj", "mlp_proj": "fc"}
-    return before.get(kind, "")
-
-
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """How the kernel keeps its reads in flight (`fused.build_fused_core`): `ring` weight units
@@ -112,7 +104,8 @@ class Schedule:
         """6:3, 6:3:16:8, 4:2:0:0:128 or 3:3:0:0:64:0:0:0 (the fields left out take their
         defaults); ValueError otherwise."""
         parts = text.split(":")
-        if not 2 <= len(parts) <= 12 or not all(p.isdigit() for p in parts):
+        fields = len(dataclasses.fields(cls))
+        if not 2 <= len(parts) <= fields or not all(p.isdigit() for p in parts):
             raise ValueError(
                 f"{text!r} is not RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER"
                 "[:L2_ATTENTION[:HANDOVER[:OVERLAP[:DATAFLOW[:HEAD_PAIRS[:LAG]]]]]]]]]] (6:3:16:8)"
@@ -305,6 +298,13 @@ class FusedShape:
             kind = kind_of(p.name)[0]
             kinds += [kind, "attn"] if kind == "qkv" else [kind]
         return tuple(kinds)
+
+    def step_before(self, p: int) -> str:
+        """The kind of step whose output product p reads: the step before it in `step_kinds`
+        ("" for the adapter, which reads the state)."""
+        steps = self.step_kinds
+        products = [i for i, kind in enumerate(steps) if kind != "attn"]
+        return steps[products[p] - 1] if p else ""
 
     @property
     def steps_per_iteration(self) -> int:

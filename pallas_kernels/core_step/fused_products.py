@@ -27,7 +27,6 @@ from pallas_kernels.core_step.fused_plan import (
     SCALAR_ROWS,
     Schedule,
     kind_of,
-    step_before,
 )
 from pallas_kernels.core_step.fused_ring import WeightRing
 from pallas_kernels.core_step.fused_zeros import Zeros
@@ -78,7 +77,7 @@ class Products:
     def waits_on_inputs(self, p):
         """Whether product p's units wait on the tiles of the step before it: with one grid
         barrier per iteration, unless that step's kind is in `skip_barriers` (a bound)."""
-        return step_before(self.phases[p].name) not in self.skip_barriers
+        return self.k.shape.step_before(p) not in self.skip_barriers
 
     def signals(self, p):
         """Whether product p's output tiles are counted: its reader starts on them."""
