@@ -22,7 +22,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.core_step.plan import even_share
-from pallas_kernels.core_step.stream import MAX_RING, SMEM_LIMIT, SWIZZLE_128, aligned
+from pallas_kernels.core_step.stream import MAX_RING, SWIZZLE_128
+from pallas_kernels.smem import SMEM_LIMIT, aligned
 
 UNIT_ROWS = 64  # rows of a unit: the weight stream's k chunk
 

@@ -21,7 +21,8 @@ from pallas_kernels.core_step.fused_plan import (
     attention_items,
 )
 from pallas_kernels.core_step.plan import UNIT
-from pallas_kernels.core_step.stream import MAX_RING, SMEM_LIMIT, SWIZZLE_128, aligned
+from pallas_kernels.core_step.stream import MAX_RING, SWIZZLE_128
+from pallas_kernels.smem import SMEM_LIMIT, aligned
 
 REDUCTION_SCRATCH = 2048  # bytes Mosaic GPU adds for reductions across warps
 # Splits' partials a head's combine copies in at once (more go in waves): both of huginn-0125's

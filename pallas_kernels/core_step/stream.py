@@ -34,16 +34,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.core_step.plan import UNIT, Phase, check_chained, min_units
 from pallas_kernels.looped_matmul.barrier import GridBarrier
+from pallas_kernels.smem import SMEM_LIMIT, aligned
 
 SWIZZLE_128 = (plgpu.TilingTransform((8, UNIT)), plgpu.SwizzleTransform(128))
 MAX_RING = 32  # barriers per array
-SMEM_LIMIT = 227 * 1024  # dynamic shared memory per block on sm_90 (Mosaic GPU's bound)
-SMEM_ALIGN = 1024  # Pallas aligns every scratch buffer to 1 KiB
-
-
-def aligned(nbytes: int) -> int:
-    """A scratch buffer's shared memory: `nbytes` rounded up to `SMEM_ALIGN`."""
-    return -(-nbytes // SMEM_ALIGN) * SMEM_ALIGN
 
 
 def n_pad_rows(m: int) -> int:

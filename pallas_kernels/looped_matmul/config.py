@@ -23,9 +23,10 @@ import math
 
 import jax
 
-# H200 (sm_90): SM count and opt-in shared memory per block; DeviceInfo's defaults off-GPU.
+from pallas_kernels.smem import SMEM_LIMIT
+
+# H200 (sm_90): SM count; with `SMEM_LIMIT`, DeviceInfo's defaults off-GPU.
 H200_NUM_SMS = 132
-H200_SMEM_BYTES = 232_448  # opt-in shared memory per block (227 KiB)
 
 BF16_BYTES = 2
 MBARRIER_BYTES = 8  # one mbarrier in shared memory
@@ -39,7 +40,7 @@ class DeviceInfo:
     """What the picker needs to know about the GPU: SM count and opt-in smem per block (bytes)."""
 
     num_sms: int = H200_NUM_SMS
-    smem_bytes: int = H200_SMEM_BYTES
+    smem_bytes: int = SMEM_LIMIT
 
     @staticmethod
     def current() -> DeviceInfo:
@@ -48,8 +49,8 @@ class DeviceInfo:
         if dev.platform != "gpu":
             return DeviceInfo()
         num_sms = int(getattr(dev, "core_count", H200_NUM_SMS) or H200_NUM_SMS)
-        smem = int(getattr(dev, "shared_memory_per_block_optin", H200_SMEM_BYTES) or 0)
-        return DeviceInfo(num_sms=num_sms, smem_bytes=smem or H200_SMEM_BYTES)
+        smem = int(getattr(dev, "shared_memory_per_block_optin", SMEM_LIMIT) or 0)
+        return DeviceInfo(num_sms=num_sms, smem_bytes=smem or SMEM_LIMIT)
 
 
 # ---------------------------------------------------------------- shared checks

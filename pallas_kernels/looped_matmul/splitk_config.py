@@ -38,6 +38,7 @@ from pallas_kernels.looped_matmul.config import (
     check_ring_depth,
     check_state_rows,
 )
+from pallas_kernels.smem import aligned
 
 UNIT = 64  # rows and columns of a weight unit
 UNIT_BYTES = UNIT * UNIT * BF16_BYTES
@@ -53,17 +54,12 @@ REG_RESERVE = 64
 REG_RESERVE_MIN = 40
 MAX_BARRIERS_PER_ARRAY = 32
 SYNCS = ("grid", "flags")
-SMEM_ALIGN = 1024  # every scratch buffer is rounded up to this (swizzled TMA tiles need it)
 
 
 def n_pad_splitk(m: int, min_n_pad: int = 8) -> int:
     """State rows as multiplied: M rounded up to a multiple of 8, at least `min_n_pad`."""
     check_state_rows(m)
     return max(-(-m // 8) * 8, min_n_pad)
-
-
-def _align(nbytes: int) -> int:
-    return -(-nbytes // SMEM_ALIGN) * SMEM_ALIGN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,18 +174,18 @@ class SplitKConfig(KernelConfig):
         return 16 * self.reg_units + acc + REG_RESERVE
 
     def smem_bytes(self, m: int, d: int, *, interpret: bool = False) -> int:
-        """Shared memory per block, each buffer rounded up to SMEM_ALIGN bytes."""
+        """Shared memory per block, each buffer rounded up as Pallas allocates it (`aligned`)."""
         n_pad = self.n_pad(m)
         per_worker = (
-            _align(self.x_slots(d) * UNIT * n_pad * F32_BYTES)  # f32 state / partial sums
-            + _align(self.k_chunks(d) * n_pad * UNIT * BF16_BYTES)  # bf16 state (wgmma B)
-            + (_align(UNIT * n_pad * F32_BYTES) if self.k_split > 1 else 0)  # zero tile
+            aligned(self.x_slots(d) * UNIT * n_pad * F32_BYTES)  # f32 state / partial sums
+            + aligned(self.k_chunks(d) * n_pad * UNIT * BF16_BYTES)  # bf16 state (wgmma B)
+            + (aligned(UNIT * n_pad * F32_BYTES) if self.k_split > 1 else 0)  # zero tile
             + self.smem_units * UNIT_BYTES
             + self.ring_slots(d) * UNIT_BYTES
             + (UNIT_BYTES if interpret and self.reg_units else 0)
         )
         barriers = MBARRIER_BYTES * (self.x_slots(d) + self.smem_units + self.ring_slots(d))
-        return self.warpgroups * per_worker + _align(self.warpgroups * barriers)
+        return self.warpgroups * per_worker + aligned(self.warpgroups * barriers)
 
     # ---------------------------------------------------------------- checks (see validate)
     def check_tiling(
