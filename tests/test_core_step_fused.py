@@ -18,6 +18,8 @@ from pallas_kernels.core_step import Pending, StepWeights, core_iteration, rope_
 from pallas_kernels.core_step.fused import build_fused_core
 from pallas_kernels.core_step.fused_fit import check_fused
 from pallas_kernels.core_step.fused_plan import STEP_KINDS, FusedShape, Schedule
+from pallas_kernels.core_step.fused_products import Products
+from pallas_kernels.core_step.fused_ring import WeightRing
 from pallas_kernels.core_step.fused_step import (
     fused_core_decode,
     interleave_halves,
@@ -95,7 +97,8 @@ def kernel_run(w, batch, iterations, pos, *, workers, interpret, schedule, slot=
 # prefetches (no-ops when interpreted) are traced where they reach into the next product, per
 # unit or as each product ends (the last one's into the next iteration's adapter); blocks of 128
 # positions over 2 sequences x 2 blocks, the last one partly masked; a wgmma lag of 0 (a unit's
-# slot refilled as soon as its wgmma is done, one B tile)
+# slot refilled as soon as its wgmma is done, one B tile); the input copies ahead issued after
+# each unit's wgmma and slot release (`late_inputs`), with grid barriers and with one per iteration
 @pytest.mark.parametrize(
     "batch,iterations,pos,schedule,slot",
     [
@@ -105,6 +108,8 @@ def kernel_run(w, batch, iterations, pos, *, workers, interpret, schedule, slot=
         (2, 1, 200, Schedule(ring=2, kv_stages=2, kv_block=128), 2 * SLOT),
         (2, 3, 70, Schedule(ring=3, kv_stages=2, dataflow=1), SLOT),
         (2, 2, 70, Schedule(ring=2, kv_stages=2, dataflow=1, lag=0), SLOT),
+        (1, 2, 5, Schedule(ring=2, kv_stages=2, late_inputs=1), SLOT),
+        (2, 2, 70, Schedule(ring=3, kv_stages=2, dataflow=1, late_inputs=1), SLOT),
     ],
 )
 def test_interpret_one_worker_matches_the_step_program(batch, iterations, pos, schedule, slot):
@@ -159,6 +164,7 @@ OVERLAP = Schedule(3, 2, overlap=1)
 DATAFLOW, DATAFLOW_OVERLAP = Schedule(3, 3, dataflow=1), Schedule(3, 2, overlap=1, dataflow=1)
 PAIRS = Schedule(3, 2, head_pairs=1)  # two-head items: 4 splits of each pair window
 LAG0 = Schedule(3, 2, overlap=1, dataflow=1, lag=0)  # the batch-1 default, a slot freed at once
+LATE = Schedule(3, 2, overlap=1, dataflow=1, late_inputs=1)  # the batch-1 default, inputs late
 GPU_CASES = [
     (SMALL, 16, 1, 2, 130, 192, SMALL_SCHEDULE),
     (SMALL, 16, 1, 2, 130, 192, (64, Schedule(3, 3, handover=0))),
@@ -183,6 +189,9 @@ GPU_CASES = [
     (SMALL, 16, 1, 3, 130, 192, (64, LAG0)),
     (HUGINN, 132, 1, 2, 1000, 1024, (256, LAG0)),
     (HUGINN, 132, 8, 2, 200, 256, (256, Schedule(3, 3, lag=0))),
+    (SMALL, 16, 1, 3, 130, 192, (64, LATE)),
+    (HUGINN, 132, 1, 2, 1000, 1024, (256, LATE)),
+    (HUGINN, 132, 8, 2, 200, 256, (256, Schedule(3, 3, late_inputs=1))),
 ]
 
 
@@ -313,14 +322,44 @@ def test_gpu_configurations_fit():
 # the batch is a loop bound: 1 lowers the same code
 @pytest.mark.parametrize(
     "batch,schedule",
-    [(8, Schedule()), (8, OVERLAP), (8, DATAFLOW), (1, DATAFLOW_OVERLAP), (8, PAIRS), (1, LAG0)],
-)
+    [
+        (8, Schedule()), (8, OVERLAP), (8, DATAFLOW), (1, DATAFLOW_OVERLAP), (8, PAIRS), (1, LAG0),
+        (1, LATE),
+    ],
+)  # fmt: skip
 def test_lowers_for_cuda_with_every_sm(batch, schedule):
     """Traces and lowers the kernel for sm_90 at huginn-0125's shapes (one Core layer, to keep
     the test short): catches API misuse, unprovable tile alignment and smem overflow."""
     shape = FusedShape(5280, 55, 96, 17920, 1, batch)
     text = lowered_for_hopper(shape, 2, 1024, workers=132, schedule=schedule).as_text()
     assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("late", [0, 1])
+def test_late_inputs_issue_the_input_copy_after_the_wgmma_and_release(monkeypatch, late):
+    """A unit's body, as traced for sm_90 (the small shape's batch-1 default, one iteration):
+    with `Schedule.late_inputs` its input copy ahead comes after its wgmma and its slot's
+    release, without it before the wgmma; each range then releases its last slot."""
+    events = []
+
+    def recorded(name, fn):
+        def call(*args, **kwargs):
+            events.append(name)
+            return fn(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(plgpu, "wgmma", recorded("wgmma", plgpu.wgmma))
+    monkeypatch.setattr(WeightRing, "release", recorded("release", WeightRing.release))
+    monkeypatch.setattr(Products, "_copy_input", recorded("input", Products._copy_input))
+    shape = FusedShape(512, 8, 64, 768, 1, 1, 64)
+    schedule = Schedule(3, 2, overlap=1, dataflow=1, late_inputs=late)
+    lowered_for_hopper(shape, 1, 192, workers=16, schedule=schedule)
+    text = " ".join(events)
+    bodies = 6  # the adapter's, the qkv's two ranges (q's tiles first), proj's, fc's, mlp proj's
+    late_body, early_body = "wgmma release input release", "input wgmma release release"
+    assert text.count(late_body) == (bodies if late else 0)  # the last: the range's end
+    assert text.count(early_body) == (0 if late else bodies)
 
 
 def test_profile_of_both_warpgroups_lowers_for_cuda(monkeypatch, tmp_path):
@@ -411,6 +450,8 @@ def test_refuses_what_it_cannot_run():
         check_fused(huginn, 132, Schedule(ring=3, l2_units=10))
     with pytest.raises(ValueError, match="lag=2 < ring=2"):  # a slot reused before its wgmma
         check_fused(huginn, 132, Schedule(ring=2, lag=2))
+    with pytest.raises(ValueError, match="late_inputs must be 0 or 1"):
+        check_fused(huginn, 132, Schedule(late_inputs=2))
     # the on-device profiler's records of 24 iterations of 4 layers take 28.3 KiB, of 32 37.8
     # KiB: 3:3 leaves 29.9 (key blocks of 96 columns, a tile of zeros of 64 rows)
     four_layers = FusedShape(5280, 55, 96, 17920, 4, 1)

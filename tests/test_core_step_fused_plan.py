@@ -170,7 +170,10 @@ def test_schedule_is_written_as_parsed():
         3, 2, overlap=1, dataflow=1, lag=0
     )
     assert str(Schedule(3, 3, lag=0)) == "3:3:0:0:64:0:0:8:0:0:0:0"
-    for bad in ("6", "6:3:1:2:64:4:5:6:1:1:1:0:7", "6:x"):
+    late = Schedule(3, 2, overlap=1, dataflow=1, late_inputs=1)
+    assert Schedule.parse("3:2:0:0:64:0:0:8:1:1:0:1:1") == late
+    assert str(late) == "3:2:0:0:64:0:0:8:1:1:0:1:1"
+    for bad in ("6", "6:3:1:2:64:4:5:6:1:1:1:0:1:7", "6:x"):
         with pytest.raises(ValueError, match="is not RING:KV_STAGES"):
             Schedule.parse(bad)
     with pytest.raises(ValueError, match="kv_block=96 must be one of"):

@@ -64,6 +64,7 @@ from experiments.core import profiling, report, sweep
 from experiments.torch_ref.core_runner import COMPILE_MODES  # imports no torch
 from huginn_jax.config import HuginnConfig
 from huginn_jax.xla_flags import GEMM_CHOICES, use_command_buffers, use_gemm
+from pallas_kernels.core_step.fused_plan import FORMAT
 
 FLAGS = flags.FLAGS
 # On a CPU, for the flags not given: the small preset and a few short cases (a check that the
@@ -124,9 +125,7 @@ def define_flags() -> None:
     flags.DEFINE_string(
         "persistent_schedule",
         "",
-        "The persistent impl's kernel schedule RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK"
-        "[:L2_BARRIER[:L2_ATTENTION[:HANDOVER[:OVERLAP[:DATAFLOW[:HEAD_PAIRS[:LAG]]]]]]]]]] "
-        "(pallas_kernels."
+        f"The persistent impl's kernel schedule {FORMAT} (pallas_kernels."
         "core_step.fused_plan.Schedule; '' = each case's default, "
         "huginn_jax.persistent.default_schedule).",
     )

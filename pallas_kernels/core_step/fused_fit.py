@@ -135,8 +135,11 @@ def check_fused(
         raise ValueError(f"schedule {schedule}: the L2 prefetches must be >= 0")
     if schedule.handover < 0:
         raise ValueError(f"schedule {schedule}: handover must be >= 0")
-    if not {schedule.overlap, schedule.dataflow, schedule.head_pairs} <= {0, 1}:
-        raise ValueError(f"schedule {schedule}: overlap, dataflow and head_pairs must be 0 or 1")
+    flags = (schedule.overlap, schedule.dataflow, schedule.head_pairs, schedule.late_inputs)
+    if not set(flags) <= {0, 1}:
+        raise ValueError(
+            f"schedule {schedule}: overlap, dataflow, head_pairs and late_inputs must be 0 or 1"
+        )
     if schedule.head_pairs and (schedule.overlap or schedule.dataflow):
         raise ValueError(f"schedule {schedule}: two-head items run without overlap and dataflow")
     if schedule.head_pairs and (unfit := shape.pairs_unfit()):

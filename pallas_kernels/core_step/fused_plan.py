@@ -70,8 +70,11 @@ class Schedule:
     `lag`: wgmmas in flight behind a unit's; a unit's ring slot takes its next copy once the
     wgmma `lag` units later is issued and its own is done (0: at once, one more copy in flight
     while the worker waits for a unit; 1: that wgmma overlaps the next unit's input).
-    Written RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION
-    [:HANDOVER[:OVERLAP[:DATAFLOW[:HEAD_PAIRS[:LAG]]]]]]]]]] (`parse`, `str`). The defaults are
+    `late_inputs` 1: a unit issues the input copy `x_stages` units ahead (and that copy's wait
+    on a tile counter) after its own wgmma and the ring slot's release, where 0 issues it
+    before the unit's weight wait: a wait on a counter then never holds back the weight
+    stream's next copy.
+    Written as `FORMAT` says, RING:KV_STAGES[:L2_UNITS[...]] (`parse`, `str`). The defaults are
     the kernel's, for its default [64, 256] weight units: the shared memory bounds ring x unit
     width and kv_stages x kv_block together (3:3, 3:4, 4:2 and 3:2 with blocks of 128 fit at
     [64, 256] units, 6:3 and 8:2 at [64, 128]; docs/core_step.md: how they compare), and the
@@ -89,6 +92,7 @@ class Schedule:
     dataflow: int = 0
     head_pairs: int = 0
     lag: int = 1
+    late_inputs: int = 0
 
     @property
     def l2_reach(self) -> int:
@@ -106,10 +110,7 @@ class Schedule:
         parts = text.split(":")
         fields = len(dataclasses.fields(cls))
         if not 2 <= len(parts) <= fields or not all(p.isdigit() for p in parts):
-            raise ValueError(
-                f"{text!r} is not RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER"
-                "[:L2_ATTENTION[:HANDOVER[:OVERLAP[:DATAFLOW[:HEAD_PAIRS[:LAG]]]]]]]]]] (6:3:16:8)"
-            )
+            raise ValueError(f"{text!r} is not {FORMAT} (6:3:16:8)")
         return cls(*(int(p) for p in parts))
 
     def __str__(self) -> str:
@@ -121,6 +122,15 @@ class Schedule:
 
 
 DEFAULT_SCHEDULE = Schedule()
+
+
+def _format() -> str:
+    names = [f.name.upper() for f in dataclasses.fields(Schedule)]
+    optional = "".join(f"[:{name}" for name in names[2:])
+    return f"{names[0]}:{names[1]}{optional}{']' * (len(names) - 2)}"
+
+
+FORMAT = _format()  # RING:KV_STAGES[:L2_UNITS[...]]: a schedule as `Schedule.parse` reads it
 
 
 @dataclasses.dataclass(frozen=True)

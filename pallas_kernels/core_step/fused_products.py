@@ -183,6 +183,7 @@ class Products:
     def _product_in_scope(self, it, p, s, handed):
         k, phases, cols, ring, counters = self.k, self.phases, self.cols, self.ring, self.counters
         x_stages, lag, handover, dataflow = self.x_stages, self.lag, self.handover, self.k.dataflow
+        late_inputs = self.schedule.late_inputs
         act = k.acts(it)
         bf16, f32 = jnp.bfloat16, jnp.float32
         kind, j = kind_of(phases[p].name)
@@ -281,12 +282,19 @@ class Products:
 
                         s["bt"].at[bs].T[...] = inp.astype(bf16)
                         plgpu.commit_smem()
-                        pl.when(i + x_stages < n_all)(lambda: issue_x(i + x_stages))
+
+                        def input_ahead():  # into the stage this unit's input was read from
+                            pl.when(i + x_stages < n_all)(lambda: issue_x(i + x_stages))
+
+                        if not late_inputs:
+                            input_ahead()
                         slot = lax.rem(c0 + i, self.schedule.ring)
                         plgpu.barrier_wait(s["wbar"].at[slot])
                         plgpu.wgmma(acc, s["ring"].at[slot].T, s["bt"].at[bs].T)
                         plgpu.wgmma_wait(lag)
                         pl.when(i - lag >= ua)(lambda: ring.release(it, p, i - lag))
+                        if late_inputs:
+                            input_ahead()
 
                     partial = acc[...]
                     for back in range(lag, 0, -1):
