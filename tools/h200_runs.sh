@@ -40,6 +40,11 @@
 #             in $FUSED_JOBS processes at once; $FUSED_UNIT_COLS: the weight units' width,
 #             128 as recorded) against its floor and its bare weight stream, and where its time
 #             goes (Mosaic GPU's on-device profiler)
+#   core_fused_waits  the fused kernel's waits on its tile counters, batch 1, context 1024: the
+#             default, the bound without the waits (--skip_barriers of every kind of step) and
+#             the waits after the weight stream's next copy (Schedule.late_inputs), at [64, 256]
+#             units and at [64, 128] (four times the waits), kernel time only, 4 processes at most
+#             at once under one GPU lock -> core_fused_waits_{bound,256,128}.{json,txt}
 #   core_fused_l2  the same with weight units and cached blocks prefetched into L2
 #             (RING:KV_STAGES:L2_UNITS:L2_BLOCKS), contexts 64 and 1024
 #   prefill_gemm  the Core's prefill GEMMs shape by shape, XLA against PyTorch
@@ -53,7 +58,7 @@
 # installed only when the machine's flax lacks nnx.List).
 set -u
 [ $# -ge 1 ] || { echo "usage: $0 STAGE [STAGE...] (see the list above)" >&2; exit 2; }
-STAGES="ceilings tests compile_modes core chain chain_trace adapter decode_attention prefill_attention generate core_stream core_persistent core_persistent_profile core_persistent_hbm core_persistent_b8 core_fused core_fused_l2 prefill_gemm multi_gpu"
+STAGES="ceilings tests compile_modes core chain chain_trace adapter decode_attention prefill_attention generate core_stream core_persistent core_persistent_profile core_persistent_hbm core_persistent_b8 core_fused core_fused_waits core_fused_l2 prefill_gemm multi_gpu"
 for stage in "$@"; do
   [[ " $STAGES " == *" $stage "* ]] || { echo "unknown stage $stage; known: $STAGES" >&2; exit 2; }
 done
@@ -284,6 +289,25 @@ fused_run() {
 
 stage_core_fused() {
   fused_run "$1" core_fused 64,1024,4096 "${FUSED_SCHEDULES:-8:2,6:3}" "${FUSED_JOBS:-1}"
+}
+
+stage_core_fused_waits() {
+  local d=$1 lock=/tmp/core_fused_waits.lock dataflow=3:2:0:0:64:0:0:8:1:1 ring6=6:2:0:0:64:0:0:8:1:1
+  waits_run() {  # waits_run NAME JOBS FLAGS...
+    local name=$1 jobs=$2
+    shift 2
+    timeout "${FUSED_TIMEOUT:-540}" python3 -m experiments.kernels.core_fused --batch=1 \
+      --contexts=1024 --nostream --reps=20 --gpu_lock="$lock" --jobs="$jobs" "$@" \
+      --json_out="$d/core_fused_waits_$name.json" > "$d/core_fused_waits_$name.txt" 2>&1
+    stamp "core_fused_waits_$name rc $?"
+  }
+  waits_run bound 1 --schedules="$dataflow" --skip_barriers=adapter,qkv,attn,proj,fc,mlp_proj &
+  local bound=$!
+  waits_run 256 2 --schedules="$dataflow,$dataflow:0:1:1" &
+  wait "$bound"  # then the [64, 128] pair: 4 processes at most at once
+  waits_run 128 2 --unit_cols=128 --schedules="$ring6,$ring6:0:1:1"
+  wait
+  for name in bound 256 128; do grep -v "it/s\]" "$d/core_fused_waits_$name.txt" | tail -6; done
 }
 
 stage_core_fused_l2() {
