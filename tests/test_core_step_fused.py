@@ -5,6 +5,7 @@ SM at huginn-0125's shapes, and on a GPU with every SM."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -110,6 +111,7 @@ def kernel_run(w, batch, iterations, pos, *, workers, interpret, schedule, slot=
         (2, 2, 70, Schedule(ring=2, kv_stages=2, dataflow=1, lag=0), SLOT),
         (1, 2, 5, Schedule(ring=2, kv_stages=2, late_inputs=1), SLOT),
         (2, 2, 70, Schedule(ring=3, kv_stages=2, dataflow=1, late_inputs=1), SLOT),
+        (2, 2, 70, Schedule(ring=3, kv_stages=2, dataflow=1, counter_tiles=2), SLOT),
     ],
 )
 def test_interpret_one_worker_matches_the_step_program(batch, iterations, pos, schedule, slot):
@@ -165,6 +167,7 @@ DATAFLOW, DATAFLOW_OVERLAP = Schedule(3, 3, dataflow=1), Schedule(3, 2, overlap=
 PAIRS = Schedule(3, 2, head_pairs=1)  # two-head items: 4 splits of each pair window
 LAG0 = Schedule(3, 2, overlap=1, dataflow=1, lag=0)  # the batch-1 default, a slot freed at once
 LATE = Schedule(3, 2, overlap=1, dataflow=1, late_inputs=1)  # the batch-1 default, inputs late
+GROUPED = Schedule(3, 2, overlap=1, dataflow=1, counter_tiles=4)  # 4 tiles per counter
 GPU_CASES = [
     (SMALL, 16, 1, 2, 130, 192, SMALL_SCHEDULE),
     (SMALL, 16, 1, 2, 130, 192, (64, Schedule(3, 3, handover=0))),
@@ -192,6 +195,10 @@ GPU_CASES = [
     (SMALL, 16, 1, 3, 130, 192, (64, LATE)),
     (HUGINN, 132, 1, 2, 1000, 1024, (256, LATE)),
     (HUGINN, 132, 8, 2, 200, 256, (256, Schedule(3, 3, late_inputs=1))),
+    (SMALL, 16, 1, 3, 130, 192, (64, Schedule(3, 2, overlap=1, dataflow=1, counter_tiles=3))),
+    (HUGINN, 132, 1, 2, 1000, 1024, (256, GROUPED)),
+    (HUGINN, 132, 1, 2, 1000, 1024, (256, dataclasses.replace(GROUPED, late_inputs=1))),
+    (HUGINN, 132, 8, 2, 200, 256, (256, Schedule(3, 3, counter_tiles=4))),
 ]
 
 
@@ -324,7 +331,7 @@ def test_gpu_configurations_fit():
     "batch,schedule",
     [
         (8, Schedule()), (8, OVERLAP), (8, DATAFLOW), (1, DATAFLOW_OVERLAP), (8, PAIRS), (1, LAG0),
-        (1, LATE),
+        (1, LATE), (1, GROUPED),
     ],
 )  # fmt: skip
 def test_lowers_for_cuda_with_every_sm(batch, schedule):
@@ -452,6 +459,8 @@ def test_refuses_what_it_cannot_run():
         check_fused(huginn, 132, Schedule(ring=2, lag=2))
     with pytest.raises(ValueError, match="late_inputs must be 0 or 1"):
         check_fused(huginn, 132, Schedule(late_inputs=2))
+    with pytest.raises(ValueError, match="counter_tiles must be >= 1"):
+        check_fused(huginn, 132, Schedule(counter_tiles=0))
     # the on-device profiler's records of 24 iterations of 4 layers take 28.3 KiB, of 32 37.8
     # KiB: 3:3 leaves 29.9 (key blocks of 96 columns, a tile of zeros of 64 rows)
     four_layers = FusedShape(5280, 55, 96, 17920, 4, 1)

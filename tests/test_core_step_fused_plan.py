@@ -4,6 +4,8 @@ how many workers and which schedules fit, and the profiler's records."""
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from huginn_jax.config import HuginnConfig
@@ -21,10 +23,12 @@ from pallas_kernels.core_step.fused_plan import (
     Schedule,
     attention_items,
     attention_tile_heads,
+    counter_signals,
+    counter_waits,
     tile_signals,
     unit_ranges,
 )
-from pallas_kernels.core_step.stream import SMEM_LIMIT
+from pallas_kernels.smem import SMEM_LIMIT
 
 SMALL = (512, 8, 768, 2)  # d, heads (of 64), MLP width, layers: 16 workers, 2 splits per head
 HUGINN = (5280, 55, 17920, 4)
@@ -86,6 +90,32 @@ def test_tile_signals_count_the_workers_and_residual_chunks_of_each_tile(cols, w
                 residual = sum(1 for c in range(chunks) if c * 64 // cols == t)
                 assert int(tile_signals(phase, cols, workers, chunks, t)) == owners + residual
                 assert int(tile_signals(phase, cols, workers, 0, t)) == owners
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 7])
+def test_counter_signals_are_the_sums_of_their_tiles(group):
+    """A counter of `group` tiles (`Schedule.counter_tiles`) expects its tiles' signals, the
+    last counter those of the tiles left: every signal is expected once."""
+    shape = FusedShape(5280, 55, 96, 17920, 1, 1, 256)
+    for phase in shape.phases:
+        tiles, chunks = phase.tiles(256), shape.k_d // 64
+        per_tile = [int(tile_signals(phase, 256, 132, chunks, t)) for t in range(tiles)]
+        counters = -(-tiles // group)
+        got = [int(counter_signals(phase, 256, 132, chunks, g, group)) for g in range(counters)]
+        assert got == [sum(per_tile[g * group : (g + 1) * group]) for g in range(counters)]
+        assert sum(got) == sum(per_tile)
+
+
+@pytest.mark.parametrize("cols,ring,waits", [(256, 3, [244, 140, 88]), (128, 6, [932, 500, 292])])
+def test_counters_of_more_tiles_take_fewer_waits(cols, ring, waits):
+    """huginn-0125's batch-1 default with one grid barrier per iteration: a worker's median
+    waits on the tile counters per iteration with 1, 2 and 4 tiles per counter."""
+    shape = fused_shape(HuginnConfig(5280, 55, 17920, 65536), 1, cols)
+    got = []
+    for tiles in (1, 2, 4):
+        schedule = Schedule(ring, 2, overlap=1, dataflow=1, counter_tiles=tiles)
+        got.append(statistics.median(counter_waits(shape, 132, schedule)))
+    assert got == waits
 
 
 @pytest.mark.parametrize("dims,workers", [(HUGINN, 132), (SMALL, 16)])
@@ -173,7 +203,10 @@ def test_schedule_is_written_as_parsed():
     late = Schedule(3, 2, overlap=1, dataflow=1, late_inputs=1)
     assert Schedule.parse("3:2:0:0:64:0:0:8:1:1:0:1:1") == late
     assert str(late) == "3:2:0:0:64:0:0:8:1:1:0:1:1"
-    for bad in ("6", "6:3:1:2:64:4:5:6:1:1:1:0:1:7", "6:x"):
+    grouped = Schedule(3, 2, overlap=1, dataflow=1, counter_tiles=4)
+    assert Schedule.parse("3:2:0:0:64:0:0:8:1:1:0:1:0:4") == grouped
+    assert str(grouped) == "3:2:0:0:64:0:0:8:1:1:0:1:0:4"
+    for bad in ("6", "6:3:1:2:64:4:5:6:1:1:1:0:1:4:7", "6:x"):
         with pytest.raises(ValueError, match="is not RING:KV_STAGES"):
             Schedule.parse(bad)
     with pytest.raises(ValueError, match="kv_block=96 must be one of"):

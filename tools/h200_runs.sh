@@ -41,10 +41,11 @@
 #             128 as recorded) against its floor and its bare weight stream, and where its time
 #             goes (Mosaic GPU's on-device profiler)
 #   core_fused_waits  the fused kernel's waits on its tile counters, batch 1, context 1024: the
-#             default, the bound without the waits (--skip_barriers of every kind of step) and
-#             the waits after the weight stream's next copy (Schedule.late_inputs), at [64, 256]
-#             units and at [64, 128] (four times the waits), kernel time only, 4 processes at most
-#             at once under one GPU lock -> core_fused_waits_{bound,256,128}.{json,txt}
+#             default, the bound without the waits (--skip_barriers of every kind of step), the
+#             waits after the weight stream's next copy (Schedule.late_inputs), 4 tiles per
+#             counter (Schedule.counter_tiles) and both, at [64, 256] units and at [64, 128]
+#             (four times the waits), kernel time only, 4 processes at most at once under one
+#             GPU lock -> core_fused_waits_{bound,256,128}.{json,txt}
 #   core_fused_l2  the same with weight units and cached blocks prefetched into L2
 #             (RING:KV_STAGES:L2_UNITS:L2_BLOCKS), contexts 64 and 1024
 #   prefill_gemm  the Core's prefill GEMMs shape by shape, XLA against PyTorch
@@ -301,12 +302,12 @@ stage_core_fused_waits() {
       --json_out="$d/core_fused_waits_$name.json" > "$d/core_fused_waits_$name.txt" 2>&1
     stamp "core_fused_waits_$name rc $?"
   }
+  local variants="0:1:1 0:1:0:4 0:1:1:4" at256="$dataflow" at128="$ring6" v
+  for v in $variants; do at256="$at256,$dataflow:$v"; at128="$at128,$ring6:$v"; done
   waits_run bound 1 --schedules="$dataflow" --skip_barriers=adapter,qkv,attn,proj,fc,mlp_proj &
-  local bound=$!
-  waits_run 256 2 --schedules="$dataflow,$dataflow:0:1:1" &
-  wait "$bound"  # then the [64, 128] pair: 4 processes at most at once
-  waits_run 128 2 --unit_cols=128 --schedules="$ring6,$ring6:0:1:1"
-  wait
+  waits_run 256 3 --schedules="$at256"
+  wait  # then [64, 128]: 4 processes at most at once
+  waits_run 128 4 --unit_cols=128 --schedules="$at128"
   for name in bound 256 128; do grep -v "it/s\]" "$d/core_fused_waits_$name.txt" | tail -6; done
 }
 

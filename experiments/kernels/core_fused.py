@@ -30,7 +30,7 @@ are for 256).
 kinds of step, or with one grid barrier per iteration without its units' waits on those steps'
 output tiles (wrong results, marked "bound").
 A schedule RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION[:HANDOVER
-[:OVERLAP[:DATAFLOW[:HEAD_PAIRS[:LAG[:LATE_INPUTS]]]]]]]]]]] (`fused_plan.FORMAT`):
+[:OVERLAP[:DATAFLOW[:HEAD_PAIRS[:LAG[:LATE_INPUTS[:COUNTER_TILES]]]]]]]]]]]] (`fused_plan.FORMAT`):
 weight units in flight per worker and cached blocks in flight in the attention (the shared
 memory bounds the two together), the weight unit that many units further on prefetched into
 L2, each attention item's first blocks prefetched into L2, the cached positions per attention
@@ -42,9 +42,9 @@ cached blocks while the first streams the qkv's k and v columns, 1 for one
 grid barrier per iteration, every other step on counters of the data it reads, and 1 for
 attention items of two heads each, whose cached values are read without the columns beyond
 the heads' own, the wgmmas in flight behind a unit's before its ring slot takes the next
-copy (1; 0: one more copy in flight), and 1 to issue each unit's input copy ahead (and its
-wait on a tile counter) after the unit's wgmma and its ring slot's release
-(`fused_plan.Schedule`).
+copy (1; 0: one more copy in flight), 1 to issue each unit's input copy ahead (and its wait
+on a tile counter) after the unit's wgmma and its ring slot's release, and the output tiles
+per counter of the products that another product reads (`fused_plan.Schedule`).
 --jobs=N: each (batch, schedule) in a process of its own, N at a time, so that their
 compilations overlap; the processes take turns on the GPU (a file lock around their work
 there, shared with other programs given the same --gpu_lock; the compilations run outside
@@ -106,7 +106,8 @@ def define_flags() -> None:
         "qkv's k and v columns stream, 1 for one grid barrier per iteration, the other steps on "
         "counters of the data they read, 1 for attention items of two heads each, the wgmmas "
         "in flight behind a unit's before its slot is refilled, 1 to issue a unit's input copy "
-        "ahead after its wgmma and its slot's release (default: the kernel's default).",
+        "ahead after its wgmma and its slot's release, the output tiles per counter of the "
+        "products that another product reads (default: the kernel's default).",
     )  # fmt: skip
     flags.DEFINE_integer(
         "unit_cols", DEFAULT_UNIT_COLS,

@@ -3,9 +3,11 @@ grid barrier does: a step waits for the data it reads, not for every worker.
 
 - Tile counters: once a worker's adds into a product's output are complete (its partial sums,
   its chunks of the residual), it adds 1 to the counter of each output tile it added into;
-  `fused_plan.tile_signals` gives the count that completes a tile. With `Schedule.dataflow`
-  the attention output's tiles are counted too, by the heads' first splits
-  (`fused_plan.attention_tile_heads`).
+  `fused_plan.tile_signals` gives the count that completes a tile. The products that another
+  product reads (all but the qkv, whose tiles the attention reads) count `counter_tiles`
+  tiles on one counter (`Schedule.counter_tiles`): their readers wait once per that many
+  tiles of their input. With `Schedule.dataflow` the attention output's tiles are counted
+  too, by the heads' first splits (`fused_plan.attention_tile_heads`).
 - Owners' counters (`Schedule.dataflow`): per product whose input's sums of squares (or stored
   vector) are reduced beside it, one add per 64-row chunk of that input, once the chunk's
   sums are in the scalar tile (`fused_products.Products.own_chunks`): a norm's scalar is
@@ -20,12 +22,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.core_step.fused_inputs import KernelContext, is_gate_up, sources
+from pallas_kernels.core_step.fused_inputs import KernelContext, sources
 from pallas_kernels.core_step.fused_plan import (
     SHIFT,
+    Schedule,
     attention_tile_heads,
+    counter_signals,
+    counter_span,
+    input_chunk_rows,
     kind_of,
-    tile_signals,
+    waits_on_counter,
 )
 from pallas_kernels.core_step.plan import UNIT
 
@@ -43,14 +49,21 @@ class Counters:
     tiles are counted (the others' readers wait at a grid barrier); with `Schedule.dataflow`
     (`k.dataflow`) also the attention outputs' tiles and the owners' counters."""
 
-    def __init__(self, k: KernelContext, counted: tuple[int, ...]):
-        self.k = k
+    def __init__(self, k: KernelContext, counted: tuple[int, ...], schedule: Schedule):
+        self.k, self.schedule = k, schedule
         self.phases, self.cols = k.shape.phases, k.shape.unit_cols
         self.chunks_d = k.shape.k_d // UNIT
         self.active = k.reduce
+        self.group = {  # output tiles per counter, per product
+            p: 1 if kind_of(phase.name)[0] == "qkv" else schedule.counter_tiles
+            for p, phase in enumerate(self.phases)
+        }
         self.base, total = {}, 0
         for p in counted:
-            self.base[p], total = total, total + self.phases[p].tiles(self.cols)
+            self.base[p], total = (
+                total,
+                total + -(-self.phases[p].tiles(self.cols) // self.group[p]),
+            )
         self.att_base = {}  # the attention outputs' tiles, per layer
         if self.k.dataflow:
             for j in range(k.shape.layers):
@@ -64,12 +77,13 @@ class Counters:
         """64-row chunks of the residual product p adds into its output (0: none)."""
         return self.chunks_d if sources(self.k.shape, p)[5] is not None else 0
 
-    def tile_adds(self, p, t):
-        """The signals that complete output tile t of product p."""
+    def counter_adds(self, p, g):
+        """The signals that complete counter g of product p (its `group[p]` output tiles)."""
         phase, k = self.phases[p], self.k
         split = k.overlap and kind_of(phase.name)[0] == "qkv"  # `fused_plan.unit_ranges`
         split_at = k.shape.q_tiles * phase.k_chunks if split else 0
-        return tile_signals(phase, self.cols, k.workers, self.residual_chunks(p), t, split_at)
+        residual = self.residual_chunks(p)
+        return counter_signals(phase, self.cols, k.workers, residual, g, self.group[p], split_at)
 
     def signal_product(self, p, pieces) -> None:
         """Once the worker's adds of product p (its ranges of units, `pieces`: (first, count)
@@ -81,7 +95,7 @@ class Counters:
         per_tile = self.cols // UNIT
 
         def signal(t):
-            _signal(self.tiles.at[self.base[p] + t])
+            _signal(self.tiles.at[self.base[p] + t // self.group[p]])
 
         for first, units in pieces:
             end = jnp.where(units > 0, (first + units - 1) // kch + 1, first // kch)
@@ -93,31 +107,29 @@ class Counters:
                 c = k.worker + r * k.workers
                 pl.when(c < self.chunks_d)(lambda: signal(c // per_tile))
 
-    def input_rows(self, p) -> int:
-        """Rows of the output before product p in one of p's input chunks: 128 for the MLP
-        proj (its gate's and up half's 64 each), else 64."""
-        return 2 * UNIT if is_gate_up(sources(self.k.shape, p)[0]) else UNIT
-
-    def starts_tile(self, p, kc):
-        """Whether p's input chunk kc starts a tile of the output before p."""
-        return (kc * self.input_rows(p)) % self.cols == 0
+    def waits_at(self, p, i, first_range, kc):
+        """Whether the worker's i-th unit of product p (its input chunk kc; `first_range`
+        units in its first range) waits on a counter of its input (`waits_on_counter`)."""
+        shape = self.k.shape
+        rows, span = input_chunk_rows(shape, p), counter_span(shape, self.schedule, p)
+        return waits_on_counter(i, first_range, kc, rows, span)
 
     def wait_input(self, it, p, kc) -> None:
         """Until the tiles of the output before product p (the attention's before a proj)
-        that hold p's input chunk kc are complete in iteration `it`."""
+        that hold p's input chunk kc are complete in iteration `it`: their counters'."""
         if not self.active:
             return
         kind, j = kind_of(self.phases[p].name)
-        rows = self.input_rows(p)
+        rows, span = input_chunk_rows(self.k.shape, p), counter_span(self.k.shape, self.schedule, p)
 
-        @pl.loop(kc * rows // self.cols, ((kc + 1) * rows - 1) // self.cols + 1)
-        def _tile(t):
+        @pl.loop(kc * rows // span, ((kc + 1) * rows - 1) // span + 1)
+        def _counter(g):
             if kind == "proj" and self.k.dataflow:
-                count = attention_tile_heads(self.k.shape, self.cols, t)
-                _wait(self.tiles.at[self.att_base[j] + t], (it + 1) * count)
+                count = attention_tile_heads(self.k.shape, self.cols, g)
+                _wait(self.tiles.at[self.att_base[j] + g], (it + 1) * count)
             else:
-                target = (it + 1) * self.tile_adds(p - 1, t)
-                _wait(self.tiles.at[self.base[p - 1] + t], target)
+                target = (it + 1) * self.counter_adds(p - 1, g)
+                _wait(self.tiles.at[self.base[p - 1] + g], target)
 
     def signal_owned(self, p) -> None:
         """One more of product p's input chunks has its sums in the scalar tile."""
@@ -144,7 +156,7 @@ class Counters:
 
             @pl.loop(lo, hi + 1)
             def _tile(t):
-                _wait(self.tiles.at[self.base[p] + t], (it + 1) * self.tile_adds(p, t))
+                _wait(self.tiles.at[self.base[p] + t], (it + 1) * self.counter_adds(p, t))
 
         self.wait_owned(it, p)
 

@@ -135,6 +135,8 @@ def check_fused(
         raise ValueError(f"schedule {schedule}: the L2 prefetches must be >= 0")
     if schedule.handover < 0:
         raise ValueError(f"schedule {schedule}: handover must be >= 0")
+    if schedule.counter_tiles < 1:
+        raise ValueError(f"schedule {schedule}: counter_tiles must be >= 1")
     flags = (schedule.overlap, schedule.dataflow, schedule.head_pairs, schedule.late_inputs)
     if not set(flags) <= {0, 1}:
         raise ValueError(

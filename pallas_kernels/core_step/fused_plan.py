@@ -74,6 +74,9 @@ class Schedule:
     on a tile counter) after its own wgmma and the ring slot's release, where 0 issues it
     before the unit's weight wait: a wait on a counter then never holds back the weight
     stream's next copy.
+    `counter_tiles`: output tiles per counter of the products that another product reads
+    (`fused_counters.py`): their readers wait once per that many tiles of their input, on the
+    completion of them all (1: one counter per tile).
     Written as `FORMAT` says, RING:KV_STAGES[:L2_UNITS[...]] (`parse`, `str`). The defaults are
     the kernel's, for its default [64, 256] weight units: the shared memory bounds ring x unit
     width and kv_stages x kv_block together (3:3, 3:4, 4:2 and 3:2 with blocks of 128 fit at
@@ -93,6 +96,7 @@ class Schedule:
     head_pairs: int = 0
     lag: int = 1
     late_inputs: int = 0
+    counter_tiles: int = 1
 
     @property
     def l2_reach(self) -> int:
@@ -408,6 +412,50 @@ def unit_ranges(shape: FusedShape, phase: Phase, worker, workers: int, overlap: 
     return (share(units),)
 
 
+def counter_span(shape: FusedShape, schedule: Schedule, p: int) -> int:
+    """Rows of the output before product p that one of its counters counts: a tile of the
+    attention output before a proj, else `Schedule.counter_tiles` tiles."""
+    reads_attention = kind_of(shape.phases[p].name)[0] == "proj"
+    return shape.unit_cols * (1 if reads_attention else schedule.counter_tiles)
+
+
+def input_chunk_rows(shape: FusedShape, p: int) -> int:
+    """Rows of the output before product p in one of p's input chunks: 128 for the MLP proj
+    (its gate's and up half's 64 each), else 64."""
+    return 2 * UNIT if kind_of(shape.phases[p].name)[0] == "mlp_proj" else UNIT
+
+
+def starts_counter(kc, rows: int, span: int):
+    """Whether input chunk kc of `rows` rows starts the `span` rows of a counter: the unit
+    that reads it waits on that counter. kc may be traced."""
+    return (kc * rows) % span == 0
+
+
+def waits_on_counter(i, first_range: int, kc, rows: int, span: int):
+    """Whether a worker's i-th unit of a product, whose input chunk is kc, waits on a counter
+    of its input: its first unit, the first of its second range (`first_range` units in its
+    first), and a unit whose chunk starts a counter's rows (`starts_counter`). Python ints or
+    traced."""
+    return (i == 0) | (i == first_range) | starts_counter(kc, rows, span)
+
+
+def counter_waits(shape: FusedShape, workers: int, schedule: Schedule) -> list[int]:
+    """Each worker's waits on the tile counters per iteration with `Schedule.dataflow`, as
+    its units make them (`waits_on_counter`) in every product after the adapter. Those of the
+    chunks a worker owns and of the attention's items are left out."""
+    waits = [0] * workers
+    for p, phase in enumerate(shape.phases[1:], start=1):
+        rows, span = input_chunk_rows(shape, p), counter_span(shape, schedule, p)
+        for w in range(workers):
+            pieces = unit_ranges(shape, phase, w, workers, bool(schedule.overlap))
+            units = (u for first, n in pieces for u in range(first, first + n))
+            waits[w] += sum(
+                waits_on_counter(i, pieces[0][1], u % phase.k_chunks, rows, span)
+                for i, u in enumerate(units)
+            )
+    return waits
+
+
 def tile_signals(phase: Phase, cols: int, workers: int, residual_chunks: int, t, split_at=0):
     """The signals that complete output tile t of a product (`Schedule.handover`): one from
     every worker whose units cover part of the tile (worker w owns units [u w // W,
@@ -430,6 +478,22 @@ def tile_signals(phase: Phase, cols: int, workers: int, residual_chunks: int, t,
     if residual_chunks:
         signals = signals + jnp.clip(residual_chunks - t * per_tile, 0, per_tile)
     return signals
+
+
+def counter_signals(
+    phase: Phase, cols: int, workers: int, residual_chunks: int, g, group: int, split_at=0
+):
+    """The signals that complete counter g of a product whose counters count `group` output
+    tiles each (`Schedule.counter_tiles`): those of its tiles [g group, (g + 1) group), fewer in
+    the last counter (`tile_signals` for the rest of the arguments). g may be traced."""
+    tiles = phase.tiles(cols)
+    total = 0
+    for i in range(group):
+        t = g * group + i
+        total = total + jnp.where(
+            t < tiles, tile_signals(phase, cols, workers, residual_chunks, t, split_at), 0
+        )
+    return total
 
 
 def attention_tile_heads(shape: FusedShape, cols: int, t):

@@ -63,7 +63,7 @@ class Products:
         self.chunks_d = shape.k_d // UNIT  # 64-row chunks of a d-vector
         self.ring = WeightRing(k, schedule, iterations, inputs["weights"])
         counted = tuple(p for p in range(self.n_phases) if self.signals(p))
-        self.counters = Counters(k, counted)
+        self.counters = Counters(k, counted, schedule)
         self.zeros = Zeros(k, iterations, self.hands_over)
 
     def hands_over(self, p):
@@ -203,12 +203,11 @@ class Products:
 
         def input_ready(i, kc):
             """Before unit i's input copy, where p starts on the counters of the output before
-            it: the unit waits for the tile its chunk comes from (once per tile), with
-            `handover` the first `handover` units, and unit `handover` for every worker's
-            arrival after p - 1."""
-            first_of_tile = jnp.logical_or(i == 0, counters.starts_tile(p, kc))
-            first_of_tile = jnp.logical_or(first_of_tile, i == first_units)
-            waits = first_of_tile if dataflow else jnp.logical_and(i < handover, first_of_tile)
+            it: the unit waits for the counter of the tiles its chunk comes from (once per
+            counter, `Counters.waits_at`), with `handover` the first `handover` units, and unit
+            `handover` for every worker's arrival after p - 1."""
+            first = counters.waits_at(p, jnp.asarray(i), first_units, kc)
+            waits = first if dataflow else jnp.logical_and(i < handover, first)
             pl.when(waits)(lambda: counters.wait_input(it, p, kc))
             if not dataflow:
                 pl.when(jnp.asarray(i) == handover)(lambda: self.barrier.wait(handed))
