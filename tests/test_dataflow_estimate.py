@@ -7,10 +7,12 @@ import pytest
 
 from tools.dataflow_estimate import (
     BARRIER,
+    OWN,
     PHASES,
     SHARES,
     STEPS,
     WORKERS,
+    Polls,
     barrier_replays,
     data_replay,
     evened,
@@ -95,3 +97,19 @@ def test_evened_gives_every_worker_the_median_rate_and_keeps_the_attention():
             want = one_slow(step, w) if step.startswith("attn") else even(step, w)
             assert flat[step][0][w + 1] == pytest.approx(want)
     assert barrier_replays(flat, 0)[0] < barrier_replays(occ, 0)[0]
+
+
+def test_counter_polls_hide_behind_the_weight_stream_until_they_outlast_it():
+    """Equal workers at RATE cycles per unit wait RATE - OWN cycles per unit for their weights:
+    a poll shorter than that is hidden, a longer one delays the iteration, less where a counter
+    holds 4 tiles (a quarter of the polls) and where the poll comes after the slot's release."""
+    occ = profile(even)
+
+    def replay(cycles, **polls):
+        return data_replay(occ, 0, 1000.0, True, Polls(cycles, **polls))
+
+    assert replay(RATE - OWN - 100) == pytest.approx(replay(0))
+    slow = replay(3 * RATE)
+    assert slow > replay(0) + 100_000
+    assert replay(3 * RATE, counter_tiles=4) < slow
+    assert replay(3 * RATE, late=True) < slow

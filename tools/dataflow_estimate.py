@@ -4,7 +4,7 @@ ordered by the data it reads, estimated from an on-device profiler trace (as
 head on 132 workers:
 
     python3 tools/dataflow_estimate.py TRACE.json[.gz] [--latencies=0,1000,2000,3000]
-        [--ms_per_iteration=MS]
+        [--ms_per_iteration=MS] [--polls=0,500,1000,2000]
 
 Each worker's measured cycles per step (its units of a product, its attention item) are kept and
 each iteration is replayed from every worker at cycle 0, three ways:
@@ -26,17 +26,31 @@ A worker's rate per unit is kept wherever its range starts, so the last replay e
 than bounds what such a schedule would take. The first and last are also replayed with every
 worker at its product's median rate (`evened`): what an even split of each product's time, not
 of its units, would add to either.
+
+The waits on the tile counters (`--polls`): each unit that waits on a counter
+(`fused_plan.waits_on_counter`) holds its worker that many cycles more, even where its input is
+ready: before the unit's ring slot is freed, as the kernel's default issues the wait, or after
+(`Schedule.late_inputs`), where it delays the worker's next unit but not the slot's next copy;
+and with `Schedule.counter_tiles` 4 a unit waits on 4 output tiles of the product before it
+where it waited on 1, a quarter as often.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 
 from experiments.kernels import scopes
 from experiments.measure.trace import load_trace
 from huginn_jax.config import huginn_0125
 from huginn_jax.persistent import fused_shape
+from pallas_kernels.core_step.fused_plan import (
+    Schedule,
+    counter_span,
+    input_chunk_rows,
+    waits_on_counter,
+)
 from pallas_kernels.core_step.plan import UNIT, even_share
 
 SHAPE = fused_shape(huginn_0125, batch=1)
@@ -45,14 +59,35 @@ BARRIER = 2139  # cycles of a grid barrier where every worker arrives at once (s
 OWN = 1065  # cycles of a worker's own work on a unit whose weights are in L2 (stream_units.txt)
 COPY = 1792  # cycles of a unit's copy from HBM in the bare stream (stream_units.txt)
 RING = 3  # weight units in flight per worker (the kernel's default)
+X_STAGES = 2  # input chunks in flight per worker (the kernel's)
 
 
-def run_units(phase, starts, rates, ready_of_chunk, catch_up: bool):
+@dataclasses.dataclass(frozen=True)
+class Polls:
+    """The counter waits of a replay (the module's docstring): `cycles` each, issued after the
+    unit's slot is freed (`late`), on counters of `counter_tiles` tiles."""
+
+    cycles: float = 0.0
+    late: bool = False
+    counter_tiles: int = 1
+
+    def waits(self, p: int):
+        """i, kc -> whether the worker's i-th unit of product p (input chunk kc) waits."""
+        schedule = Schedule(counter_tiles=self.counter_tiles)
+        rows, span = input_chunk_rows(SHAPE, p), counter_span(SHAPE, schedule, p)
+        return lambda i, kc: bool(p) and waits_on_counter(i, -1, kc, rows, span)
+
+
+def run_units(phase, starts, rates, ready_of_chunk, catch_up: bool, polls: Polls | None = None):
     """(each worker's end, each output tile's completion) of `phase` where unit (t, kc) waits
     until ready_of_chunk(kc). Without `catch_up` a wait delays every later unit by as much;
     with it, the weights of the units in the worker's ring landed during the wait, so those
     take only the worker's own work (`OWN` cycles) until a slot freed after the wait brings the
-    next unit (`COPY` cycles after it was freed)."""
+    next unit (`COPY` cycles after it was freed). With `polls` (and `catch_up`): `run_polled`."""
+    if polls is not None:
+        if not catch_up:
+            raise ValueError("the counter waits are replayed with the ring catching up only")
+        return run_polled(phase, starts, rates, ready_of_chunk, polls)
     units, per_tile = phase.units(SHAPE.unit_cols), phase.k_chunks
     tiles = [0.0] * (units // per_tile)
     ends = []
@@ -72,6 +107,48 @@ def run_units(phase, starts, rates, ready_of_chunk, catch_up: bool):
             else:
                 time = max(done[-1] + rate, ready_of_chunk(kc) + rate)
             done.append(time)
+            tiles[t] = max(tiles[t], time)
+        ends.append(done[-1])
+    return ends, tiles
+
+
+def run_polled(phase, starts, rates, ready_of_chunk, polls: Polls):
+    """`run_units` with the ring catching up, where each unit's input is waited for as the
+    kernel does it: `X_STAGES` units ahead (the first `X_STAGES` at the product's start), the
+    worker held until the input is ready and, where the unit waits on a counter, for a poll of
+    `polls.cycles` at least; before the unit then running's ring slot is freed, or after it
+    (`polls.late`)."""
+    units, per_tile = phase.units(SHAPE.unit_cols), phase.k_chunks
+    waits = polls.waits(SHAPE.phases.index(phase))
+    tiles = [0.0] * (units // per_tile)
+    ends = []
+    for w in range(WORKERS):
+        first, end = even_share(units, WORKERS, w)
+        rate, n = rates[w], end - first
+        own = min(OWN, rate)
+
+        def held(now, i, first=first, n=n):  # after the wait for unit i's input, from `now`
+            if i >= n:
+                return now
+            kc = (first + i) % per_tile
+            poll = polls.cycles if waits(i, kc) else 0.0
+            return max(now + poll, ready_of_chunk(kc))
+
+        now = starts[w]
+        for i in range(min(X_STAGES, n)):
+            now = held(now, i)
+        done, freed_at = [now], [now]
+        landed = starts[w] - own
+        for i in range(n):
+            t = (first + i) // per_tile
+            landed = max(landed + rate, (freed_at[-RING] if len(freed_at) > RING else -1e30) + COPY)
+            if polls.late:
+                slot_free = max(landed, done[-1]) + own
+                time = held(slot_free, i + X_STAGES)
+            else:
+                slot_free = time = max(landed, held(done[-1], i + X_STAGES)) + own
+            done.append(time)
+            freed_at.append(slot_free)
             tiles[t] = max(tiles[t], time)
         ends.append(done[-1])
     return ends, tiles
@@ -103,17 +180,22 @@ def barrier_replays(occ: dict, it: int) -> tuple[float, float]:
     return barriers, max(sum(c) for c in zip(*cycles, strict=True)) + BARRIER
 
 
-def data_replay(occ: dict, it: int, latency: float, catch_up: bool) -> float:
+def data_replay(
+    occ: dict, it: int, latency: float, catch_up: bool, polls: Polls | None = None
+) -> float:
     """Cycles of iteration `it` ordered by data, one barrier (the module's docstring)."""
     cols, d, kp = SHAPE.unit_cols, SHAPE.d, SHAPE.kp
 
     def run(name, starts, ready_of_chunk):
         rates = [c / max(1, n) for c, n in zip(_cycles(occ, name, it), SHARES[name], strict=True)]
-        return run_units(PHASES[name], starts, rates, ready_of_chunk, catch_up)
+        return run_units(PHASES[name], starts, rates, ready_of_chunk, catch_up, polls)
 
     def from_tiles(tiles, rows: int, after: float = 0.0):
-        """kc -> when input chunk kc (`rows` rows of the step before's output) is ready."""
-        return lambda kc: max(tiles[kc * rows // cols] + latency, after)
+        """kc -> when input chunk kc (`rows` rows of the step before's output) is ready: the
+        `counter_tiles` tiles counted with its tile."""
+        group = polls.counter_tiles if polls else 1
+        counted = [max(tiles[t - t % group : t - t % group + group]) for t in range(len(tiles))]
+        return lambda kc: max(counted[kc * rows // cols] + latency, after)
 
     ends, tiles = run("adapter", [0.0] * WORKERS, lambda kc: 0.0)
     norm_source_end = max(ends)  # the step whose output the next attention's norm is of
@@ -164,6 +246,10 @@ def main() -> None:
         help="cycles from a tile's last unit to its reader's start, a list",
     )  # fmt: skip
     parser.add_argument(
+        "--polls", default="",
+        help="cycles each counter wait holds its worker, a list (none: no such table)",
+    )  # fmt: skip
+    parser.add_argument(
         "--ms_per_iteration", type=float, default=0.0,
         help="the traced kernel's device time per iteration: also print ms at the trace's clock",
     )  # fmt: skip
@@ -205,6 +291,19 @@ def main() -> None:
                 median_of(data_replay, latency, catch_up),
                 barriers,
             )
+    polls = [float(x) for x in args.polls.split(",")] if args.polls else []
+    if polls:
+        print(f"counter waits: ordered by data, latency {latencies[0]:.0f}, ring catches up")
+        heads = ("default", "late", "4 tiles", "both")
+        print("  poll cycles " + "".join(f"{h:>{20 if scale else 11}s}" for h in heads))
+    for cycles in polls:
+        replays = [
+            median_of(data_replay, latencies[0], True, Polls(cycles, late, tiles))
+            for tiles in (1, 4)
+            for late in (False, True)
+        ]
+        each = "".join(f"{r:11.0f}{f' {r * scale:5.3f} ms' if scale else ''}" for r in replays)
+        print(f"  {cycles:11.0f} {each}")
     print("every worker at its product's median rate per unit (`evened`):")
     line("  a grid barrier after every step", median_of(barriers_of, source=even), barriers)
     for latency in latencies:
