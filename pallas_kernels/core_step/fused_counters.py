@@ -31,6 +31,7 @@ from pallas_kernels.core_step.fused_plan import (
     counter_span,
     input_chunk_rows,
     kind_of,
+    tiles_per_counter,
     waits_on_counter,
 )
 from pallas_kernels.core_step.plan import UNIT
@@ -54,16 +55,11 @@ class Counters:
         self.phases, self.cols = k.shape.phases, k.shape.unit_cols
         self.chunks_d = k.shape.k_d // UNIT
         self.active = k.reduce
-        self.group = {  # output tiles per counter, per product
-            p: 1 if kind_of(phase.name)[0] == "qkv" else schedule.counter_tiles
-            for p, phase in enumerate(self.phases)
-        }
+        self.group = [tiles_per_counter(k.shape, schedule, p) for p in range(len(self.phases))]
         self.base, total = {}, 0
         for p in counted:
-            self.base[p], total = (
-                total,
-                total + -(-self.phases[p].tiles(self.cols) // self.group[p]),
-            )
+            counters = -(-self.phases[p].tiles(self.cols) // self.group[p])
+            self.base[p], total = total, total + counters
         self.att_base = {}  # the attention outputs' tiles, per layer
         if self.k.dataflow:
             for j in range(k.shape.layers):

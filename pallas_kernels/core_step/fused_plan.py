@@ -412,11 +412,18 @@ def unit_ranges(shape: FusedShape, phase: Phase, worker, workers: int, overlap: 
     return (share(units),)
 
 
+def tiles_per_counter(shape: FusedShape, schedule: Schedule, p: int) -> int:
+    """Output tiles of product p per counter: 1 for a qkv (the attention's items wait on its
+    tiles), else `Schedule.counter_tiles` (another product reads them)."""
+    return 1 if kind_of(shape.phases[p].name)[0] == "qkv" else schedule.counter_tiles
+
+
 def counter_span(shape: FusedShape, schedule: Schedule, p: int) -> int:
     """Rows of the output before product p that one of its counters counts: a tile of the
-    attention output before a proj, else `Schedule.counter_tiles` tiles."""
-    reads_attention = kind_of(shape.phases[p].name)[0] == "proj"
-    return shape.unit_cols * (1 if reads_attention else schedule.counter_tiles)
+    attention output before a proj, else `tiles_per_counter` tiles of product p - 1."""
+    if kind_of(shape.phases[p].name)[0] == "proj":
+        return shape.unit_cols
+    return shape.unit_cols * tiles_per_counter(shape, schedule, p - 1)
 
 
 def input_chunk_rows(shape: FusedShape, p: int) -> int:
