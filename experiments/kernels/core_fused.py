@@ -29,8 +29,7 @@ are for 256).
 --skip_barriers=proj,attn,...: a timing bound, the kernel without its grid barriers after those
 kinds of step, or with one grid barrier per iteration without its units' waits on those steps'
 output tiles (wrong results, marked "bound").
-A schedule RING:KV_STAGES[:L2_UNITS[:L2_BLOCKS[:KV_BLOCK[:L2_BARRIER[:L2_ATTENTION[:HANDOVER
-[:OVERLAP[:DATAFLOW[:HEAD_PAIRS[:LAG[:LATE_INPUTS[:COUNTER_TILES]]]]]]]]]]]] (`fused_plan.FORMAT`):
+A schedule RING:KV_STAGES[:L2_UNITS[...]] (`fused_plan.FORMAT`, in --schedules' help), in order:
 weight units in flight per worker and cached blocks in flight in the attention (the shared
 memory bounds the two together), the weight unit that many units further on prefetched into
 L2, each attention item's first blocks prefetched into L2, the cached positions per attention
@@ -39,7 +38,7 @@ after each product but a qkv, and after a qkv, and the units that a worker takes
 (and after an MLP proj that a qkv follows) on tile counters before it waits for every worker
 (0: a grid barrier there), 1 for a second warpgroup per worker that runs the attention's
 cached blocks while the first streams the qkv's k and v columns, 1 for one
-grid barrier per iteration, every other step on counters of the data it reads, and 1 for
+grid barrier per iteration, every other step on counters of the data it reads, 1 for
 attention items of two heads each, whose cached values are read without the columns beyond
 the heads' own, the wgmmas in flight behind a unit's before its ring slot takes the next
 copy (1; 0: one more copy in flight), 1 to issue each unit's input copy ahead (and its wait
