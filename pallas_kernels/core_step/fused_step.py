@@ -287,13 +287,14 @@ def write_new_rows(k_cache, v_cache, slots, pos, k_new, v_new):
 
 
 def random_step_weights(d: int, heads: int, f: int, layers: int, seed: int = 5) -> StepWeights:
-    """A Core of random weights for tests and measurements: bf16-valued products (normal /
-    sqrt(k)), norm gains 1 + 0.3 N (not 1, so that a misplaced gain shows), qk bias 0.5 N."""
+    """A Core of random weights for tests and measurements: bf16 products (normal / sqrt(k),
+    as the model stores them: a float32 reference multiplies them exactly), float32 norm gains
+    1 + 0.3 N (not 1, so that a misplaced gain shows), qk bias 0.5 N."""
     keys = iter(jax.random.split(jax.random.key(seed), 16 * layers + 1))
+    normal = jax.jit(jax.random.normal, static_argnums=1)  # no float32 copy of a product kept
 
     def matrix(k, n):
-        x = jax.random.normal(next(keys), (k, n)) / k**0.5
-        return x.astype(jnp.bfloat16).astype(jnp.float32)
+        return jax.jit(lambda key: (normal(key, (k, n)) / k**0.5).astype(jnp.bfloat16))(next(keys))
 
     def gain():
         return 1 + 0.3 * jax.random.normal(next(keys), (d,))
