@@ -45,7 +45,8 @@
 #             waits after the weight stream's next copy (Schedule.late_inputs), 4 tiles per
 #             counter (Schedule.counter_tiles) and both, at [64, 256] units and at [64, 128]
 #             (four times the waits), kernel time only, 4 processes at most at once under one
-#             GPU lock -> core_fused_waits_{bound,256,128}.{json,txt}
+#             GPU lock -> core_fused_waits_{bound,256,128}.{json,txt} (WAITS_UNITS="256" or "128":
+#             one half; WAITS_TIMEOUT: seconds per half, default 280)
 #   core_fused_l2  the same with weight units and cached blocks prefetched into L2
 #             (RING:KV_STAGES:L2_UNITS:L2_BLOCKS), contexts 64 and 1024
 #   prefill_gemm  the Core's prefill GEMMs shape by shape, XLA against PyTorch
@@ -297,18 +298,22 @@ stage_core_fused_waits() {
   waits_run() {  # waits_run NAME JOBS FLAGS...
     local name=$1 jobs=$2
     shift 2
-    timeout "${FUSED_TIMEOUT:-540}" python3 -m experiments.kernels.core_fused --batch=1 \
+    timeout "${WAITS_TIMEOUT:-280}" python3 -m experiments.kernels.core_fused --batch=1 \
       --contexts=1024 --nostream --reps=20 --gpu_lock="$lock" --jobs="$jobs" "$@" \
       --json_out="$d/core_fused_waits_$name.json" > "$d/core_fused_waits_$name.txt" 2>&1
     stamp "core_fused_waits_$name rc $?"
   }
   local variants="0:1:1 0:1:0:4 0:1:1:4" at256="$dataflow" at128="$ring6" v
   for v in $variants; do at256="$at256,$dataflow:$v"; at128="$at128,$ring6:$v"; done
-  waits_run bound 1 --schedules="$dataflow" --skip_barriers=adapter,qkv,attn,proj,fc,mlp_proj &
-  waits_run 256 3 --schedules="$at256"
-  wait  # then [64, 128]: 4 processes at most at once
-  waits_run 128 4 --unit_cols=128 --schedules="$at128"
-  for name in bound 256 128; do grep -v "it/s\]" "$d/core_fused_waits_$name.txt" | tail -6; done
+  if [[ " ${WAITS_UNITS:-256 128} " == *" 256 "* ]]; then
+    waits_run bound 1 --schedules="$dataflow" --skip_barriers=adapter,qkv,attn,proj,fc,mlp_proj &
+    waits_run 256 3 --schedules="$at256"
+    wait  # then [64, 128]: 4 processes at most at once
+  fi
+  if [[ " ${WAITS_UNITS:-256 128} " == *" 128 "* ]]; then
+    waits_run 128 4 --unit_cols=128 --schedules="$at128"
+  fi
+  for f in "$d"/core_fused_waits_*.txt; do grep -v "it/s\]" "$f" | tail -6; done
 }
 
 stage_core_fused_l2() {
