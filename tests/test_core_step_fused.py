@@ -199,6 +199,7 @@ GPU_CASES = [
     (HUGINN, 132, 1, 2, 1000, 1024, (256, GROUPED)),
     (HUGINN, 132, 1, 2, 1000, 1024, (256, dataclasses.replace(GROUPED, late_inputs=1))),
     (HUGINN, 132, 8, 2, 200, 256, (256, Schedule(3, 3, counter_tiles=4))),
+    (HUGINN, 132, 8, 2, 200, 256, (256, Schedule(4, 3))),  # fits without the one-worker tile
 ]
 
 

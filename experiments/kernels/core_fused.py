@@ -23,7 +23,7 @@ partials (`wait_parts`) and, in that warpgroup's own table, its parts per layer 
 `ahead`; its wait for q, `wait_q`; `rope`, `blocks`, `partials_out`): SM cycles per iteration,
 median over the workers, and their p10-p90, the first --batch, the last context, per schedule
 (its records take shared memory, each warpgroup's: a schedule that leaves too little is refused
-before any work; the default at batch 1 fits a profile of 2 iterations, --iterations=2).
+before any work; the default at batch 1 fits a profile of 3 iterations at most, --iterations=3).
 --unit_cols: the weight units' width, which the ring counts (`fused_plan.Schedule`'s defaults
 are for 256).
 --skip_barriers=proj,attn,...: a timing bound, the kernel without its grid barriers after those

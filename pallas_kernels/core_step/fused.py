@@ -226,7 +226,7 @@ def build_fused_core(
         pl.run_scoped(second_warpgroup, pad, collective_axes="wg")
         pl.when(wg == 0)(streams)
 
-    scratch, *scopes = scratch_types(shape, schedule, x_stages)
+    scratch, *scopes = scratch_types(shape, schedule, x_stages, workers)
     groups = dict(zip(SCOPES, scopes, strict=True))
     second = second_warpgroup_types(shape)
     layout = dict(scratch)

@@ -35,13 +35,13 @@ SCOPES = ("product", "rope", "blocks", "combine")  # the step scopes of `scratch
 WARPGROUP_SCOPES = {"first": ("product", "rope", "combine"), "second": ("rope", "blocks")}
 
 
-def smem_bytes(shape: FusedShape, schedule: Schedule, x_stages: int) -> int:
-    """Shared memory of one block, from `scratch_types`: the kernel-wide buffers, then the
-    largest of the step scopes (they reuse the same bytes one after the other), each buffer
-    aligned to 1 KiB as Pallas allocates them, 8 bytes per mbarrier. With `Schedule.overlap`
-    the two warpgroups' scopes (`WARPGROUP_SCOPES`) and reductions take bytes of their own, at
-    once."""
-    groups = scratch_types(shape, schedule, x_stages)
+def smem_bytes(shape: FusedShape, schedule: Schedule, x_stages: int, workers: int) -> int:
+    """Shared memory of one block of `workers`, from `scratch_types`: the kernel-wide buffers,
+    then the largest of the step scopes (they reuse the same bytes one after the other), each
+    buffer aligned to 1 KiB as Pallas allocates them, 8 bytes per mbarrier. With
+    `Schedule.overlap` the two warpgroups' scopes (`WARPGROUP_SCOPES`) and reductions take
+    bytes of their own, at once."""
+    groups = scratch_types(shape, schedule, x_stages, workers)
 
     def buffer_bytes(types: dict) -> int:
         sizes = [
@@ -162,7 +162,7 @@ def check_fused(
             f"a worker owns {fewest} units of some product with {workers} workers: the ring "
             f"({ring}) and the L2 lookahead ({schedule.l2_reach}) must be shorter ({fits})"
         )
-    need = smem_bytes(shape, schedule, x_stages)
+    need = smem_bytes(shape, schedule, x_stages, workers)
     if need > SMEM_LIMIT:
         raise ValueError(f"schedule {schedule}: {need} bytes of smem > {SMEM_LIMIT}")
     if profiled_iterations:
@@ -175,12 +175,13 @@ def check_fused(
             )
 
 
-def scratch_types(shape: FusedShape, schedule: Schedule, x_stages: int):
+def scratch_types(shape: FusedShape, schedule: Schedule, x_stages: int, workers: int):
     """The kernel's shared memory and barriers, by name, as five dicts: the kernel-wide ones
-    (the weight ring, zeros, scalar tiles, partials in), then those of four scopes that take
-    the same bytes in turn: a product's, the attention's RoPE (its windows and tables), its
-    blocks and its combine (`smem_bytes` counts them). With `Schedule.head_pairs` the
-    attention's windows, tables and blocks are a pair window's."""
+    (the weight ring, zeros, scalar tiles; with one worker, which has no TMA reduce-add, the
+    tile its adds read and write back through, `KernelContext.add_into`), then those of four
+    scopes that take the same bytes in turn: a product's, the attention's RoPE (its windows
+    and tables), its blocks and its combine (`smem_bytes` counts them). With
+    `Schedule.head_pairs` the attention's windows, tables and blocks are a pair window's."""
     pairs = bool(schedule.head_pairs)
     attention = attention_transforms(shape, pairs)
     bf16, f32, cols = jnp.bfloat16, jnp.float32, shape.unit_cols
@@ -195,9 +196,9 @@ def scratch_types(shape: FusedShape, schedule: Schedule, x_stages: int):
         zero=plgpu.SMEM((UNIT, N_PAD), f32),
         sc=plgpu.SMEM((2, *chunk), f32),
         scbar=plgpu.Barrier(),
-        pin=plgpu.SMEM((kp + SCALAR_ROWS, N_PAD), f32),
-        pbar=plgpu.Barrier(),
     )
+    if workers == 1:
+        kernel_wide |= dict(pin=plgpu.SMEM((kp + SCALAR_ROWS, N_PAD), f32), pbar=plgpu.Barrier())
     product = dict(
         xa=plgpu.SMEM((x_stages, 2 * UNIT, N_PAD), f32),  # 2 chunks: the MLP's gate and up
         xbb=plgpu.SMEM((x_stages, *chunk), f32),

@@ -79,8 +79,8 @@ class Schedule:
     completion of them all (1: one counter per tile).
     Written as `FORMAT` says, RING:KV_STAGES[:L2_UNITS[...]] (`parse`, `str`). The defaults are
     the kernel's, for its default [64, 256] weight units: the shared memory bounds ring x unit
-    width and kv_stages x kv_block together (3:3, 3:4, 4:2 and 3:2 with blocks of 128 fit at
-    [64, 256] units, 6:3 and 8:2 at [64, 128]; docs/core_step.md: how they compare), and the
+    width and kv_stages x kv_block together (3:3, 3:4, 4:2, 4:3 and 3:2 with blocks of 128 fit
+    at [64, 256] units, 6:4 and 8:3 at [64, 128]; docs/core_step.md: how they compare), and the
     L2 prefetches were slower than none."""
 
     ring: int = 3
