@@ -140,7 +140,7 @@ BAD = [
     Bad(
         "experiments.kernels.core_fused",
         "--schedules=3:2:0:0:64:0:0:8:1:1 --profile",
-        "records of 8 iterations > 232448; a profile of 2 iterations fits (--iterations=2)",
+        "records of 8 iterations > 232448; a profile of 3 iterations fits (--iterations=3)",
     ),
     Bad("experiments.kernels.core_fused", "--schedules=6:3:30", "the L2 lookahead (30)"),
     Bad("experiments.kernels.core_fused", "--skip_barriers=proj,mlp", "['mlp'] not among"),
