@@ -11,6 +11,7 @@ import pytest
 from huginn_jax.config import HuginnConfig
 from huginn_jax.persistent import fused_shape
 from pallas_kernels.core_step.fused import build_fused_core
+from pallas_kernels.core_step.fused_counters import counter_waits
 from pallas_kernels.core_step.fused_fit import (
     PROFILE_RANGE_BYTES,
     check_fused,
@@ -25,7 +26,6 @@ from pallas_kernels.core_step.fused_plan import (
     attention_items,
     attention_tile_heads,
     counter_signals,
-    counter_waits,
     tile_signals,
     unit_ranges,
 )

@@ -45,12 +45,8 @@ from experiments.kernels import scopes
 from experiments.measure.trace import load_trace
 from huginn_jax.config import huginn_0125
 from huginn_jax.persistent import fused_shape
-from pallas_kernels.core_step.fused_plan import (
-    Schedule,
-    counter_span,
-    input_chunk_rows,
-    waits_on_counter,
-)
+from pallas_kernels.core_step.fused_counters import input_counters
+from pallas_kernels.core_step.fused_plan import Schedule, waits_on_counter
 from pallas_kernels.core_step.plan import UNIT, even_share
 
 SHAPE = fused_shape(huginn_0125, batch=1)
@@ -74,7 +70,7 @@ class Polls:
     def waits(self, p: int):
         """i, kc -> whether the worker's i-th unit of product p (input chunk kc) waits."""
         schedule = Schedule(counter_tiles=self.counter_tiles)
-        rows, span = input_chunk_rows(SHAPE, p), counter_span(SHAPE, schedule, p)
+        rows, span = input_counters(SHAPE, schedule, p)
         return lambda i, kc: bool(p) and waits_on_counter(i, -1, kc, rows, span)
 
 

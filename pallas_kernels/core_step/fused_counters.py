@@ -22,19 +22,43 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.core_step.fused_inputs import KernelContext, sources
+from pallas_kernels.core_step.fused_inputs import KernelContext, input_chunk_rows, sources
 from pallas_kernels.core_step.fused_plan import (
     SHIFT,
+    FusedShape,
     Schedule,
     attention_tile_heads,
     counter_signals,
     counter_span,
-    input_chunk_rows,
     kind_of,
     tiles_per_counter,
+    unit_ranges,
     waits_on_counter,
 )
 from pallas_kernels.core_step.plan import UNIT
+
+
+def input_counters(shape: FusedShape, schedule: Schedule, p: int) -> tuple[int, int]:
+    """(rows of one of product p's input chunks, rows of its input that one counter counts):
+    `fused_inputs.input_chunk_rows`, `fused_plan.counter_span`."""
+    return input_chunk_rows(shape, p), counter_span(shape, schedule, p)
+
+
+def counter_waits(shape: FusedShape, workers: int, schedule: Schedule) -> list[int]:
+    """Each worker's waits on the tile counters per iteration with `Schedule.dataflow`, as
+    its units make them (`Counters.waits_at`) in every product after the adapter. Those of the
+    chunks a worker owns and of the attention's items are left out."""
+    waits = [0] * workers
+    for p, phase in enumerate(shape.phases[1:], start=1):
+        rows, span = input_counters(shape, schedule, p)
+        for w in range(workers):
+            pieces = unit_ranges(shape, phase, w, workers, bool(schedule.overlap))
+            units = (u for first, n in pieces for u in range(first, first + n))
+            waits[w] += sum(
+                waits_on_counter(i, pieces[0][1], u % phase.k_chunks, rows, span)
+                for i, u in enumerate(units)
+            )
+    return waits
 
 
 def _wait(sem, target) -> None:
@@ -106,8 +130,7 @@ class Counters:
     def waits_at(self, p, i, first_range, kc):
         """Whether the worker's i-th unit of product p (its input chunk kc; `first_range`
         units in its first range) waits on a counter of its input (`waits_on_counter`)."""
-        shape = self.k.shape
-        rows, span = input_chunk_rows(shape, p), counter_span(shape, self.schedule, p)
+        rows, span = input_counters(self.k.shape, self.schedule, p)
         return waits_on_counter(i, first_range, kc, rows, span)
 
     def wait_input(self, it, p, kc) -> None:
@@ -116,7 +139,7 @@ class Counters:
         if not self.active:
             return
         kind, j = kind_of(self.phases[p].name)
-        rows, span = input_chunk_rows(self.k.shape, p), counter_span(self.k.shape, self.schedule, p)
+        rows, span = input_counters(self.k.shape, self.schedule, p)
 
         @pl.loop(kc * rows // span, ((kc + 1) * rows - 1) // span + 1)
         def _counter(g):

@@ -96,6 +96,12 @@ def is_gate_up(src) -> bool:
     return isinstance(src, tuple) and src[0] == "gate_up"
 
 
+def input_chunk_rows(shape: FusedShape, p: int) -> int:
+    """Rows of the output before product p in one of p's input chunks: 128 where the chunk is
+    the gate's and the up half's 64 each (`is_gate_up`: the MLP proj's), else 64."""
+    return 2 * UNIT if is_gate_up(sources(shape, p)[0]) else UNIT
+
+
 def output_of(shape: FusedShape, p: int) -> tuple[int, int]:
     """(buffer, row offset) of product p's output."""
     kind, j = kind_of(shape.phases[p].name)

@@ -426,12 +426,6 @@ def counter_span(shape: FusedShape, schedule: Schedule, p: int) -> int:
     return shape.unit_cols * tiles_per_counter(shape, schedule, p - 1)
 
 
-def input_chunk_rows(shape: FusedShape, p: int) -> int:
-    """Rows of the output before product p in one of p's input chunks: 128 for the MLP proj
-    (its gate's and up half's 64 each), else 64."""
-    return 2 * UNIT if kind_of(shape.phases[p].name)[0] == "mlp_proj" else UNIT
-
-
 def starts_counter(kc, rows: int, span: int):
     """Whether input chunk kc of `rows` rows starts the `span` rows of a counter: the unit
     that reads it waits on that counter. kc may be traced."""
@@ -444,23 +438,6 @@ def waits_on_counter(i, first_range: int, kc, rows: int, span: int):
     first), and a unit whose chunk starts a counter's rows (`starts_counter`). Python ints or
     traced."""
     return (i == 0) | (i == first_range) | starts_counter(kc, rows, span)
-
-
-def counter_waits(shape: FusedShape, workers: int, schedule: Schedule) -> list[int]:
-    """Each worker's waits on the tile counters per iteration with `Schedule.dataflow`, as
-    its units make them (`waits_on_counter`) in every product after the adapter. Those of the
-    chunks a worker owns and of the attention's items are left out."""
-    waits = [0] * workers
-    for p, phase in enumerate(shape.phases[1:], start=1):
-        rows, span = input_chunk_rows(shape, p), counter_span(shape, schedule, p)
-        for w in range(workers):
-            pieces = unit_ranges(shape, phase, w, workers, bool(schedule.overlap))
-            units = (u for first, n in pieces for u in range(first, first + n))
-            waits[w] += sum(
-                waits_on_counter(i, pieces[0][1], u % phase.k_chunks, rows, span)
-                for i, u in enumerate(units)
-            )
-    return waits
 
 
 def tile_signals(phase: Phase, cols: int, workers: int, residual_chunks: int, t, split_at=0):

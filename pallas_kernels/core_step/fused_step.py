@@ -286,15 +286,21 @@ def write_new_rows(k_cache, v_cache, slots, pos, k_new, v_new):
     return k_cache, v_cache
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _bf16_normal(key, shape: tuple[int, int]) -> jax.Array:
+    """normal / sqrt(k) of `shape` [k, n] in bf16, compiled once per shape: no float32 copy of
+    the matrix outlives the call."""
+    return (jax.random.normal(key, shape) / shape[0] ** 0.5).astype(jnp.bfloat16)
+
+
 def random_step_weights(d: int, heads: int, f: int, layers: int, seed: int = 5) -> StepWeights:
     """A Core of random weights for tests and measurements: bf16 products (normal / sqrt(k),
     as the model stores them: a float32 reference multiplies them exactly), float32 norm gains
     1 + 0.3 N (not 1, so that a misplaced gain shows), qk bias 0.5 N."""
     keys = iter(jax.random.split(jax.random.key(seed), 16 * layers + 1))
-    normal = jax.jit(jax.random.normal, static_argnums=1)  # no float32 copy of a product kept
 
     def matrix(k, n):
-        return jax.jit(lambda key: (normal(key, (k, n)) / k**0.5).astype(jnp.bfloat16))(next(keys))
+        return _bf16_normal(next(keys), (k, n))
 
     def gain():
         return 1 + 0.3 * jax.random.normal(next(keys), (d,))
