@@ -17,6 +17,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from huginn_jax.config import HuginnConfig
 from pallas_kernels.core_step import Pending, StepWeights, core_iteration, rope_row
 from pallas_kernels.core_step.fused import build_fused_core
+from pallas_kernels.core_step.fused_blocks import _SequenceBlocks
 from pallas_kernels.core_step.fused_fit import check_fused
 from pallas_kernels.core_step.fused_plan import STEP_KINDS, FusedShape, Schedule
 from pallas_kernels.core_step.fused_products import Products
@@ -99,7 +100,8 @@ def kernel_run(w, batch, iterations, pos, *, workers, interpret, schedule, slot=
 # unit or as each product ends (the last one's into the next iteration's adapter); blocks of 128
 # positions over 2 sequences x 2 blocks, the last one partly masked; a wgmma lag of 0 (a unit's
 # slot refilled as soon as its wgmma is done, one B tile); the input copies ahead issued after
-# each unit's wgmma and slot release (`late_inputs`), with grid barriers and with one per iteration
+# each unit's wgmma and slot release (`late_inputs`), with grid barriers and with one per
+# iteration; key and value blocks in flight to different depths (`value_stages`), either deeper
 @pytest.mark.parametrize(
     "batch,iterations,pos,schedule,slot",
     [
@@ -112,6 +114,8 @@ def kernel_run(w, batch, iterations, pos, *, workers, interpret, schedule, slot=
         (1, 2, 5, Schedule(ring=2, kv_stages=2, late_inputs=1), SLOT),
         (2, 2, 70, Schedule(ring=3, kv_stages=2, dataflow=1, late_inputs=1), SLOT),
         (2, 2, 70, Schedule(ring=3, kv_stages=2, dataflow=1, counter_tiles=2), SLOT),
+        (2, 1, SLOT - 1, Schedule(ring=2, kv_stages=3, value_stages=2), SLOT),
+        (2, 2, 70, Schedule(ring=3, kv_stages=2, dataflow=1, value_stages=3), SLOT),
     ],
 )
 def test_interpret_one_worker_matches_the_step_program(batch, iterations, pos, schedule, slot):
@@ -160,7 +164,9 @@ HUGINN = (5280, 55, 17920, 4)
 # hand-over on tile counters); huginn-0125 at batch 8 also with 4 cached blocks in flight; each
 # shape with the attention's blocks in a second warpgroup (`Schedule.overlap`); each shape with
 # one grid barrier per iteration (`Schedule.dataflow`), with and without the second warpgroup,
-# over 2 and 3 iterations (both sets of buffers, each used twice)
+# over 2 and 3 iterations (both sets of buffers, each used twice); then each later schedule
+# field beside the defaults it changes, the last fewer value blocks in flight than key blocks
+# (`Schedule.value_stages`), with one head per item and two
 SMALL_SCHEDULE = (64, Schedule(3, 3, 0, 0))
 OVERLAP = Schedule(3, 2, overlap=1)
 DATAFLOW, DATAFLOW_OVERLAP = Schedule(3, 3, dataflow=1), Schedule(3, 2, overlap=1, dataflow=1)
@@ -168,6 +174,8 @@ PAIRS = Schedule(3, 2, head_pairs=1)  # two-head items: 4 splits of each pair wi
 LAG0 = Schedule(3, 2, overlap=1, dataflow=1, lag=0)  # the batch-1 default, a slot freed at once
 LATE = Schedule(3, 2, overlap=1, dataflow=1, late_inputs=1)  # the batch-1 default, inputs late
 GROUPED = Schedule(3, 2, overlap=1, dataflow=1, counter_tiles=4)  # 4 tiles per counter
+# the batch-1 default with a third key block in flight beside two value blocks
+THIRD_KEY = Schedule(3, 3, overlap=1, dataflow=1, value_stages=2)
 GPU_CASES = [
     (SMALL, 16, 1, 2, 130, 192, SMALL_SCHEDULE),
     (SMALL, 16, 1, 2, 130, 192, (64, Schedule(3, 3, handover=0))),
@@ -200,6 +208,10 @@ GPU_CASES = [
     (HUGINN, 132, 1, 2, 1000, 1024, (256, dataclasses.replace(GROUPED, late_inputs=1))),
     (HUGINN, 132, 8, 2, 200, 256, (256, Schedule(3, 3, counter_tiles=4))),
     (HUGINN, 132, 8, 2, 200, 256, (256, Schedule(4, 3))),  # fits without the one-worker tile
+    (SMALL, 16, 1, 3, 130, 192, (64, THIRD_KEY)),
+    (HUGINN, 132, 1, 2, 1000, 1024, (256, THIRD_KEY)),
+    (HUGINN, 132, 8, 2, 200, 256, (256, Schedule(3, 4, value_stages=3))),
+    (SMALL, 16, 8, 1, 200, 256, (64, Schedule(3, 3, head_pairs=1, value_stages=2))),
 ]
 
 
@@ -332,7 +344,7 @@ def test_gpu_configurations_fit():
     "batch,schedule",
     [
         (8, Schedule()), (8, OVERLAP), (8, DATAFLOW), (1, DATAFLOW_OVERLAP), (8, PAIRS), (1, LAG0),
-        (1, LATE), (1, GROUPED),
+        (1, LATE), (1, GROUPED), (1, THIRD_KEY),
     ],
 )  # fmt: skip
 def test_lowers_for_cuda_with_every_sm(batch, schedule):
@@ -368,6 +380,38 @@ def test_late_inputs_issue_the_input_copy_after_the_wgmma_and_release(monkeypatc
     late_body, early_body = "wgmma release input release", "input wgmma release release"
     assert text.count(late_body) == (bodies if late else 0)  # the last: the range's end
     assert text.count(early_body) == (0 if late else bodies)
+
+
+@pytest.mark.parametrize("pairs", [0, 1])
+def test_a_softmax_step_waits_for_its_value_block_after_its_scores(monkeypatch, pairs):
+    """A cached block's step, as traced for sm_90 (the small shape at batch 8, one iteration,
+    [64, 128] weight units, so that only the attention's wgmmas have 64 rows): it waits for the
+    key block, takes the scores' wgmma, then waits for the value block before the weighted
+    values' wgmma (with two-head items, once for both head slots)."""
+    events = []
+    stream, wgmma = _SequenceBlocks.stream, plgpu.wgmma
+
+    def recorded_stream(self, starts, s):
+        keys, values = stream(self, starts, s)
+
+        def record(name, fn):
+            return lambda f: (events.append(name), fn(f))[1]
+
+        return record("keys", keys), record("values", values)
+
+    def recorded_wgmma(acc, *args, **kwargs):
+        if acc.shape[0] == 64:
+            events.append("wgmma")
+        return wgmma(acc, *args, **kwargs)
+
+    monkeypatch.setattr(_SequenceBlocks, "stream", recorded_stream)
+    monkeypatch.setattr(plgpu, "wgmma", recorded_wgmma)
+    shape = FusedShape(512, 8, 64, 768, 1, 8, 128)
+    schedule = Schedule(3, 3, value_stages=2, head_pairs=pairs)
+    lowered_for_hopper(shape, 1, 256, workers=8, schedule=schedule)
+    steps = " ".join(events).split("keys")[1:]
+    want = "wgmma values wgmma" + " wgmma wgmma" * pairs
+    assert steps and all(step.strip() == want for step in steps)
 
 
 def test_profile_of_both_warpgroups_lowers_for_cuda(monkeypatch, tmp_path):

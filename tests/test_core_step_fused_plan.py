@@ -66,6 +66,31 @@ def test_overlap_needs_both_warpgroups_buffers_and_one_item_per_worker():
         build_fused_core(shape, 1, workers=1, eps=1e-6, schedule=OVERLAP, interpret=True)
 
 
+def test_fewer_value_blocks_let_a_third_key_block_beside_the_second_warpgroup():
+    """`Schedule.value_stages`: each stage of value blocks is a [64, 128] bf16 block and its
+    barrier, so two value stages beside three key stages take one block less than 3:3; at
+    huginn-0125, batch 1, that fits beside the second warpgroup, where 3:3 does not. 0 value
+    stages mean as many as key stages; 1 is refused."""
+    shape = FusedShape(5280, 55, 96, 17920, 4, 1)
+    three_two = Schedule(3, 3, overlap=1, dataflow=1, value_stages=2)
+    assert three_two.stages_of_values == 2 and Schedule(3, 3).stages_of_values == 3
+    three = Schedule(3, 3, overlap=1, dataflow=1)
+    assert (
+        smem_bytes(shape, three, 2, 132) - smem_bytes(shape, three_two, 2, 132) == 64 * 128 * 2 + 8
+    )
+    check_fused(shape, 132, three_two)
+    with pytest.raises(ValueError, match="bytes of smem"):
+        check_fused(shape, 132, three)
+    blocks = scratch_types(shape, three_two, 2, 132)[3]
+    assert blocks["kblk"].shape[0] == 3 and blocks["vblk"].shape[0] == 2
+    assert (blocks["kbar"].num_barriers, blocks["vbar"].num_barriers) == ((3,), (2,))
+    assert smem_bytes(shape, Schedule(3, 3, value_stages=3), 2, 132) == smem_bytes(
+        shape, Schedule(3, 3), 2, 132
+    )
+    with pytest.raises(ValueError, match="value_stages=1 must be 0 or in"):
+        check_fused(shape, 132, Schedule(3, 3, value_stages=1))
+
+
 @pytest.mark.parametrize("dims,workers", [(HUGINN, 132), (SMALL, 16)])
 def test_overlap_takes_q_tiles_first_and_every_unit_once(dims, workers):
     """`unit_ranges` with overlap: in a qkv every worker's first range lies in q's tiles, the
@@ -223,7 +248,10 @@ def test_schedule_is_written_as_parsed():
     grouped = Schedule(3, 2, overlap=1, dataflow=1, counter_tiles=4)
     assert Schedule.parse("3:2:0:0:64:0:0:8:1:1:0:1:0:4") == grouped
     assert str(grouped) == "3:2:0:0:64:0:0:8:1:1:0:1:0:4"
-    for bad in ("6", "6:3:1:2:64:4:5:6:1:1:1:0:1:4:7", "6:x"):
+    values = Schedule(3, 3, overlap=1, dataflow=1, value_stages=2)
+    assert Schedule.parse("3:3:0:0:64:0:0:8:1:1:0:1:0:1:2") == values
+    assert str(values) == "3:3:0:0:64:0:0:8:1:1:0:1:0:1:2"
+    for bad in ("6", "6:3:1:2:64:4:5:6:1:1:1:0:1:4:2:7", "6:x"):
         with pytest.raises(ValueError, match="is not RING:KV_STAGES"):
             Schedule.parse(bad)
     with pytest.raises(ValueError, match="kv_block=96 must be one of"):

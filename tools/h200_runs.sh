@@ -47,6 +47,13 @@
 #             (four times the waits), kernel time only, 4 processes at most at once under one
 #             GPU lock -> core_fused_waits_{bound,256,128}.{json,txt} (WAITS_UNITS="256" or "128":
 #             one half; WAITS_TIMEOUT: seconds per half, default 280)
+#   core_fused_depths  the fused kernel's reads in flight, context 1024, kernel time only: at
+#             batch 1 the default beside a third cached key block with two value blocks
+#             (Schedule.value_stages), at batch 8 the default (3:3) beside a ring of 4 (4:3), 4
+#             key and value blocks (3:4), 4 key blocks with 3 value blocks, a ring of 4 with 3
+#             key blocks and 2 value blocks, and the second warpgroup with 3 key blocks and 2
+#             value blocks, 4 processes at most at once under one GPU lock ->
+#             core_fused_depths_b{1,8}.{json,txt} (DEPTHS_TIMEOUT: seconds, default 420)
 #   core_fused_l2  the same with weight units and cached blocks prefetched into L2
 #             (RING:KV_STAGES:L2_UNITS:L2_BLOCKS), contexts 64 and 1024
 #   prefill_gemm  the Core's prefill GEMMs shape by shape, XLA against PyTorch
@@ -60,7 +67,7 @@
 # installed only when the machine's flax lacks nnx.List).
 set -u
 [ $# -ge 1 ] || { echo "usage: $0 STAGE [STAGE...] (see the list above)" >&2; exit 2; }
-STAGES="ceilings tests compile_modes core chain chain_trace adapter decode_attention prefill_attention generate core_stream core_persistent core_persistent_profile core_persistent_hbm core_persistent_b8 core_fused core_fused_waits core_fused_l2 prefill_gemm multi_gpu"
+STAGES="ceilings tests compile_modes core chain chain_trace adapter decode_attention prefill_attention generate core_stream core_persistent core_persistent_profile core_persistent_hbm core_persistent_b8 core_fused core_fused_waits core_fused_depths core_fused_l2 prefill_gemm multi_gpu"
 for stage in "$@"; do
   [[ " $STAGES " == *" $stage "* ]] || { echo "unknown stage $stage; known: $STAGES" >&2; exit 2; }
 done
@@ -314,6 +321,23 @@ stage_core_fused_waits() {
     waits_run 128 4 --unit_cols=128 --schedules="$at128"
   fi
   for f in "$d"/core_fused_waits_*.txt; do grep -v "it/s\]" "$f" | tail -6; done
+}
+
+stage_core_fused_depths() {
+  local d=$1 lock=/tmp/core_fused_depths.lock batch schedules
+  local b1="3:2:0:0:64:0:0:8:1:1,3:3:0:0:64:0:0:8:1:1:0:1:0:1:2"
+  local b8="3:3,4:3,3:4,3:4:0:0:64:0:0:8:0:0:0:1:0:1:3,4:3:0:0:64:0:0:8:0:0:0:1:0:1:2"
+  b8="$b8,3:3:0:0:64:0:0:8:1:0:0:1:0:1:2"
+  for batch in 1 8; do
+    [ "$batch" = 1 ] && schedules=$b1 || schedules=$b8
+    timeout "${DEPTHS_TIMEOUT:-420}" python3 -m experiments.kernels.core_fused --batch="$batch" \
+      --contexts=1024 --nostream --reps=20 --gpu_lock="$lock" --jobs=2 \
+      --schedules="$schedules" --json_out="$d/core_fused_depths_b$batch.json" \
+      > "$d/core_fused_depths_b$batch.txt" 2>&1 &
+  done
+  wait
+  stamp "core_fused_depths done"
+  for f in "$d"/core_fused_depths_b*.txt; do grep -v "it/s\]" "$f" | tail -7; done
 }
 
 stage_core_fused_l2() {

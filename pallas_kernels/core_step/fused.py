@@ -91,11 +91,12 @@ def build_fused_core(
     -> (act, scalars, partials, kv_new), weights one array per kind of product
     (`FusedShape.weight_shapes`); `fused_step.py` builds the inputs and reads the outputs.
     `schedule` (`fused_plan.Schedule`): `ring` weight units in flight per worker into shared
-    memory, `kv_stages` cached blocks of `kv_block` positions in flight in the attention;
-    `l2_units` > 0 also prefetches into L2 the unit that many further on, `l2_blocks` > 0
-    each attention item's first blocks, `l2_barrier` and `l2_attention` the next product's
-    units after the ring's once the worker has arrived at the barrier after a product (all
-    slower on the H200 than without: docs/core_step.md).
+    memory, `kv_stages` cached key blocks (and `Schedule.stages_of_values` value blocks) of
+    `kv_block` positions in flight in the attention; `l2_units` > 0 also prefetches into L2
+    the unit that many further on, `l2_blocks` > 0 each attention item's first blocks,
+    `l2_barrier` and `l2_attention` the next product's units after the ring's once the worker
+    has arrived at the barrier after a product (all slower on the H200 than without:
+    docs/core_step.md).
     Interpret mode: one worker (no global semaphores; prefetches are no-ops). `profile_dir`:
     Mosaic GPU's on-device profiler records every step's, barrier's (also by the kind of step
     it follows: after_qkv, after_attn, ...) and attention part's (`fused_fit.ATTENTION_PARTS`)
@@ -117,7 +118,6 @@ def build_fused_core(
             "cache columns are copied into tiles of 16 columns"
         )
     check_fused(shape, workers, schedule, x_stages, iterations if profile_dir else 0)
-    kv_stages = schedule.kv_stages
     phases, layers = shape.phases, shape.layers
     n_phases, n_kinds = len(phases), len(PRODUCT_KINDS)
     items, splits = attention_items(shape, workers, bool(schedule.head_pairs))
@@ -141,8 +141,9 @@ def build_fused_core(
             reduce=workers > 1, worker=worker, meta=meta, pos=meta[0], act=act, scal=scal,
             parts=parts, kv_new=kv_new, tables=tables, rope_bias=rope_bias, k_cache=k_cache,
             v_cache=v_cache, s={name: named[name] for name in scratch},
-            scope=scopes_of(named, "first"), kv_stages=kv_stages, kv_block=schedule.kv_block,
-            overlap=overlap, parts_ready=named.get("second.parts_ready"), parities=parities,
+            scope=scopes_of(named, "first"), kv_stages=schedule.kv_stages,
+            value_stages=schedule.stages_of_values, kv_block=schedule.kv_block, overlap=overlap,
+            parts_ready=named.get("second.parts_ready"), parities=parities,
             dataflow=bool(schedule.dataflow), head_pairs=bool(schedule.head_pairs),
             flags=pl.get_global(plgpu.SemaphoreType.REGULAR((shape.heads,)))
             if splits > 1 else None,

@@ -1,8 +1,8 @@
 """The cached blocks of the fused Core kernel's attention step (`fused_attention.py`): an item's
-windows, its (sequence, block) pairs of cached positions copied with `Schedule.kv_stages` in
-flight (and prefetched into L2, `Schedule.l2_blocks`), the online softmax over them per head
-slot, and the splits' partials: put out, merged with the others', and the merged rows added
-into the attention output.
+windows, its (sequence, block) pairs of cached positions copied with `Schedule.kv_stages` key
+and `Schedule.stages_of_values` value blocks in flight (and prefetched into L2,
+`Schedule.l2_blocks`), the online softmax over them per head slot, and the splits' partials:
+put out, merged with the others', and the merged rows added into the attention output.
 """
 
 from __future__ import annotations
@@ -56,30 +56,42 @@ class _SequenceBlocks:
         return cache.at[self.slot, b, pl.ds(blk * self.block, self.block), pl.ds(c0, cols)]
 
     def stream(self, starts, s):
-        """Issues the copies of the first kv_stages - 1 pairs' k and v blocks (`sources`, from
-        the windows' `starts`), each into stage f mod kv_stages of the blocks' scope `s`;
-        returns take(f), which waits for pair f's stage, issues the copy kv_stages - 1 pairs
-        ahead (into the stage the step before read, whose wgmmas are done) and returns the
-        stage."""
-        stages = self.k.kv_stages
+        """Issues the copies of the first pairs' key blocks (`kv_stages` - 1 of them) and value
+        blocks (`value_stages` - 1; `sources`, from the windows' `starts`), pair f's into stage
+        f mod stages of the blocks' scope `s`, each kind on barriers of its own; returns
+        (keys(f), values(f)): keys waits for pair f's key block, issues both kinds' copies
+        their stages - 1 pairs ahead (into the stages the step before read, whose wgmmas are
+        done) and returns the key block's stage; values waits for pair f's value block and
+        returns its stage."""
+        kinds = (
+            (self.k.kv_stages, s["kblk"], s["kbar"]),
+            (self.k.value_stages, s["vblk"], s["vbar"]),
+        )
 
-        def copy_block(f):
+        def copy_block(f, kind):
+            stages, blocks, bars = kinds[kind]
             st = lax.rem(f, stages)
-            blocks = (s["kblk"], s["vblk"])
-            for src, buf in zip(self.sources(f, *starts), blocks, strict=True):
-                plgpu.copy_gmem_to_smem(src, buf.at[st], s["kvbar"].at[st])
+            src = self.sources(f, *starts)[kind]
+            plgpu.copy_gmem_to_smem(src, blocks.at[st], bars.at[st])
 
-        for f in range(stages - 1):
-            pl.when(f < self.total)(lambda f=f: copy_block(f))
+        for kind, (stages, _, _) in enumerate(kinds):
+            for f in range(stages - 1):
+                pl.when(f < self.total)(lambda f=f, kind=kind: copy_block(f, kind))
 
-        def take(f):
+        def wait(f, kind):
+            stages, _, bars = kinds[kind]
             st = lax.rem(f, stages)
-            plgpu.barrier_wait(s["kvbar"].at[st])
-            ahead = f + stages - 1
-            pl.when(ahead < self.total)(lambda: copy_block(ahead))
+            plgpu.barrier_wait(bars.at[st])
             return st
 
-        return take
+        def keys(f):
+            st = wait(f, 0)
+            for kind, (stages, _, _) in enumerate(kinds):
+                ahead = f + stages - 1
+                pl.when(ahead < self.total)(lambda ahead=ahead, kind=kind: copy_block(ahead, kind))
+            return st
+
+        return keys, lambda f: wait(f, 1)
 
     def sources(self, f, ck, c0):
         """Pair f's key block (`key_cols` from ck) and value block (kp columns from c0); with
@@ -110,15 +122,16 @@ def prefetch_blocks(k, it, j, count: int) -> None:
 
 def own_blocks(k, it, j, q, starts, split, s):
     """This split's (sequence, block) pairs (`_SequenceBlocks`), one pass over them with
-    `kv_stages` copies in flight, an online softmax per sequence and head slot: per slot
-    (max, sum, weighted values), each [kp, 8] (column b the sequence b's; the [8] ones
-    broadcast over the rows). The scores are those of every q column against sequence b's
-    keys, of which column b is kept (q rounded to bf16 for the wgmma). The softmax's sums are
-    kept per row of a block and summed over the rows once, after the pass: a block's step
-    reduces across its rows (over the warps) for the max only. `starts`: the first columns
-    (ck, c0) of the key and value windows; q is in the key window's rows, whose first
-    `key_cols` the key blocks hold. With two-head items (`_slots`) the blocks and q are a pair
-    window's, and each block's step runs once per head slot on its slices of them."""
+    their key and value blocks in flight (`_SequenceBlocks.stream`), an online softmax per
+    sequence and head slot: per slot (max, sum, weighted values), each [kp, 8] (column b the
+    sequence b's; the [8] ones broadcast over the rows). The scores are those of every q
+    column against sequence b's keys, of which column b is kept (q rounded to bf16 for the
+    wgmma). The softmax's sums are kept per row of a block and summed over the rows once,
+    after the pass: a block's step reduces across its rows (over the warps) for the max only.
+    `starts`: the first columns (ck, c0) of the key and value windows; q is in the key
+    window's rows, whose first `key_cols` the key blocks hold. With two-head items (`_slots`)
+    the blocks and q are a pair window's, and each block's step runs once per head slot on
+    its slices of them."""
     kp, block, f32 = k.shape.kp, k.kv_block, jnp.float32
     blocks = _SequenceBlocks(k, it, j, split)
     lo, hi, total = blocks.lo, blocks.hi, blocks.total
@@ -129,14 +142,14 @@ def own_blocks(k, it, j, q, starts, split, s):
     plgpu.commit_smem()
     slots = _slots(k, s)
 
-    take = blocks.stream(starts, s)
+    take_keys, take_values = blocks.stream(starts, s)
 
     def step(f, carries):
         b, blk = blocks.pair(f)
-        st = take(f)
+        st = take_keys(f)
         keep = (blk != lo).astype(f32)  # 0 at a sequence's first block: start afresh
         out = []
-        for (keys, q_keys, values), carry in zip(slots, carries, strict=True):
+        for e, ((keys, q_keys, values), carry) in enumerate(zip(slots, carries, strict=True)):
             m, ll, acc, m_all, l_all, acc_all = carry  # ll, l_all: [block, 8] sums per row
             m, ll, acc = m * keep + MASKED * (1.0 - keep), ll * keep, acc * keep
 
@@ -153,8 +166,11 @@ def own_blocks(k, it, j, q, starts, split, s):
             s["pb"].T[...] = pr.astype(jnp.bfloat16)
             plgpu.commit_smem()
 
-            def pv(acc_ref, values=values):
-                plgpu.wgmma(acc_ref, values(st), s["pb"].T)
+            if e == 0:  # pair f's value block, which every slot's weighted values read
+                st_values = take_values(f)
+
+            def pv(acc_ref, values=values, st_values=st_values):
+                plgpu.wgmma(acc_ref, values(st_values), s["pb"].T)
                 return acc_ref[...]
 
             acc = acc * bcast_rows(alpha, kp) + pl.run_scoped(pv, plgpu.ACC((kp, N_PAD), f32))

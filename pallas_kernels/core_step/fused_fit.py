@@ -51,12 +51,12 @@ def smem_bytes(shape: FusedShape, schedule: Schedule, x_stages: int, workers: in
         ]
         return sum(aligned(b) for b in sizes)
 
-    barriers = sum(
-        math.prod(t.num_barriers)
-        for types in groups
-        for t in types.values()
-        if isinstance(t, plgpu.Barrier)
-    )
+    def barrier_count(types: dict) -> int:
+        return sum(
+            math.prod(t.num_barriers) for t in types.values() if isinstance(t, plgpu.Barrier)
+        )
+
+    barriers = sum(barrier_count(types) for types in groups)
     scopes = max(buffer_bytes(types) for types in groups[1:])
     if schedule.overlap:  # each warpgroup's scopes in a union of its own, both at once
         named = dict(zip(SCOPES, groups[1:], strict=True))
@@ -64,11 +64,9 @@ def smem_bytes(shape: FusedShape, schedule: Schedule, x_stages: int, workers: in
         scopes = buffer_bytes(second) + sum(
             max(buffer_bytes(named[g]) for g in names) for names in WARPGROUP_SCOPES.values()
         )
-        barriers += sum(  # the second warpgroup's own, and those of its scopes
-            math.prod(t.num_barriers)
-            for types in (second, *(named[g] for g in WARPGROUP_SCOPES["second"]))
-            for t in types.values()
-            if isinstance(t, plgpu.Barrier)
+        barriers = barrier_count(groups[0]) + barrier_count(second)
+        barriers += sum(  # each union's barriers, as `union_layout` lays them out
+            barrier_count(named[g]) for names in WARPGROUP_SCOPES.values() for g in names
         )
     reductions = 2 if schedule.overlap else 1  # each warpgroup's reductions take bytes of their own
     return buffer_bytes(groups[0]) + scopes + reductions * REDUCTION_SCRATCH + 8 * barriers
@@ -123,14 +121,17 @@ def check_fused(
     """ValueError unless the schedule can run (as `stream.check_schedule`): a ring longer than
     the wgmma lag, the ring and the L2 lookahead shorter than every worker's units of each
     product (the lookahead reaches into the next product only), so at least 1 and at most
-    `most_workers` workers, at least 2 stages of cached blocks, buffers that fit (with the
-    profiler's records of `profiled_iterations`, where it runs: each warpgroup's; with
-    `Schedule.overlap`, both warpgroups' buffers at once, one attention item per worker)."""
+    `most_workers` workers, at least 2 stages of cached key blocks and of value blocks,
+    buffers that fit (with the profiler's records of `profiled_iterations`, where it runs:
+    each warpgroup's; with `Schedule.overlap`, both warpgroups' buffers at once, one
+    attention item per worker)."""
     ring, kv_stages, lag = schedule.ring, schedule.kv_stages, schedule.lag
     if not 1 <= ring <= MAX_RING or not 0 <= lag < ring or not 1 <= x_stages <= ring:
         raise ValueError(f"need 0 <= lag={lag} < ring={ring} <= {MAX_RING}, x_stages <= ring")
     if not 2 <= kv_stages <= MAX_RING:
         raise ValueError(f"kv_stages={kv_stages} must be in [2, {MAX_RING}]")
+    if not 2 <= schedule.stages_of_values <= MAX_RING:
+        raise ValueError(f"value_stages={schedule.value_stages} must be 0 or in [2, {MAX_RING}]")
     if min(schedule.l2_units, schedule.l2_barrier, schedule.l2_attention) < 0:
         raise ValueError(f"schedule {schedule}: the L2 prefetches must be >= 0")
     if schedule.handover < 0:
@@ -186,6 +187,7 @@ def scratch_types(shape: FusedShape, schedule: Schedule, x_stages: int, workers:
     attention = attention_transforms(shape, pairs)
     bf16, f32, cols = jnp.bfloat16, jnp.float32, shape.unit_cols
     ring, kv_stages, kv_block = schedule.ring, schedule.kv_stages, schedule.kv_block
+    value_stages = schedule.stages_of_values
     kp, chunk = shape.kp, (UNIT, N_PAD)
     rows = shape.pair_cols if pairs else kp  # of a window, its tables and its q
     key_cols, value_cols = (rows, rows) if pairs else (shape.key_cols, kp)
@@ -221,8 +223,9 @@ def scratch_types(shape: FusedShape, schedule: Schedule, x_stages: int, workers:
     )
     blocks = dict(
         kblk=plgpu.SMEM((kv_stages, kv_block, key_cols), bf16, transforms=attention),
-        vblk=plgpu.SMEM((kv_stages, kv_block, value_cols), bf16, transforms=attention),
-        kvbar=plgpu.Barrier(num_arrivals=2, num_barriers=kv_stages),
+        vblk=plgpu.SMEM((value_stages, kv_block, value_cols), bf16, transforms=attention),
+        kbar=plgpu.Barrier(num_barriers=kv_stages),
+        vbar=plgpu.Barrier(num_barriers=value_stages),
         btq=plgpu.SMEM((N_PAD, rows), bf16, transforms=attention),
         pb=plgpu.SMEM((N_PAD, kv_block), bf16, transforms=attention),
     )

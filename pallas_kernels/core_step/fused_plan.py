@@ -52,7 +52,8 @@ def kind_of(name: str) -> tuple[str, int]:
 class Schedule:
     """How the kernel keeps its reads in flight (`fused.build_fused_core`): `ring` weight units
     per worker into shared memory, the unit `l2_units` further on into L2, `kv_stages` cached
-    blocks of `kv_block` positions in the attention (one block per softmax step), each
+    key blocks of `kv_block` positions in the attention (one block per softmax step) and
+    `value_stages` value blocks (0: as many as key blocks, `stages_of_values`), each
     attention item's first `l2_blocks` blocks into L2 ahead of it; once a worker has arrived
     at the barrier after a product, the next product's `l2_barrier` units after the ring's into
     L2 (`l2_attention` after a qkv, whose barrier the attention follows). `handover` > 0:
@@ -77,6 +78,11 @@ class Schedule:
     `counter_tiles`: output tiles per counter of the products that another product reads
     (`fused_counters.py`): their readers wait once per that many tiles of their input, on the
     completion of them all (1: one counter per tile).
+    The attention's key and value blocks are copied on barriers of their own: a (sequence,
+    block) pair's key block `kv_stages` - 1 pairs ahead, its value block `stages_of_values` - 1
+    ahead, and a softmax step waits for its value block only before the weighted values (its
+    scores need the key block alone). With `value_stages` 2 beside 3 key stages, a third key
+    block in flight fits where a third of each does not.
     Written as `FORMAT` says, RING:KV_STAGES[:L2_UNITS[...]] (`parse`, `str`). The defaults are
     the kernel's, for its default [64, 256] weight units: the shared memory bounds ring x unit
     width and kv_stages x kv_block together (3:3, 3:4, 4:2, 4:3 and 3:2 with blocks of 128 fit
@@ -97,6 +103,12 @@ class Schedule:
     lag: int = 1
     late_inputs: int = 0
     counter_tiles: int = 1
+    value_stages: int = 0
+
+    @property
+    def stages_of_values(self) -> int:
+        """Cached value blocks in flight: `value_stages`, or as many as key blocks."""
+        return self.value_stages or self.kv_stages
 
     @property
     def l2_reach(self) -> int:
