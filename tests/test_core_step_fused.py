@@ -212,6 +212,7 @@ GPU_CASES = [
     (HUGINN, 132, 1, 2, 1000, 1024, (256, THIRD_KEY)),
     (HUGINN, 132, 8, 2, 200, 256, (256, Schedule(3, 4, value_stages=3))),
     (SMALL, 16, 8, 1, 200, 256, (64, Schedule(3, 3, head_pairs=1, value_stages=2))),
+    (HUGINN, 132, 8, 2, 200, 256, (256, Schedule(3, 3, head_pairs=1, value_stages=2))),
 ]
 
 
@@ -506,12 +507,12 @@ def test_refuses_what_it_cannot_run():
         check_fused(huginn, 132, Schedule(late_inputs=2))
     with pytest.raises(ValueError, match="counter_tiles must be >= 1"):
         check_fused(huginn, 132, Schedule(counter_tiles=0))
-    # the on-device profiler's records of 24 iterations of 4 layers take 28.3 KiB, of 32 37.8
-    # KiB: 3:3 leaves 29.9 (key blocks of 96 columns, a tile of zeros of 64 rows)
+    # the on-device profiler's records of 32 iterations of 4 layers take 37.6 KiB, of 36 42.3
+    # KiB: 3:3 leaves 37.8 (key blocks of 96 columns, the tile of zeros in the products' scope)
     four_layers = FusedShape(5280, 55, 96, 17920, 4, 1)
-    check_fused(four_layers, 132, Schedule(3, 3), profiled_iterations=24)
-    with pytest.raises(ValueError, match="for the profiler's records of 32 iterations"):
-        check_fused(four_layers, 132, Schedule(3, 3), profiled_iterations=32)
+    check_fused(four_layers, 132, Schedule(3, 3), profiled_iterations=32)
+    with pytest.raises(ValueError, match="for the profiler's records of 36 iterations"):
+        check_fused(four_layers, 132, Schedule(3, 3), profiled_iterations=36)
     with pytest.raises(ValueError, match="multiple of the schedule's blocks \\(128\\)"):
         w = step_weights(core())
         w = StepWeights(w.adapter, w.layers[:LAYERS], head_dim=w.head_dim, eps=w.eps)

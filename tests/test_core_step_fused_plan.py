@@ -337,13 +337,17 @@ def test_two_head_items_split_each_window_four_ways_at_most():
 
 def test_two_head_items_fit_at_batch_8_beside_a_ring_of_3():
     """Pair blocks of 192 + 192 columns: 3:2 fits at huginn-0125 (two stages of pair blocks
-    hold more bytes than three of 96 + 128), 3:3 does not; neither overlap nor dataflow, nor
-    heads whose windows are not whole tiles of 32 columns."""
+    hold more bytes than three of 96 + 128), 3:3 does not, 3 stages of key blocks beside 2 of
+    value blocks do (the tile of zeros in the products' scope, not the blocks'); neither
+    overlap nor dataflow, nor heads whose windows are not whole tiles of 32 columns."""
     shape = FusedShape(5280, 55, 96, 17920, 4, 8)
     check_fused(shape, 132, PAIRS)
     check_fused(shape, 132, PAIRS, profiled_iterations=2)
     with pytest.raises(ValueError, match="bytes of smem"):
         check_fused(shape, 132, Schedule(3, 3, head_pairs=1))
+    check_fused(shape, 132, Schedule(3, 3, head_pairs=1, value_stages=2))
+    kernel_wide, product, *_ = scratch_types(shape, PAIRS, 2, 132)
+    assert "zero" in product and "zero" not in kernel_wide
     for other in (dict(overlap=1), dict(dataflow=1)):
         with pytest.raises(ValueError, match="without overlap and dataflow"):
             check_fused(shape, 132, Schedule(3, 2, head_pairs=1, **other))

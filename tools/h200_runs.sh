@@ -50,9 +50,9 @@
 #   core_fused_depths  the fused kernel's reads in flight, context 1024, kernel time only: at
 #             batch 1 the default beside a third cached key block with two value blocks
 #             (Schedule.value_stages), at batch 8 the default (3:3) beside a ring of 4 (4:3), 4
-#             key and value blocks (3:4), 4 key blocks with 3 value blocks, a ring of 4 with 3
-#             key blocks and 2 value blocks, and the second warpgroup with 3 key blocks and 2
-#             value blocks, 4 processes at most at once under one GPU lock ->
+#             key blocks with 3 value blocks, a ring of 4 with 3 key blocks and 2 value blocks,
+#             and 3 key blocks with 2 value blocks beside the second warpgroup and with two-head
+#             items, 4 processes at most at once under one GPU lock ->
 #             core_fused_depths_b{1,8}.{json,txt} (DEPTHS_TIMEOUT: seconds, default 420)
 #   core_fused_l2  the same with weight units and cached blocks prefetched into L2
 #             (RING:KV_STAGES:L2_UNITS:L2_BLOCKS), contexts 64 and 1024
@@ -326,8 +326,8 @@ stage_core_fused_waits() {
 stage_core_fused_depths() {
   local d=$1 lock=/tmp/core_fused_depths.lock batch schedules
   local b1="3:2:0:0:64:0:0:8:1:1,3:3:0:0:64:0:0:8:1:1:0:1:0:1:2"
-  local b8="3:3,4:3,3:4,3:4:0:0:64:0:0:8:0:0:0:1:0:1:3,4:3:0:0:64:0:0:8:0:0:0:1:0:1:2"
-  b8="$b8,3:3:0:0:64:0:0:8:1:0:0:1:0:1:2"
+  local b8="3:3,4:3,3:4:0:0:64:0:0:8:0:0:0:1:0:1:3,4:3:0:0:64:0:0:8:0:0:0:1:0:1:2"
+  b8="$b8,3:3:0:0:64:0:0:8:1:0:0:1:0:1:2,3:3:0:0:64:0:0:8:0:0:1:1:0:1:2"
   for batch in 1 8; do
     [ "$batch" = 1 ] && schedules=$b1 || schedules=$b8
     timeout "${DEPTHS_TIMEOUT:-420}" python3 -m experiments.kernels.core_fused --batch="$batch" \

@@ -178,10 +178,11 @@ def check_fused(
 
 def scratch_types(shape: FusedShape, schedule: Schedule, x_stages: int, workers: int):
     """The kernel's shared memory and barriers, by name, as five dicts: the kernel-wide ones
-    (the weight ring, zeros, scalar tiles; with one worker, which has no TMA reduce-add, the
-    tile its adds read and write back through, `KernelContext.add_into`), then those of four
-    scopes that take the same bytes in turn: a product's, the attention's RoPE (its windows
-    and tables), its blocks and its combine (`smem_bytes` counts them). With
+    (the weight ring, scalar tiles; with one worker, which has no TMA reduce-add, the tile its
+    adds read and write back through, `KernelContext.add_into`), then those of four scopes
+    that take the same bytes in turn: a product's (with the tile of zeros that the zeroing
+    copies read, `fused_zeros.Zeros`), the attention's RoPE (its windows and tables), its
+    blocks and its combine (`smem_bytes` counts them). With
     `Schedule.head_pairs` the attention's windows, tables and blocks are a pair window's."""
     pairs = bool(schedule.head_pairs)
     attention = attention_transforms(shape, pairs)
@@ -195,13 +196,13 @@ def scratch_types(shape: FusedShape, schedule: Schedule, x_stages: int, workers:
     kernel_wide = dict(
         ring=plgpu.SMEM((ring, UNIT, cols), bf16, transforms=SWIZZLE_128),
         wbar=plgpu.Barrier(num_barriers=ring),
-        zero=plgpu.SMEM((UNIT, N_PAD), f32),
         sc=plgpu.SMEM((2, *chunk), f32),
         scbar=plgpu.Barrier(),
     )
     if workers == 1:
         kernel_wide |= dict(pin=plgpu.SMEM((kp + SCALAR_ROWS, N_PAD), f32), pbar=plgpu.Barrier())
     product = dict(
+        zero=plgpu.SMEM(chunk, f32),  # written at each product's start (`fused_zeros.Zeros`)
         xa=plgpu.SMEM((x_stages, 2 * UNIT, N_PAD), f32),  # 2 chunks: the MLP's gate and up
         xbb=plgpu.SMEM((x_stages, *chunk), f32),
         xg=plgpu.SMEM((x_stages, *chunk), f32),

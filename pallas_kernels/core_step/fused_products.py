@@ -242,7 +242,7 @@ class Products:
                 issue_x(i)
         if residual is not None:
             self.issue_residual(act, residual, k.worker, s)
-        self.zeros.after_start(it, p)
+        self.zeros.after_start(it, p, s)
         if not dataflow:
             if scalars:
                 k.load_scalars()  # while the first chunks are on their way
