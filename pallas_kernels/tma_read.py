@@ -8,17 +8,27 @@ with them: each slot takes the unit `ring` places later as soon as its copy has 
 rate is the memory system's for that many copies in flight, with no arithmetic, no input and no
 grid barrier beside it. The result is each worker's last unit as it arrived, so that a test can
 tell that the copies read what they should.
+
+`resident` > 0: each worker marks the first `resident` units of its share, once landed, to be
+evicted from L2 last (`mark_in_l2`), so that a call after it may find them there: what a
+persistent kernel that reads the same weights at every iteration could keep on chip between
+iterations, and what that saves (`tools/l2_resident.py`). With `priority` "evict_normal" the
+same units are marked back to L2's normal priority, so that one case's marks do not outlive it.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, llvm
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.core_step.plan import even_share
@@ -26,28 +36,75 @@ from pallas_kernels.core_step.stream import MAX_RING, SWIZZLE_128
 from pallas_kernels.smem import SMEM_LIMIT, aligned
 
 UNIT_ROWS = 64  # rows of a unit: the weight stream's k chunk
+L2_LINE = 128  # bytes of an L2 cache line
+WARPGROUP = 128  # threads that share a unit's lines in `mark_in_l2`
+L2_PRIORITIES = ("evict_last", "evict_normal")  # what `mark_in_l2` gives a line
 
 
-def check_read(units: int, cols: int, workers: int, ring: int) -> None:
-    """ValueError unless every worker owns at least `ring` units and the ring fits in shared
-    memory (`cols` a multiple of 64, the swizzle's tile)."""
+def mark_in_l2(unit, priority: str = "evict_last") -> None:
+    """Gives the lines of `unit` (a ref in global memory, whole lines, as many as a multiple of
+    the warpgroup's threads) L2's eviction `priority`: each thread of the warpgroup prefetches
+    its share of them with `prefetch.global.L2::<priority>` (PTX, sm_80 and later), which
+    leaves each line in L2 with that priority; "evict_last" lines are evicted after all
+    others. Only on a GPU (no interpret mode)."""
+    if priority not in L2_PRIORITIES:
+        raise ValueError(f"priority={priority!r} is not one of {L2_PRIORITIES}")
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+    def mark(ctx, ref):
+        del ctx
+        i64 = ir.IntegerType.get_signless(64)
+        ty = ir.MemRefType(ref.type)
+        lines = math.prod(ty.shape) * mgpu.utils.bitwidth(ty.element_type) // 8 // L2_LINE
+        base = llvm.ptrtoint(i64, mgpu.utils.memref_ptr(ref))
+        thread = arith.extui(i64, mgpu.utils.thread_idx())
+        lane = arith.remui(thread, mgpu.utils.c(WARPGROUP, i64))
+        for r in range(lines // WARPGROUP):
+            line = arith.addi(lane, mgpu.utils.c(r * WARPGROUP, i64))
+            addr = arith.addi(base, arith.muli(line, mgpu.utils.c(L2_LINE, i64)))
+            mgpu.utils.inline_ptx(
+                f"prefetch.global.L2::{priority} [$0];", addr, has_side_effects=True
+            )
+
+    mark(unit)
+
+
+def check_read(units: int, cols: int, workers: int, ring: int, resident: int = 0) -> None:
+    """ValueError unless every worker owns at least `ring` and `resident` units and the ring
+    fits in shared memory (`cols` a multiple of 64, the swizzle's tile)."""
     if cols % 64 or cols < 64:
         raise ValueError(f"cols={cols} must be a positive multiple of 64")
     if not 1 <= ring <= MAX_RING:
         raise ValueError(f"ring={ring} must be in [1, {MAX_RING}]")
-    if workers < 1 or units // workers < ring:
+    if workers < 1 or units // workers < max(ring, resident):
         raise ValueError(
-            f"{units} units over {workers} workers: each must own at least ring={ring}"
+            f"{units} units over {workers} workers: each must own at least ring={ring} and "
+            f"resident={resident}"
         )
+    if resident < 0:
+        raise ValueError(f"resident={resident} must be >= 0")
     need = aligned(ring * UNIT_ROWS * cols * 2) + 8 * ring
     if need > SMEM_LIMIT:
         raise ValueError(f"ring={ring} of [{UNIT_ROWS}, {cols}] units: {need} bytes > {SMEM_LIMIT}")
 
 
-def build_tma_read(units: int, cols: int, *, workers: int, ring: int, interpret: Any = None):
+def build_tma_read(
+    units: int,
+    cols: int,
+    *,
+    workers: int,
+    ring: int,
+    resident: int = 0,
+    priority: str = "evict_last",
+    interpret: Any = None,
+):
     """f(w [units, 64, cols] bf16) -> [workers, 64, cols] bf16, worker i's last unit. Worker i
-    copies units [units i / workers, units (i + 1) / workers) in order, `ring` in flight."""
-    check_read(units, cols, workers, ring)
+    copies units [units i / workers, units (i + 1) / workers) in order, `ring` in flight, and
+    gives the first `resident` of them L2's `priority` once each has landed (`mark_in_l2`; not
+    in interpret mode, which runs the copies alone)."""
+    check_read(units, cols, workers, ring, resident)
+    if priority not in L2_PRIORITIES:
+        raise ValueError(f"priority={priority!r} is not one of {L2_PRIORITIES}")
 
     def body(w_ref, out_ref, slots, arrived):
         worker = lax.axis_index("w")
@@ -64,6 +121,8 @@ def build_tma_read(units: int, cols: int, *, workers: int, ring: int, interpret:
         def _unit(i):
             slot = lax.rem(i, ring)
             plgpu.barrier_wait(arrived.at[slot])
+            if resident and interpret is None:
+                pl.when(i < resident)(lambda: mark_in_l2(w_ref.at[first + i], priority))
             pl.when(i + ring < count)(lambda: issue(i + ring, slot))
 
         plgpu.copy_smem_to_gmem(slots.at[lax.rem(count - 1, ring)], out_ref.at[worker])
@@ -82,13 +141,32 @@ def build_tma_read(units: int, cols: int, *, workers: int, ring: int, interpret:
     )
 
 
-@functools.partial(jax.jit, static_argnames=("workers", "ring", "interpret"))
-def tma_read(w: jax.Array, *, workers: int, ring: int, interpret: Any = None) -> jax.Array:
+@functools.partial(
+    jax.jit, static_argnames=("workers", "ring", "resident", "priority", "interpret")
+)
+def tma_read(
+    w: jax.Array,
+    *,
+    workers: int,
+    ring: int,
+    resident: int = 0,
+    priority: str = "evict_last",
+    interpret: Any = None,
+) -> jax.Array:
     """`build_tma_read` over w [units, 64, cols] bf16: each worker's last unit."""
     units, rows, cols = w.shape
     if rows != UNIT_ROWS or w.dtype != jnp.bfloat16:
         raise ValueError(f"w must be [units, {UNIT_ROWS}, cols] bf16, not {w.shape} {w.dtype}")
-    return build_tma_read(units, cols, workers=workers, ring=ring, interpret=interpret)(w)
+    build = build_tma_read(
+        units,
+        cols,
+        workers=workers,
+        ring=ring,
+        resident=resident,
+        priority=priority,
+        interpret=interpret,
+    )
+    return build(w)
 
 
 def last_units(units: int, workers: int) -> list[int]:

@@ -54,6 +54,10 @@
 #             and 3 key blocks with 2 value blocks beside the second warpgroup and with two-head
 #             items, 4 processes at most at once under one GPU lock ->
 #             core_fused_depths_b{1,8}.{json,txt} (DEPTHS_TIMEOUT: seconds, default 420)
+#   l2_resident  whether a weight stream keeps the units it marks evict_last in L2 from one pass
+#             to the next (tools/l2_resident.py), over 512 MiB and over the Core's 3.3 GB, with
+#             the driver's default L2 set-aside and with 48 MiB set aside -> l2_resident_{512,
+#             core}.{json,txt}
 #   core_fused_l2  the same with weight units and cached blocks prefetched into L2
 #             (RING:KV_STAGES:L2_UNITS:L2_BLOCKS), contexts 64 and 1024
 #   prefill_gemm  the Core's prefill GEMMs shape by shape, XLA against PyTorch
@@ -67,7 +71,7 @@
 # installed only when the machine's flax lacks nnx.List).
 set -u
 [ $# -ge 1 ] || { echo "usage: $0 STAGE [STAGE...] (see the list above)" >&2; exit 2; }
-STAGES="ceilings tests compile_modes core chain chain_trace adapter decode_attention prefill_attention generate core_stream core_persistent core_persistent_profile core_persistent_hbm core_persistent_b8 core_fused core_fused_waits core_fused_depths core_fused_l2 prefill_gemm multi_gpu"
+STAGES="ceilings tests compile_modes core chain chain_trace adapter decode_attention prefill_attention generate core_stream core_persistent core_persistent_profile core_persistent_hbm core_persistent_b8 core_fused core_fused_waits core_fused_depths l2_resident core_fused_l2 prefill_gemm multi_gpu"
 for stage in "$@"; do
   [[ " $STAGES " == *" $stage "* ]] || { echo "unknown stage $stage; known: $STAGES" >&2; exit 2; }
 done
@@ -338,6 +342,17 @@ stage_core_fused_depths() {
   wait
   stamp "core_fused_depths done"
   for f in "$d"/core_fused_depths_b*.txt; do grep -v "it/s\]" "$f" | tail -7; done
+}
+
+stage_l2_resident() {
+  local d=$1 name mib
+  for name in 512 core; do
+    [ "$name" = 512 ] && mib=512 || mib=3300
+    timeout 200 python3 tools/l2_resident.py --mib="$mib" --json_out="$d/l2_resident_$name.json" \
+      > "$d/l2_resident_$name.txt" 2>&1
+    stamp "l2_resident_$name rc $?"
+    tail -12 "$d/l2_resident_$name.txt"
+  done
 }
 
 stage_core_fused_l2() {
