@@ -10,7 +10,7 @@ grid barrier beside it. The result is each worker's last unit as it arrived, so 
 tell that the copies read what they should.
 
 `resident` > 0: each worker marks the first `resident` units of its share, once landed, to be
-evicted from L2 last (`mark_in_l2`), so that a call after it may find them there: what a
+evicted from L2 last (`l2.mark_in_l2`), so that a call after it may find them there: what a
 persistent kernel that reads the same weights at every iteration could keep on chip between
 iterations, and what that saves (`tools/l2_resident.py`). With `priority` "evict_normal" the
 same units are marked back to L2's normal priority, so that one case's marks do not outlive it.
@@ -19,54 +19,20 @@ same units are marked back to L2's normal priority, so that one case's marks do 
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, llvm
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.core_step.plan import even_share
 from pallas_kernels.core_step.stream import MAX_RING, SWIZZLE_128
+from pallas_kernels.l2 import L2_PRIORITIES, mark_in_l2
 from pallas_kernels.smem import SMEM_LIMIT, aligned
 
 UNIT_ROWS = 64  # rows of a unit: the weight stream's k chunk
-L2_LINE = 128  # bytes of an L2 cache line
-WARPGROUP = 128  # threads that share a unit's lines in `mark_in_l2`
-L2_PRIORITIES = ("evict_last", "evict_normal")  # what `mark_in_l2` gives a line
-
-
-def mark_in_l2(unit, priority: str = "evict_last") -> None:
-    """Gives the lines of `unit` (a ref in global memory, whole lines, as many as a multiple of
-    the warpgroup's threads) L2's eviction `priority`: each thread of the warpgroup prefetches
-    its share of them with `prefetch.global.L2::<priority>` (PTX, sm_80 and later), which
-    leaves each line in L2 with that priority; "evict_last" lines are evicted after all
-    others. Only on a GPU (no interpret mode)."""
-    if priority not in L2_PRIORITIES:
-        raise ValueError(f"priority={priority!r} is not one of {L2_PRIORITIES}")
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
-    def mark(ctx, ref):
-        del ctx
-        i64 = ir.IntegerType.get_signless(64)
-        ty = ir.MemRefType(ref.type)
-        lines = math.prod(ty.shape) * mgpu.utils.bitwidth(ty.element_type) // 8 // L2_LINE
-        base = llvm.ptrtoint(i64, mgpu.utils.memref_ptr(ref))
-        thread = arith.extui(i64, mgpu.utils.thread_idx())
-        lane = arith.remui(thread, mgpu.utils.c(WARPGROUP, i64))
-        for r in range(lines // WARPGROUP):
-            line = arith.addi(lane, mgpu.utils.c(r * WARPGROUP, i64))
-            addr = arith.addi(base, arith.muli(line, mgpu.utils.c(L2_LINE, i64)))
-            mgpu.utils.inline_ptx(
-                f"prefetch.global.L2::{priority} [$0];", addr, has_side_effects=True
-            )
-
-    mark(unit)
 
 
 def check_read(units: int, cols: int, workers: int, ring: int, resident: int = 0) -> None:
@@ -100,7 +66,7 @@ def build_tma_read(
 ):
     """f(w [units, 64, cols] bf16) -> [workers, 64, cols] bf16, worker i's last unit. Worker i
     copies units [units i / workers, units (i + 1) / workers) in order, `ring` in flight, and
-    gives the first `resident` of them L2's `priority` once each has landed (`mark_in_l2`; not
+    gives the first `resident` of them L2's `priority` once each has landed (`l2.mark_in_l2`; not
     in interpret mode, which runs the copies alone)."""
     check_read(units, cols, workers, ring, resident)
     if priority not in L2_PRIORITIES:

@@ -116,6 +116,7 @@ def kernel_run(w, batch, iterations, pos, *, workers, interpret, schedule, slot=
         (2, 2, 70, Schedule(ring=3, kv_stages=2, dataflow=1, counter_tiles=2), SLOT),
         (2, 1, SLOT - 1, Schedule(ring=2, kv_stages=3, value_stages=2), SLOT),
         (2, 2, 70, Schedule(ring=3, kv_stages=2, dataflow=1, value_stages=3), SLOT),
+        (1, 3, 5, Schedule(ring=2, kv_stages=2, dataflow=1, l2_keep=2), SLOT),
     ],
 )
 def test_interpret_one_worker_matches_the_step_program(batch, iterations, pos, schedule, slot):
@@ -176,6 +177,7 @@ LATE = Schedule(3, 2, overlap=1, dataflow=1, late_inputs=1)  # the batch-1 defau
 GROUPED = Schedule(3, 2, overlap=1, dataflow=1, counter_tiles=4)  # 4 tiles per counter
 # the batch-1 default with a third key block in flight beside two value blocks
 THIRD_KEY = Schedule(3, 3, overlap=1, dataflow=1, value_stages=2)
+KEPT = Schedule(3, 2, overlap=1, dataflow=1, l2_keep=10)  # the batch-1 default, 41 MiB kept in L2
 GPU_CASES = [
     (SMALL, 16, 1, 2, 130, 192, SMALL_SCHEDULE),
     (SMALL, 16, 1, 2, 130, 192, (64, Schedule(3, 3, handover=0))),
@@ -213,6 +215,7 @@ GPU_CASES = [
     (HUGINN, 132, 8, 2, 200, 256, (256, Schedule(3, 4, value_stages=3))),
     (SMALL, 16, 8, 1, 200, 256, (64, Schedule(3, 3, head_pairs=1, value_stages=2))),
     (HUGINN, 132, 8, 2, 200, 256, (256, Schedule(3, 3, head_pairs=1, value_stages=2))),
+    (HUGINN, 132, 1, 3, 1000, 1024, (256, KEPT)),
 ]
 
 
@@ -383,6 +386,17 @@ def test_late_inputs_issue_the_input_copy_after_the_wgmma_and_release(monkeypatc
     assert text.count(early_body) == (0 if late else bodies)
 
 
+@pytest.mark.parametrize("keep", [0, 1])
+def test_adapter_units_kept_in_l2_are_marked_in_the_kernel(keep):
+    """`Schedule.l2_keep`: the kernel lowered for sm_90 (the small shape on 16 workers, 4
+    adapter units each) holds the PTX prefetch that marks lines evict_last only where units
+    are kept (interpret mode, which has no L2 to mark, leaves it out: the interpret cases)."""
+    shape = FusedShape(512, 8, 64, 768, 1, 1, 64)
+    schedule = Schedule(3, 2, overlap=1, dataflow=1, l2_keep=keep)
+    text = lowered_for_hopper(shape, 2, 192, workers=16, schedule=schedule).as_text()
+    assert ("prefetch.global.L2::evict_last" in text) == bool(keep)
+
+
 @pytest.mark.parametrize("pairs", [0, 1])
 def test_a_softmax_step_waits_for_its_value_block_after_its_scores(monkeypatch, pairs):
     """A cached block's step, as traced for sm_90 (the small shape at batch 8, one iteration,
@@ -507,6 +521,9 @@ def test_refuses_what_it_cannot_run():
         check_fused(huginn, 132, Schedule(late_inputs=2))
     with pytest.raises(ValueError, match="counter_tiles must be >= 1"):
         check_fused(huginn, 132, Schedule(counter_tiles=0))
+    check_fused(huginn, 132, Schedule(l2_keep=10))  # 13 adapter units per worker, a ring of 3
+    with pytest.raises(ValueError, match="l2_keep must be in \\[0, 10\\]"):
+        check_fused(huginn, 132, Schedule(l2_keep=11))
     # the on-device profiler's records of 32 iterations of 4 layers take 37.6 KiB, of 36 42.3
     # KiB: 3:3 leaves 37.8 (key blocks of 96 columns, the tile of zeros in the products' scope)
     four_layers = FusedShape(5280, 55, 96, 17920, 4, 1)

@@ -251,7 +251,10 @@ def test_schedule_is_written_as_parsed():
     values = Schedule(3, 3, overlap=1, dataflow=1, value_stages=2)
     assert Schedule.parse("3:3:0:0:64:0:0:8:1:1:0:1:0:1:2") == values
     assert str(values) == "3:3:0:0:64:0:0:8:1:1:0:1:0:1:2"
-    for bad in ("6", "6:3:1:2:64:4:5:6:1:1:1:0:1:4:2:7", "6:x"):
+    kept = Schedule(3, 2, overlap=1, dataflow=1, l2_keep=10)
+    assert Schedule.parse("3:2:0:0:64:0:0:8:1:1:0:1:0:1:0:10") == kept
+    assert str(kept) == "3:2:0:0:64:0:0:8:1:1:0:1:0:1:0:10"
+    for bad in ("6", "6:3:1:2:64:4:5:6:1:1:1:0:1:4:2:7:9", "6:x"):
         with pytest.raises(ValueError, match="is not RING:KV_STAGES"):
             Schedule.parse(bad)
     with pytest.raises(ValueError, match="kv_block=96 must be one of"):

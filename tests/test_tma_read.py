@@ -117,7 +117,7 @@ def test_every_sm_ends_on_its_last_unit_gpu():
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (Mosaic GPU, sm_90)")
 @pytest.mark.parametrize("priority", ["evict_last", "evict_normal"])
 def test_l2_marks_assemble_and_leave_the_units_as_they_are_gpu(priority):
-    """The PTX prefetches of `mark_in_l2` assemble and run: the same last units come back."""
+    """The PTX prefetches of `l2.mark_in_l2` assemble and run: the same last units come back."""
     workers = jax.devices()[0].core_count
     w = units_of(2000, 256)
     got = tma_read(w, workers=workers, ring=4, resident=5, priority=priority)

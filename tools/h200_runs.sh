@@ -57,7 +57,9 @@
 #   l2_resident  whether a weight stream keeps the units it marks evict_last in L2 from one pass
 #             to the next (tools/l2_resident.py), over 512 MiB and over the Core's 3.3 GB, with
 #             the driver's default L2 set-aside and with 48 MiB set aside -> l2_resident_{512,
-#             core}.{json,txt}
+#             core}.{json,txt}; then the fused kernel's default at batch 1 and 8 beside the same
+#             with 10 adapter units per worker kept in L2 (Schedule.l2_keep), kernel time only
+#             -> core_fused_l2_keep_b{1,8}.{json,txt}
 #   core_fused_l2  the same with weight units and cached blocks prefetched into L2
 #             (RING:KV_STAGES:L2_UNITS:L2_BLOCKS), contexts 64 and 1024
 #   prefill_gemm  the Core's prefill GEMMs shape by shape, XLA against PyTorch
@@ -353,6 +355,18 @@ stage_l2_resident() {
     stamp "l2_resident_$name rc $?"
     tail -12 "$d/l2_resident_$name.txt"
   done
+  local batch schedules lock=/tmp/core_fused_l2_keep.lock
+  for batch in 1 8; do
+    [ "$batch" = 1 ] && schedules=3:2:0:0:64:0:0:8:1:1,3:2:0:0:64:0:0:8:1:1:0:1:0:1:0:10 \
+      || schedules=3:3,3:3:0:0:64:0:0:8:0:0:0:1:0:1:0:10
+    timeout "${KEEP_TIMEOUT:-300}" python3 -m experiments.kernels.core_fused --batch="$batch" \
+      --contexts=1024 --nostream --reps=20 --gpu_lock="$lock" --jobs=2 \
+      --schedules="$schedules" --json_out="$d/core_fused_l2_keep_b$batch.json" \
+      > "$d/core_fused_l2_keep_b$batch.txt" 2>&1 &
+  done
+  wait
+  stamp "core_fused_l2_keep done"
+  for f in "$d"/core_fused_l2_keep_b*.txt; do grep -v "it/s\]" "$f" | tail -4; done
 }
 
 stage_core_fused_l2() {

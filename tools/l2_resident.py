@@ -7,11 +7,11 @@ that saves: the case of a persistent kernel that reads the same weights at every
 W of `mib` MiB, as [64, 256] bf16 units, is read by the TMA probe (`pallas_kernels.tma_read`:
 one worker per SM, 4 units in flight each, nothing done with them), `reps` passes back to back
 (CUPTI device time of a pass, median). Each worker marks the first units of its share, about
-`resident_mib` MiB over all workers (0 always among them), to be evicted from L2 last as they land
-(`tma_read.mark_in_l2`: `prefetch.global.L2::evict_last`). Where the marked lines outlive the
-rest of a pass, the next pass reads them from L2: its time drops by about their share of W, up
-to "if all kept" (the marked bytes / W). Before each case one pass gives every unit that any
-case marks L2's normal priority back, so that no case inherits another's marks.
+`resident_mib` MiB over all workers (0 always among them), to be evicted from L2 last as they
+land (`pallas_kernels.l2.mark_in_l2`: `prefetch.global.L2::evict_last`). Where the marked lines
+outlive the rest of a pass, the next pass reads them from L2: its time drops by about their
+share of W, up to "if all kept" (the marked bytes / W). Before each case one pass gives every
+unit that any case marks L2's normal priority back, so that no case inherits another's marks.
 `persisting_mib`: the L2 set-aside for persisting lines (the driver's
 cuCtxSetLimit(CU_LIMIT_PERSISTING_L2_CACHE_SIZE), 0 its default), set before the cases that
 follow it, since the hardware may keep lines marked evict_last only within it; the limit the

@@ -148,6 +148,7 @@ def build_fused_core(
             flags=pl.get_global(plgpu.SemaphoreType.REGULAR((shape.heads,)))
             if splits > 1 else None,
             q_done=pl.get_global(plgpu.SemaphoreType.REGULAR) if overlap else None,
+            interpreted=interpret is not None,
         )  # fmt: skip
         barrier = GridBarrier(workers, "wait", 0, 1) if k.reduce else None
         inputs = dict(weights=w_refs, state=state, e_part=e_part, gains=gains)

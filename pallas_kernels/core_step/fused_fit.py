@@ -121,10 +121,11 @@ def check_fused(
     """ValueError unless the schedule can run (as `stream.check_schedule`): a ring longer than
     the wgmma lag, the ring and the L2 lookahead shorter than every worker's units of each
     product (the lookahead reaches into the next product only), so at least 1 and at most
-    `most_workers` workers, at least 2 stages of cached key blocks and of value blocks,
-    buffers that fit (with the profiler's records of `profiled_iterations`, where it runs:
-    each warpgroup's; with `Schedule.overlap`, both warpgroups' buffers at once, one
-    attention item per worker)."""
+    `most_workers` workers, at least 2 stages of cached key blocks and of value blocks, no
+    more adapter units kept in L2 than a worker copies after the ring's depth, buffers that
+    fit (with the profiler's records of `profiled_iterations`, where it runs: each
+    warpgroup's; with `Schedule.overlap`, both warpgroups' buffers at once, one attention item
+    per worker)."""
     ring, kv_stages, lag = schedule.ring, schedule.kv_stages, schedule.lag
     if not 1 <= ring <= MAX_RING or not 0 <= lag < ring or not 1 <= x_stages <= ring:
         raise ValueError(f"need 0 <= lag={lag} < ring={ring} <= {MAX_RING}, x_stages <= ring")
@@ -162,6 +163,12 @@ def check_fused(
         raise ValueError(
             f"a worker owns {fewest} units of some product with {workers} workers: the ring "
             f"({ring}) and the L2 lookahead ({schedule.l2_reach}) must be shorter ({fits})"
+        )
+    adapter_units = shape.phases[0].units(shape.unit_cols) // workers
+    if not 0 <= schedule.l2_keep <= adapter_units - ring:
+        raise ValueError(
+            f"schedule {schedule}: l2_keep must be in [0, {adapter_units - ring}], the adapter "
+            f"units a worker copies after the ring's depth"
         )
     need = smem_bytes(shape, schedule, x_stages, workers)
     if need > SMEM_LIMIT:

@@ -2,7 +2,8 @@
 product in one sequence (`fused_plan.unit_ranges`), `Schedule.ring` of them in flight into
 shared memory by TMA, so that the ring runs on from one product into the next, across the grid
 barriers and the attention between them; with `Schedule.l2_units`, also prefetched into L2 that
-many units ahead."""
+many units ahead; with `Schedule.l2_keep`, some of its adapter units marked to stay in L2 from one
+iteration to the next."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pallas_kernels.core_step.fused_blocks import prefetch_blocks
 from pallas_kernels.core_step.fused_inputs import KernelContext
 from pallas_kernels.core_step.fused_plan import Schedule, kind_of, unit_ranges
 from pallas_kernels.core_step.plan import UNIT
+from pallas_kernels.l2 import mark_in_l2
 
 
 class WeightRing:
@@ -84,13 +86,19 @@ class WeightRing:
     def release(self, it, p, j):
         """Unit j of phase p is done: its slot takes the unit `ring` places later, and the
         unit `ring + l2_units` places later goes into L2. When that L2 lookahead leaves a
-        qkv, the attention's first cached blocks go into L2 too."""
+        qkv, the attention's first cached blocks go into L2 too. An adapter unit that
+        `Schedule.l2_keep` keeps is marked evict_last in L2 (after the first iteration)."""
         l2_units, l2_blocks = self.schedule.l2_units, self.schedule.l2_blocks
         jj = j + self.schedule.ring
         c = self.first_slot(it, p) + jj
         self.ahead(it, p, jj, lambda q, jq, raw: self.issue_weight(q, jq, c, raw))
         if l2_units:
             self.ahead(it, p, jj + l2_units, self.prefetch_weight)
+        keep = self.schedule.l2_keep
+        if keep and p == 0 and not self.k.interpreted:  # interpret mode has no L2 to mark
+            ring = self.schedule.ring
+            kept = jnp.logical_and(it > 0, jnp.logical_and(j >= ring, j < ring + keep))
+            pl.when(kept)(lambda: self.send_unit(0, j, False, mark_in_l2))
         kind, layer = kind_of(self.phases[p].name)
         if l2_blocks and kind == "qkv":
             at_end = jj + l2_units == self.count[p]
