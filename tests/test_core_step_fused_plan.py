@@ -242,18 +242,15 @@ def test_schedule_is_written_as_parsed():
         3, 2, overlap=1, dataflow=1, lag=0
     )
     assert str(Schedule(3, 3, lag=0)) == "3:3:0:0:64:0:0:8:0:0:0:0"
-    late = Schedule(3, 2, overlap=1, dataflow=1, late_inputs=1)
-    assert Schedule.parse("3:2:0:0:64:0:0:8:1:1:0:1:1") == late
-    assert str(late) == "3:2:0:0:64:0:0:8:1:1:0:1:1"
-    grouped = Schedule(3, 2, overlap=1, dataflow=1, counter_tiles=4)
-    assert Schedule.parse("3:2:0:0:64:0:0:8:1:1:0:1:0:4") == grouped
-    assert str(grouped) == "3:2:0:0:64:0:0:8:1:1:0:1:0:4"
-    values = Schedule(3, 3, overlap=1, dataflow=1, value_stages=2)
-    assert Schedule.parse("3:3:0:0:64:0:0:8:1:1:0:1:0:1:2") == values
-    assert str(values) == "3:3:0:0:64:0:0:8:1:1:0:1:0:1:2"
-    kept = Schedule(3, 2, overlap=1, dataflow=1, l2_keep=10)
-    assert Schedule.parse("3:2:0:0:64:0:0:8:1:1:0:1:0:1:0:10") == kept
-    assert str(kept) == "3:2:0:0:64:0:0:8:1:1:0:1:0:1:0:10"
+    default_b1 = dict(ring=3, kv_stages=2, overlap=1, dataflow=1)  # the model's at batch 1
+    for text, fields in [
+        ("3:2:0:0:64:0:0:8:1:1:0:1:1", dict(default_b1, late_inputs=1)),
+        ("3:2:0:0:64:0:0:8:1:1:0:1:0:4", dict(default_b1, counter_tiles=4)),
+        ("3:3:0:0:64:0:0:8:1:1:0:1:0:1:2", dict(default_b1, kv_stages=3, value_stages=2)),
+        ("3:2:0:0:64:0:0:8:1:1:0:1:0:1:0:10", dict(default_b1, l2_keep=10)),
+    ]:
+        assert Schedule.parse(text) == Schedule(**fields)
+        assert str(Schedule(**fields)) == text
     for bad in ("6", "6:3:1:2:64:4:5:6:1:1:1:0:1:4:2:7:9", "6:x"):
         with pytest.raises(ValueError, match="is not RING:KV_STAGES"):
             Schedule.parse(bad)

@@ -329,21 +329,27 @@ stage_core_fused_waits() {
   for f in "$d"/core_fused_waits_*.txt; do grep -v "it/s\]" "$f" | tail -6; done
 }
 
+fused_batches() {
+  # fused_batches DIR NAME TIMEOUT B1_SCHEDULES B8_SCHEDULES: core_fused at batch 1 and 8 at once,
+  # 2 processes each under one GPU lock, kernel time only -> NAME_b{1,8}.{json,txt}
+  local d=$1 name=$2 limit=$3 batch schedules
+  for batch in 1 8; do
+    [ "$batch" = 1 ] && schedules=$4 || schedules=$5
+    timeout "$limit" python3 -m experiments.kernels.core_fused --batch="$batch" \
+      --contexts=1024 --nostream --reps=20 --gpu_lock="/tmp/$name.lock" --jobs=2 \
+      --schedules="$schedules" --json_out="$d/${name}_b$batch.json" \
+      > "$d/${name}_b$batch.txt" 2>&1 &
+  done
+  wait
+  stamp "$name done"
+  for f in "$d/${name}"_b*.txt; do grep -v "it/s\]" "$f" | tail -8; done
+}
+
 stage_core_fused_depths() {
-  local d=$1 lock=/tmp/core_fused_depths.lock batch schedules
   local b1="3:2:0:0:64:0:0:8:1:1,3:3:0:0:64:0:0:8:1:1:0:1:0:1:2"
   local b8="3:3,4:3,3:4:0:0:64:0:0:8:0:0:0:1:0:1:3,4:3:0:0:64:0:0:8:0:0:0:1:0:1:2"
   b8="$b8,3:3:0:0:64:0:0:8:1:0:0:1:0:1:2,3:3:0:0:64:0:0:8:0:0:1:1:0:1:2"
-  for batch in 1 8; do
-    [ "$batch" = 1 ] && schedules=$b1 || schedules=$b8
-    timeout "${DEPTHS_TIMEOUT:-420}" python3 -m experiments.kernels.core_fused --batch="$batch" \
-      --contexts=1024 --nostream --reps=20 --gpu_lock="$lock" --jobs=2 \
-      --schedules="$schedules" --json_out="$d/core_fused_depths_b$batch.json" \
-      > "$d/core_fused_depths_b$batch.txt" 2>&1 &
-  done
-  wait
-  stamp "core_fused_depths done"
-  for f in "$d"/core_fused_depths_b*.txt; do grep -v "it/s\]" "$f" | tail -7; done
+  fused_batches "$1" core_fused_depths "${DEPTHS_TIMEOUT:-420}" "$b1" "$b8"
 }
 
 stage_l2_resident() {
@@ -355,18 +361,8 @@ stage_l2_resident() {
     stamp "l2_resident_$name rc $?"
     tail -12 "$d/l2_resident_$name.txt"
   done
-  local batch schedules lock=/tmp/core_fused_l2_keep.lock
-  for batch in 1 8; do
-    [ "$batch" = 1 ] && schedules=3:2:0:0:64:0:0:8:1:1,3:2:0:0:64:0:0:8:1:1:0:1:0:1:0:10 \
-      || schedules=3:3,3:3:0:0:64:0:0:8:0:0:0:1:0:1:0:10
-    timeout "${KEEP_TIMEOUT:-300}" python3 -m experiments.kernels.core_fused --batch="$batch" \
-      --contexts=1024 --nostream --reps=20 --gpu_lock="$lock" --jobs=2 \
-      --schedules="$schedules" --json_out="$d/core_fused_l2_keep_b$batch.json" \
-      > "$d/core_fused_l2_keep_b$batch.txt" 2>&1 &
-  done
-  wait
-  stamp "core_fused_l2_keep done"
-  for f in "$d"/core_fused_l2_keep_b*.txt; do grep -v "it/s\]" "$f" | tail -4; done
+  fused_batches "$d" core_fused_l2_keep "${KEEP_TIMEOUT:-300}" \
+    3:2:0:0:64:0:0:8:1:1,3:2:0:0:64:0:0:8:1:1:0:1:0:1:0:10 3:3,3:3:0:0:64:0:0:8:0:0:0:1:0:1:0:10
 }
 
 stage_core_fused_l2() {
