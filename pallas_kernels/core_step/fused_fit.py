@@ -189,8 +189,8 @@ def scratch_types(shape: FusedShape, schedule: Schedule, x_stages: int, workers:
     adds read and write back through, `KernelContext.add_into`), then those of four scopes
     that take the same bytes in turn: a product's (with the tile of zeros that the zeroing
     copies read, `fused_zeros.Zeros`), the attention's RoPE (its windows and tables), its
-    blocks and its combine (`smem_bytes` counts them). With
-    `Schedule.head_pairs` the attention's windows, tables and blocks are a pair window's."""
+    blocks and its combine (`smem_bytes` counts them). With `Schedule.head_pairs` the
+    attention's windows, tables and blocks are a pair window's."""
     pairs = bool(schedule.head_pairs)
     attention = attention_transforms(shape, pairs)
     bf16, f32, cols = jnp.bfloat16, jnp.float32, shape.unit_cols

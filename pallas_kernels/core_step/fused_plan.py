@@ -86,8 +86,8 @@ class Schedule:
     `l2_keep` > 0: each worker marks that many of its adapter units, those from the ring's
     depth on (the first it copies after the iteration's barrier), evict_last in L2 once taken,
     in every iteration after the first (whose adapter is the raw one), so that the next
-    iteration may read them from L2 rather than HBM (`pallas_kernels.l2.mark_in_l2`; about
-    41 MiB over 132 workers at 10, huginn-0125's most with a ring of 3).
+    iteration may read them from L2 rather than HBM (`pallas_kernels.l2.mark_in_l2`; at most
+    the adapter units a worker copies after the ring's, `fused_fit.check_fused`).
     Written as `FORMAT` says, RING:KV_STAGES[:L2_UNITS[...]] (`parse`, `str`). The defaults are
     the kernel's, for its default [64, 256] weight units: the shared memory bounds ring x unit
     width and kv_stages x kv_block together (3:3, 3:4, 4:2, 4:3 and 3:2 with blocks of 128 fit

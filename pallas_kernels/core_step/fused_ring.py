@@ -2,8 +2,8 @@
 product in one sequence (`fused_plan.unit_ranges`), `Schedule.ring` of them in flight into
 shared memory by TMA, so that the ring runs on from one product into the next, across the grid
 barriers and the attention between them; with `Schedule.l2_units`, also prefetched into L2 that
-many units ahead; with `Schedule.l2_keep`, some of its adapter units marked to stay in L2 from one
-iteration to the next."""
+many units ahead; with `Schedule.l2_keep`, some of its adapter units marked to stay in L2 from
+one iteration to the next."""
 
 from __future__ import annotations
 
