@@ -16,14 +16,19 @@ WARPGROUP = 128  # threads that share a unit's lines
 L2_PRIORITIES = ("evict_last", "evict_normal")  # what `mark_in_l2` gives a line
 
 
+def check_priority(priority: str) -> None:
+    """ValueError unless `priority` is one that `mark_in_l2` gives (`L2_PRIORITIES`)."""
+    if priority not in L2_PRIORITIES:
+        raise ValueError(f"priority={priority!r} is not one of {L2_PRIORITIES}")
+
+
 def mark_in_l2(unit, priority: str = "evict_last") -> None:
     """Gives the lines of `unit` (a contiguous ref in global memory, whole lines) L2's eviction
     `priority`: the warpgroup's threads take its lines in turn, each prefetching its own with
     `prefetch.global.L2::<priority>` (PTX, sm_80 and later), which leaves the line in L2 with
     that priority; "evict_last" lines are evicted after all others. Only on a GPU (no
     interpret mode)."""
-    if priority not in L2_PRIORITIES:
-        raise ValueError(f"priority={priority!r} is not one of {L2_PRIORITIES}")
+    check_priority(priority)
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
     def mark(ctx, ref):

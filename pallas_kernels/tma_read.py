@@ -29,7 +29,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.core_step.plan import even_share
 from pallas_kernels.core_step.stream import MAX_RING, SWIZZLE_128
-from pallas_kernels.l2 import L2_PRIORITIES, mark_in_l2
+from pallas_kernels.l2 import check_priority, mark_in_l2
 from pallas_kernels.smem import SMEM_LIMIT, aligned
 
 UNIT_ROWS = 64  # rows of a unit: the weight stream's k chunk
@@ -69,8 +69,7 @@ def build_tma_read(
     gives the first `resident` of them L2's `priority` once each has landed (`l2.mark_in_l2`; not
     in interpret mode, which runs the copies alone)."""
     check_read(units, cols, workers, ring, resident)
-    if priority not in L2_PRIORITIES:
-        raise ValueError(f"priority={priority!r} is not one of {L2_PRIORITIES}")
+    check_priority(priority)  # before any tracing, also where no unit is marked
 
     def body(w_ref, out_ref, slots, arrived):
         worker = lax.axis_index("w")

@@ -174,7 +174,7 @@ class Counters:
             hi = (jnp.minimum(start + shape.kp + SHIFT, n) - 1) // self.cols
 
             @pl.loop(lo, hi + 1)
-            def _tile(t):
+            def _tile(t):  # a qkv's counters count one tile each (`tiles_per_counter`)
                 _wait(self.tiles.at[self.base[p] + t], (it + 1) * self.counter_adds(p, t))
 
         self.wait_owned(it, p)
