@@ -47,6 +47,11 @@
 #             (four times the waits), kernel time only, 4 processes at most at once under one
 #             GPU lock -> core_fused_waits_{bound,256,128}.{json,txt} (WAITS_UNITS="256" or "128":
 #             one half; WAITS_TIMEOUT: seconds per half, default 280)
+#   core_fused_b1  batch 1's schedules of the three stages below that are not yet timed, in one
+#             call: the default beside a third key block with two value blocks, 10 adapter units
+#             kept in L2, the waits after the weight copies, 4 tiles per counter and both; the
+#             bound without the waits; the default's profile over 2 iterations (both warpgroups)
+#             -> core_fused_b1{,_bound,_profile}.{json,txt} (B1_TIMEOUT: seconds, default 480)
 #   core_fused_depths  the fused kernel's reads in flight, context 1024, kernel time only: at
 #             batch 1 the default beside a third cached key block with two value blocks
 #             (Schedule.value_stages), at batch 8 the default (3:3) beside a ring of 4 (4:3), 4
@@ -73,7 +78,7 @@
 # installed only when the machine's flax lacks nnx.List).
 set -u
 [ $# -ge 1 ] || { echo "usage: $0 STAGE [STAGE...] (see the list above)" >&2; exit 2; }
-STAGES="ceilings tests compile_modes core chain chain_trace adapter decode_attention prefill_attention generate core_stream core_persistent core_persistent_profile core_persistent_hbm core_persistent_b8 core_fused core_fused_waits core_fused_depths l2_resident core_fused_l2 prefill_gemm multi_gpu"
+STAGES="ceilings tests compile_modes core chain chain_trace adapter decode_attention prefill_attention generate core_stream core_persistent core_persistent_profile core_persistent_hbm core_persistent_b8 core_fused core_fused_waits core_fused_b1 core_fused_depths l2_resident core_fused_l2 prefill_gemm multi_gpu"
 for stage in "$@"; do
   [[ " $STAGES " == *" $stage "* ]] || { echo "unknown stage $stage; known: $STAGES" >&2; exit 2; }
 done
@@ -89,6 +94,8 @@ nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,power.draw --form
 T0=$(date +%s)
 stamp() { echo "[$(($(date +%s) - T0)) s] $*"; }
 # the ceilings of the last run kept in the tree until this call measures its own
+# every kind of step after which core_fused --skip_barriers can leave out a wait (a timing bound)
+ALL_STEP_KINDS=adapter,qkv,attn,proj,fc,mlp_proj
 CEILINGS=""; [ -f results/h200/ceilings.json ] && CEILINGS="--ceilings=results/h200/ceilings.json"
 
 stage_ceilings() {
@@ -311,15 +318,12 @@ stage_core_fused_waits() {
   waits_run() {  # waits_run NAME JOBS FLAGS...
     local name=$1 jobs=$2
     shift 2
-    timeout "${WAITS_TIMEOUT:-280}" python3 -m experiments.kernels.core_fused --batch=1 \
-      --contexts=1024 --nostream --reps=20 --gpu_lock="$lock" --jobs="$jobs" "$@" \
-      --json_out="$d/core_fused_waits_$name.json" > "$d/core_fused_waits_$name.txt" 2>&1
-    stamp "core_fused_waits_$name rc $?"
+    fused_call "$d" "core_fused_waits_$name" "$lock" "${WAITS_TIMEOUT:-280}" "$jobs" --batch=1 "$@"
   }
   local variants="0:1:1 0:1:0:4 0:1:1:4" at256="$dataflow" at128="$ring6" v
   for v in $variants; do at256="$at256,$dataflow:$v"; at128="$at128,$ring6:$v"; done
   if [[ " ${WAITS_UNITS:-256 128} " == *" 256 "* ]]; then
-    waits_run bound 1 --schedules="$dataflow" --skip_barriers=adapter,qkv,attn,proj,fc,mlp_proj &
+    waits_run bound 1 --schedules="$dataflow" --skip_barriers=$ALL_STEP_KINDS &
     waits_run 256 3 --schedules="$at256"
     wait  # then [64, 128]: 4 processes at most at once
   fi
@@ -329,19 +333,38 @@ stage_core_fused_waits() {
   for f in "$d"/core_fused_waits_*.txt; do grep -v "it/s\]" "$f" | tail -6; done
 }
 
+stage_core_fused_b1() {
+  # the batch-1 schedules of core_fused_waits ([64, 256] units), core_fused_depths and
+  # l2_resident in one call, with the default's profile
+  local d=$1 lock=/tmp/core_fused_b1.lock s=3:2:0:0:64:0:0:8:1:1 limit=${B1_TIMEOUT:-480}
+  local schedules="$s,3:3:0:0:64:0:0:8:1:1:0:1:0:1:2,$s:0:1:0:1:0:10,$s:0:1:1,$s:0:1:0:4,$s:0:1:1:4"
+  fused_call "$d" core_fused_b1 "$lock" "$limit" 3 --batch=1 --schedules="$schedules" &
+  fused_call "$d" core_fused_b1_bound "$lock" "$limit" 1 --batch=1 --schedules="$s" \
+    --skip_barriers=$ALL_STEP_KINDS &
+  fused_call "$d" core_fused_b1_profile "$lock" "$limit" 1 --batch=1 --iterations=2 --profile \
+    --schedules="$s" &
+  wait
+  for f in "$d"/core_fused_b1*.txt; do grep -v "it/s\]" "$f" | tail -10; done
+}
+
+fused_call() {
+  # fused_call DIR NAME LOCK TIMEOUT JOBS FLAGS...: core_fused at context 1024, 20 calls a row,
+  # kernel time only, GPU work under the file lock LOCK -> DIR/NAME.{json,txt}
+  local d=$1 name=$2 lock=$3 limit=$4 jobs=$5
+  shift 5
+  timeout "$limit" python3 -m experiments.kernels.core_fused --contexts=1024 --nostream \
+    --reps=20 --gpu_lock="$lock" --jobs="$jobs" "$@" --json_out="$d/$name.json" \
+    > "$d/$name.txt" 2>&1
+  stamp "$name rc $?"
+}
+
 fused_batches() {
   # fused_batches DIR NAME TIMEOUT B1_SCHEDULES B8_SCHEDULES: core_fused at batch 1 and 8 at once,
   # 2 processes each under one GPU lock, kernel time only -> NAME_b{1,8}.{json,txt}
-  local d=$1 name=$2 limit=$3 batch schedules
-  for batch in 1 8; do
-    [ "$batch" = 1 ] && schedules=$4 || schedules=$5
-    timeout "$limit" python3 -m experiments.kernels.core_fused --batch="$batch" \
-      --contexts=1024 --nostream --reps=20 --gpu_lock="/tmp/$name.lock" --jobs=2 \
-      --schedules="$schedules" --json_out="$d/${name}_b$batch.json" \
-      > "$d/${name}_b$batch.txt" 2>&1 &
-  done
+  local d=$1 name=$2 limit=$3
+  fused_call "$d" "${name}_b1" "/tmp/$name.lock" "$limit" 2 --batch=1 --schedules="$4" &
+  fused_call "$d" "${name}_b8" "/tmp/$name.lock" "$limit" 2 --batch=8 --schedules="$5" &
   wait
-  stamp "$name done"
   for f in "$d/${name}"_b*.txt; do grep -v "it/s\]" "$f" | tail -8; done
 }
 
