@@ -47,8 +47,8 @@
 #             (four times the waits), kernel time only, 4 processes at most at once under one
 #             GPU lock -> core_fused_waits_{bound,256,128}.{json,txt} (WAITS_UNITS="256" or "128":
 #             one half; WAITS_TIMEOUT: seconds per half, default 280)
-#   core_fused_b1  batch 1's schedules of the three stages below that are not yet timed, in one
-#             call: the default beside a third key block with two value blocks, 10 adapter units
+#   core_fused_b1  batch 1's schedules of core_fused_waits ([64, 256] units), core_fused_depths
+#             and l2_resident, none yet timed, in one call: the default beside a third key block with two value blocks, 10 adapter units
 #             kept in L2, the waits after the weight copies, 4 tiles per counter and both; the
 #             bound without the waits; the default's profile over 2 iterations (both warpgroups)
 #             -> core_fused_b1{,_bound,_profile}.{json,txt} (B1_TIMEOUT: seconds, default 480)
@@ -94,9 +94,9 @@ nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,power.draw --form
 T0=$(date +%s)
 stamp() { echo "[$(($(date +%s) - T0)) s] $*"; }
 # the ceilings of the last run kept in the tree until this call measures its own
+CEILINGS=""; [ -f results/h200/ceilings.json ] && CEILINGS="--ceilings=results/h200/ceilings.json"
 # every kind of step after which core_fused --skip_barriers can leave out a wait (a timing bound)
 ALL_STEP_KINDS=adapter,qkv,attn,proj,fc,mlp_proj
-CEILINGS=""; [ -f results/h200/ceilings.json ] && CEILINGS="--ceilings=results/h200/ceilings.json"
 
 stage_ceilings() {
   local d=$1
