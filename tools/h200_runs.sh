@@ -97,7 +97,9 @@ stamp() { echo "[$(($(date +%s) - T0)) s] $*"; }
 # the ceilings of the last run kept in the tree until this call measures its own
 CEILINGS=""; [ -f results/h200/ceilings.json ] && CEILINGS="--ceilings=results/h200/ceilings.json"
 # every kind of step after which core_fused --skip_barriers can leave out a wait (a timing bound)
-ALL_STEP_KINDS=adapter,qkv,attn,proj,fc,mlp_proj
+all_step_kinds() {
+  python3 -c "from pallas_kernels.core_step.fused_plan import STEP_KINDS; print(','.join(STEP_KINDS))"
+}
 
 stage_ceilings() {
   local d=$1
@@ -324,7 +326,7 @@ stage_core_fused_waits() {
   local variants="0:1:1 0:1:0:4 0:1:1:4" at256="$dataflow" at128="$ring6" v
   for v in $variants; do at256="$at256,$dataflow:$v"; at128="$at128,$ring6:$v"; done
   if [[ " ${WAITS_UNITS:-256 128} " == *" 256 "* ]]; then
-    waits_run bound 1 --schedules="$dataflow" --skip_barriers=$ALL_STEP_KINDS &
+    waits_run bound 1 --schedules="$dataflow" --skip_barriers="$(all_step_kinds)" &
     waits_run 256 3 --schedules="$at256"
     wait  # then [64, 128]: 4 processes at most at once
   fi
@@ -341,7 +343,7 @@ stage_core_fused_b1() {
   local schedules="$s,3:3:0:0:64:0:0:8:1:1:0:1:0:1:2,$s:0:1:0:1:0:10,$s:0:1:1,$s:0:1:0:4,$s:0:1:1:4"
   fused_call "$d" core_fused_b1 "$lock" "$limit" 3 --batch=1 --schedules="$schedules" &
   fused_call "$d" core_fused_b1_bound "$lock" "$limit" 1 --batch=1 --schedules="$s" \
-    --skip_barriers=$ALL_STEP_KINDS &
+    --skip_barriers="$(all_step_kinds)" &
   fused_call "$d" core_fused_b1_profile "$lock" "$limit" 1 --batch=1 --iterations=2 --profile \
     --schedules="$s" &
   wait
