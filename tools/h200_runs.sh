@@ -96,6 +96,14 @@ T0=$(date +%s)
 stamp() { echo "[$(($(date +%s) - T0)) s] $*"; }
 # the ceilings of the last run kept in the tree until this call measures its own
 CEILINGS=""; [ -f results/h200/ceilings.json ] && CEILINGS="--ceilings=results/h200/ceilings.json"
+# batch-1 schedules that several stages time: the model's default (one grid barrier per
+# iteration, the cached blocks in a second warpgroup), fields appended to it for the counter
+# waits (after the weight copies, 4 tiles per counter, both), a third key block beside two value
+# blocks, 10 adapter units per worker kept in L2
+B1_DEFAULT=3:2:0:0:64:0:0:8:1:1
+B1_WAIT_FIELDS="0:1:1 0:1:0:4 0:1:1:4"
+B1_VALUE_STAGES=3:3:0:0:64:0:0:8:1:1:0:1:0:1:2
+B1_L2_KEEP=$B1_DEFAULT:0:1:0:1:0:10
 # every kind of step after which core_fused --skip_barriers can leave out a wait (a timing bound)
 all_step_kinds() {
   python3 -c "from pallas_kernels.core_step.fused_plan import STEP_KINDS; print(','.join(STEP_KINDS))"
@@ -317,14 +325,14 @@ stage_core_fused() {
 }
 
 stage_core_fused_waits() {
-  local d=$1 lock=/tmp/core_fused_waits.lock dataflow=3:2:0:0:64:0:0:8:1:1 ring6=6:2:0:0:64:0:0:8:1:1
+  local d=$1 lock=/tmp/core_fused_waits.lock dataflow=$B1_DEFAULT ring6=6:2:0:0:64:0:0:8:1:1
   waits_run() {  # waits_run NAME JOBS FLAGS...
     local name=$1 jobs=$2
     shift 2
     fused_call "$d" "core_fused_waits_$name" "$lock" "${WAITS_TIMEOUT:-280}" "$jobs" --batch=1 "$@"
   }
-  local variants="0:1:1 0:1:0:4 0:1:1:4" at256="$dataflow" at128="$ring6" v
-  for v in $variants; do at256="$at256,$dataflow:$v"; at128="$at128,$ring6:$v"; done
+  local at256="$dataflow" at128="$ring6" v
+  for v in $B1_WAIT_FIELDS; do at256="$at256,$dataflow:$v"; at128="$at128,$ring6:$v"; done
   if [[ " ${WAITS_UNITS:-256 128} " == *" 256 "* ]]; then
     waits_run bound 1 --schedules="$dataflow" --skip_barriers="$(all_step_kinds)" &
     waits_run 256 3 --schedules="$at256"
@@ -339,8 +347,9 @@ stage_core_fused_waits() {
 stage_core_fused_b1() {
   # the batch-1 schedules of core_fused_waits ([64, 256] units), core_fused_depths and
   # l2_resident in one call, with the default's profile
-  local d=$1 lock=/tmp/core_fused_b1.lock s=3:2:0:0:64:0:0:8:1:1 limit=${B1_TIMEOUT:-480}
-  local schedules="$s,3:3:0:0:64:0:0:8:1:1:0:1:0:1:2,$s:0:1:0:1:0:10,$s:0:1:1,$s:0:1:0:4,$s:0:1:1:4"
+  local d=$1 lock=/tmp/core_fused_b1.lock s=$B1_DEFAULT limit=${B1_TIMEOUT:-480} v
+  local schedules="$s,$B1_VALUE_STAGES,$B1_L2_KEEP"
+  for v in $B1_WAIT_FIELDS; do schedules="$schedules,$s:$v"; done
   fused_call "$d" core_fused_b1 "$lock" "$limit" 3 --batch=1 --schedules="$schedules" &
   fused_call "$d" core_fused_b1_bound "$lock" "$limit" 1 --batch=1 --schedules="$s" \
     --skip_barriers="$(all_step_kinds)" &
@@ -372,7 +381,7 @@ fused_batches() {
 }
 
 stage_core_fused_depths() {
-  local b1="3:2:0:0:64:0:0:8:1:1,3:3:0:0:64:0:0:8:1:1:0:1:0:1:2"
+  local b1="$B1_DEFAULT,$B1_VALUE_STAGES"
   local b8="3:3,4:3,3:4:0:0:64:0:0:8:0:0:0:1:0:1:3,4:3:0:0:64:0:0:8:0:0:0:1:0:1:2"
   b8="$b8,3:3:0:0:64:0:0:8:1:0:0:1:0:1:2,3:3:0:0:64:0:0:8:0:0:1:1:0:1:2"
   fused_batches "$1" core_fused_depths "${DEPTHS_TIMEOUT:-420}" "$b1" "$b8"
@@ -388,7 +397,7 @@ stage_l2_resident() {
     tail -12 "$d/l2_resident_$name.txt"
   done
   fused_batches "$d" core_fused_l2_keep "${KEEP_TIMEOUT:-300}" \
-    3:2:0:0:64:0:0:8:1:1,3:2:0:0:64:0:0:8:1:1:0:1:0:1:0:10 3:3,3:3:0:0:64:0:0:8:0:0:0:1:0:1:0:10
+    "$B1_DEFAULT,$B1_L2_KEEP" 3:3,3:3:0:0:64:0:0:8:0:0:0:1:0:1:0:10
 }
 
 stage_core_fused_l2() {
