@@ -48,10 +48,10 @@
 #             GPU lock -> core_fused_waits_{bound,256,128}.{json,txt} (WAITS_UNITS="256" or "128":
 #             one half; WAITS_TIMEOUT: seconds per half, default 280)
 #   core_fused_b1  batch 1's schedules of core_fused_waits ([64, 256] units), core_fused_depths
-#             and l2_resident, none yet timed, in one call: the default beside a third key
-#             block with two value blocks, 10 adapter units kept in L2, the waits after the
-#             weight copies, 4 tiles per counter and both; the bound without the waits; the
-#             default's profile over 2 iterations (both warpgroups)
+#             and l2_resident in one call: the default beside a third key block with two value
+#             blocks, 10 adapter units kept in L2, the waits after the weight copies, 4 tiles per
+#             counter and both; the bound without the waits; the default's profile over 2
+#             iterations (both warpgroups)
 #             -> core_fused_b1{,_bound,_profile}.{json,txt} (B1_TIMEOUT: seconds, default 480)
 #   core_fused_depths  the fused kernel's reads in flight, context 1024, kernel time only: at
 #             batch 1 the default beside a third cached key block with two value blocks
