@@ -6,8 +6,12 @@
 #   ceilings  the device's measured ceilings (read-only streaming rate, sustained bf16 GEMM rate)
 #             -> ceilings.json; every other stage states its floors against it, so run it first
 #             (or have results/h200/ceilings.json from an earlier run)
-#   tests     every GPU-marked test, and the PyTorch/Core/chain tests whole, in $TEST_SHARDS
-#             parallel shards (default 12; correctness only; TEST_TIMEOUT: seconds, default 420)
+#   tests     every GPU-marked test but the fused kernel's cases at huginn-0125's shapes, and the
+#             PyTorch/Core/chain tests whole, in $TEST_SHARDS parallel shards (default 12;
+#             correctness only; TEST_TIMEOUT: seconds, default 420)
+#   tests_huginn  the fused kernel's GPU cases at huginn-0125's shapes (test_core_step_fused.py),
+#             in as many parallel shards as the GPU's memory holds at 20 GiB each (a process
+#             that has run one holds about 17 GB: three at once peaked at 51 GB on the H200)
 #   compile_modes  the PyTorch Core through torch.compile in each mode (default, reduce-overhead,
 #             max-autotune-no-cudagraphs), decode and prefill: which mode is fastest
 #   core      the Core side by side (XLA impls and every PyTorch impl), decode and prefill,
@@ -79,7 +83,7 @@
 # installed only when the machine's flax lacks nnx.List).
 set -u
 [ $# -ge 1 ] || { echo "usage: $0 STAGE [STAGE...] (see the list above)" >&2; exit 2; }
-STAGES="ceilings tests compile_modes core chain chain_trace adapter decode_attention prefill_attention generate core_stream core_persistent core_persistent_profile core_persistent_hbm core_persistent_b8 core_fused core_fused_waits core_fused_b1 core_fused_depths l2_resident core_fused_l2 prefill_gemm multi_gpu"
+STAGES="ceilings tests tests_huginn compile_modes core chain chain_trace adapter decode_attention prefill_attention generate core_stream core_persistent core_persistent_profile core_persistent_hbm core_persistent_b8 core_fused core_fused_waits core_fused_b1 core_fused_depths l2_resident core_fused_l2 prefill_gemm multi_gpu"
 for stage in "$@"; do
   [[ " $STAGES " == *" $stage "* ]] || { echo "unknown stage $stage; known: $STAGES" >&2; exit 2; }
 done
@@ -116,14 +120,36 @@ stage_ceilings() {
 }
 
 stage_tests() {
-  # every GPU-marked test and the PyTorch/Core/chain test files whole, split round-robin over
-  # $TEST_SHARDS parallel pytest processes (compilation is CPU-bound); junit XML per shard, then
-  # the counts per file
-  local d=$1 limit=${TEST_TIMEOUT:-420} shards=${TEST_SHARDS:-12} i
+  # every GPU-marked test and the PyTorch/Core/chain test files whole, less the huginn-shape
+  # fused cases (stage tests_huginn), split round-robin over $TEST_SHARDS parallel pytest
+  # processes (compilation is CPU-bound)
+  local d=$1
   local files="tests/test_torch_ref.py tests/test_core.py tests/test_generate_vs_torch.py tests/test_chain.py \
     tests/test_chain_runners.py tests/test_chain_cli.py"
   { python3 -m pytest -q --collect-only -m gpu tests; python3 -m pytest -q --collect-only $files; } \
-    2>/dev/null | grep "::" | sort -u > "$d/test_ids.txt"
+    2>/dev/null | grep "::" | grep -v "$HUGINN_CASES" | sort -u > "$d/test_ids.txt"
+  test_shards "$d" "${TEST_SHARDS:-12}"
+}
+
+HUGINN_CASES="test_core_step_fused.py::.*\[huginn-"  # the fused kernel's cases at huginn-0125's shapes
+
+stage_tests_huginn() {
+  # the huginn-shape fused cases, one shard per 20 GiB of GPU memory (at most one per case)
+  local d=$1 mib shards
+  python3 -m pytest -q --collect-only -m gpu tests/test_core_step_fused.py 2>/dev/null \
+    | grep "$HUGINN_CASES" | sort -u > "$d/test_ids.txt"
+  mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  shards=$((mib / 20480))
+  [ "$shards" -ge 1 ] || shards=1
+  [ "$shards" -le "$(wc -l < "$d/test_ids.txt")" ] || shards=$(wc -l < "$d/test_ids.txt")
+  stamp "$(wc -l < "$d/test_ids.txt") cases in $shards shards ($mib MiB of GPU memory)"
+  test_shards "$d" "$shards"
+}
+
+test_shards() {
+  # test_shards DIR N: DIR/test_ids.txt round-robin over N parallel pytest processes (TEST_TIMEOUT
+  # seconds each), junit XML per shard, then the counts per file
+  local d=$1 shards=$2 limit=${TEST_TIMEOUT:-420} i
   for i in $(seq 0 $((shards - 1))); do
     awk -v n="$shards" -v i="$i" 'NR % n == i' "$d/test_ids.txt" > "$d/shard_$i.txt"
     xargs -a "$d/shard_$i.txt" -d '\n' timeout "$limit" python3 -m pytest -q -p no:cacheprovider \
