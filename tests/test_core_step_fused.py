@@ -18,6 +18,7 @@ from huginn_jax.config import HuginnConfig
 from pallas_kernels.core_step import Pending, StepWeights, core_iteration, rope_row
 from pallas_kernels.core_step.fused import build_fused_core
 from pallas_kernels.core_step.fused_blocks import _SequenceBlocks
+from pallas_kernels.core_step.fused_counters import Counters
 from pallas_kernels.core_step.fused_fit import check_fused
 from pallas_kernels.core_step.fused_plan import STEP_KINDS, FusedShape, Schedule
 from pallas_kernels.core_step.fused_products import Products
@@ -178,6 +179,7 @@ GROUPED = Schedule(3, 2, overlap=1, dataflow=1, counter_tiles=4)  # 4 tiles per 
 # the batch-1 default with a third key block in flight beside two value blocks
 THIRD_KEY = Schedule(3, 3, overlap=1, dataflow=1, value_stages=2)
 KEPT = Schedule(3, 2, overlap=1, dataflow=1, l2_keep=10)  # the batch-1 default, 41 MiB kept in L2
+KNOWN = Schedule(3, 2, overlap=1, dataflow=1, known_complete=1)  # the batch-1 default, fewer waits
 GPU_CASES = [
     (SMALL, 16, 1, 2, 130, 192, SMALL_SCHEDULE),
     (SMALL, 16, 1, 2, 130, 192, (64, Schedule(3, 3, handover=0))),
@@ -216,6 +218,8 @@ GPU_CASES = [
     (SMALL, 16, 8, 1, 200, 256, (64, Schedule(3, 3, head_pairs=1, value_stages=2))),
     (HUGINN, 132, 8, 2, 200, 256, (256, Schedule(3, 3, head_pairs=1, value_stages=2))),
     (HUGINN, 132, 1, 3, 1000, 1024, (256, KEPT)),
+    (SMALL, 16, 1, 3, 130, 192, (64, KNOWN)),
+    (HUGINN, 132, 1, 3, 1000, 1024, (256, KNOWN)),
 ]
 
 
@@ -348,7 +352,7 @@ def test_gpu_configurations_fit():
     "batch,schedule",
     [
         (8, Schedule()), (8, OVERLAP), (8, DATAFLOW), (1, DATAFLOW_OVERLAP), (8, PAIRS), (1, LAG0),
-        (1, LATE), (1, GROUPED), (1, THIRD_KEY),
+        (1, LATE), (1, GROUPED), (1, THIRD_KEY), (1, KNOWN),
     ],
 )  # fmt: skip
 def test_lowers_for_cuda_with_every_sm(batch, schedule):
@@ -384,6 +388,32 @@ def test_late_inputs_issue_the_input_copy_after_the_wgmma_and_release(monkeypatc
     late_body, early_body = "wgmma release input release", "input wgmma release release"
     assert text.count(late_body) == (bodies if late else 0)  # the last: the range's end
     assert text.count(early_body) == (0 if late else bodies)
+
+
+@pytest.mark.parametrize("known", [0, 1])
+def test_known_complete_leaves_out_the_head_steps_wait_on_the_norms(monkeypatch, known):
+    """`Schedule.known_complete`: a head's step, as traced for sm_90 (the small shape's batch-1
+    default, one layer), waits on the counter of the layer input's norms only without it (the
+    products' own waits on it are traced either way)."""
+    in_head, owned = [], []
+    wait_head, wait_owned = Counters.wait_head, Counters.wait_owned
+
+    def head(self, *args):
+        in_head.append(True)
+        wait_head(self, *args)
+        in_head.pop()
+
+    def norms(self, *args):
+        owned.append(bool(in_head))
+        wait_owned(self, *args)
+
+    monkeypatch.setattr(Counters, "wait_head", head)
+    monkeypatch.setattr(Counters, "wait_owned", norms)
+    shape = FusedShape(512, 8, 64, 768, 1, 1, 64)
+    schedule = dataclasses.replace(KNOWN, known_complete=known)
+    lowered_for_hopper(shape, 1, 192, workers=16, schedule=schedule)
+    assert owned.count(True) == (0 if known else 1)  # one layer's head step
+    assert owned.count(False) >= 1  # the qkv's wait before its units
 
 
 @pytest.mark.parametrize("keep", [0, 1])
@@ -521,6 +551,10 @@ def test_refuses_what_it_cannot_run():
         check_fused(huginn, 132, Schedule(late_inputs=2))
     with pytest.raises(ValueError, match="counter_tiles must be >= 1"):
         check_fused(huginn, 132, Schedule(counter_tiles=0))
+    with pytest.raises(ValueError, match="known_complete must be 0 or 1"):
+        check_fused(huginn, 132, dataclasses.replace(KNOWN, known_complete=2))
+    with pytest.raises(ValueError, match="known_complete leaves out waits"):
+        check_fused(huginn, 132, Schedule(3, 3, dataflow=1, known_complete=1))
     check_fused(huginn, 132, Schedule(l2_keep=10))  # 13 adapter units per worker, a ring of 3
     with pytest.raises(ValueError, match="l2_keep must be in \\[0, 10\\]"):
         check_fused(huginn, 132, Schedule(l2_keep=11))

@@ -248,10 +248,11 @@ def test_schedule_is_written_as_parsed():
         ("3:2:0:0:64:0:0:8:1:1:0:1:0:4", dict(default_b1, counter_tiles=4)),
         ("3:3:0:0:64:0:0:8:1:1:0:1:0:1:2", dict(default_b1, kv_stages=3, value_stages=2)),
         ("3:2:0:0:64:0:0:8:1:1:0:1:0:1:0:10", dict(default_b1, l2_keep=10)),
+        ("3:2:0:0:64:0:0:8:1:1:0:1:0:1:0:0:1", dict(default_b1, known_complete=1)),
     ]:
         assert Schedule.parse(text) == Schedule(**fields)
         assert str(Schedule(**fields)) == text
-    for bad in ("6", "6:3:1:2:64:4:5:6:1:1:1:0:1:4:2:7:9", "6:x"):
+    for bad in ("6", "6:3:1:2:64:4:5:6:1:1:1:0:1:4:2:7:1:9", "6:x"):
         with pytest.raises(ValueError, match="is not RING:KV_STAGES"):
             Schedule.parse(bad)
     with pytest.raises(ValueError, match="kv_block=96 must be one of"):

@@ -57,6 +57,11 @@
 #             counter and both; the bound without the waits; the default's profile over 2
 #             iterations (both warpgroups)
 #             -> core_fused_b1{,_bound,_profile}.{json,txt} (B1_TIMEOUT: seconds, default 480)
+#   core_fused_known  batch 1, context 1024, kernel time only: the default beside the same with a
+#             head's step leaving out its waits on counters already complete
+#             (Schedule.known_complete), 2 processes at once under one GPU lock, then both
+#             profiled over 2 iterations (both warpgroups) -> core_fused_known{,_profile}.{json,txt}
+#             (KNOWN_TIMEOUT: seconds, default 420)
 #   core_fused_depths  the fused kernel's reads in flight, context 1024, kernel time only: at
 #             batch 1 the default beside a third cached key block with two value blocks
 #             (Schedule.value_stages), at batch 8 the default (3:3) beside a ring of 4 (4:3), 4
@@ -83,7 +88,7 @@
 # installed only when the machine's flax lacks nnx.List).
 set -u
 [ $# -ge 1 ] || { echo "usage: $0 STAGE [STAGE...] (see the list above)" >&2; exit 2; }
-STAGES="ceilings tests tests_huginn compile_modes core chain chain_trace adapter decode_attention prefill_attention generate core_stream core_persistent core_persistent_profile core_persistent_hbm core_persistent_b8 core_fused core_fused_waits core_fused_b1 core_fused_depths l2_resident core_fused_l2 prefill_gemm multi_gpu"
+STAGES="ceilings tests tests_huginn compile_modes core chain chain_trace adapter decode_attention prefill_attention generate core_stream core_persistent core_persistent_profile core_persistent_hbm core_persistent_b8 core_fused core_fused_waits core_fused_b1 core_fused_known core_fused_depths l2_resident core_fused_l2 prefill_gemm multi_gpu"
 for stage in "$@"; do
   [[ " $STAGES " == *" $stage "* ]] || { echo "unknown stage $stage; known: $STAGES" >&2; exit 2; }
 done
@@ -108,6 +113,7 @@ B1_DEFAULT=3:2:0:0:64:0:0:8:1:1
 B1_WAIT_FIELDS="0:1:1 0:1:0:4 0:1:1:4"
 B1_VALUE_STAGES=3:3:0:0:64:0:0:8:1:1:0:1:0:1:2
 B1_L2_KEEP=$B1_DEFAULT:0:1:0:1:0:10
+B1_KNOWN=$B1_DEFAULT:0:1:0:1:0:0:1
 # every kind of step after which core_fused --skip_barriers can leave out a wait (a timing bound)
 all_step_kinds() {
   python3 -c "from pallas_kernels.core_step.fused_plan import STEP_KINDS; print(','.join(STEP_KINDS))"
@@ -383,6 +389,16 @@ stage_core_fused_b1() {
     --schedules="$s" &
   wait
   for f in "$d"/core_fused_b1*.txt; do grep -v "it/s\]" "$f" | tail -10; done
+}
+
+stage_core_fused_known() {
+  local d=$1 lock=/tmp/core_fused_known.lock limit=${KNOWN_TIMEOUT:-420}
+  local schedules="$B1_DEFAULT,$B1_KNOWN"
+  fused_call "$d" core_fused_known "$lock" "$limit" 2 --batch=1 --schedules="$schedules" &
+  fused_call "$d" core_fused_known_profile "$lock" "$limit" 2 --batch=1 --iterations=2 --profile \
+    --schedules="$schedules" &
+  wait
+  for f in "$d"/core_fused_known*.txt; do grep -v "it/s\]" "$f" | tail -12; done
 }
 
 fused_call() {

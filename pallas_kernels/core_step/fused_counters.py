@@ -163,21 +163,26 @@ class Counters:
     def wait_head(self, it, j, starts) -> None:
         """Until the qkv tiles that layer j's head windows read (q and k from column ck, v
         from c0, `starts`; each window kp rows and SHIFT either side) are complete, and the
-        layer input's norms."""
+        layer input's norms; with `Schedule.known_complete`, the tiles from the qkv's
+        `q_tiles` on only (the rest and the norms are complete before the step)."""
         if not self.active:
             return
         shape, p = self.k.shape, 1 + 4 * j
+        known = bool(self.schedule.known_complete)
         n = self.phases[p].n
         ck, c0 = starts
         for start in (ck, shape.d + ck, 2 * shape.d + c0):
             lo = jnp.maximum(start - SHIFT, 0) // self.cols
+            if known:
+                lo = jnp.maximum(lo, shape.q_tiles)
             hi = (jnp.minimum(start + shape.kp + SHIFT, n) - 1) // self.cols
 
             @pl.loop(lo, hi + 1)
             def _tile(t):  # a qkv's counters count one tile each (`tiles_per_counter`)
                 _wait(self.tiles.at[self.base[p] + t], (it + 1) * self.counter_adds(p, t))
 
-        self.wait_owned(it, p)
+        if not known:
+            self.wait_owned(it, p)
 
     def signal_head(self, j, c0) -> None:
         """A head's rows (its window from c0) are added into layer j's attention output."""

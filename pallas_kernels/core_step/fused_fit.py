@@ -139,10 +139,13 @@ def check_fused(
         raise ValueError(f"schedule {schedule}: handover must be >= 0")
     if schedule.counter_tiles < 1:
         raise ValueError(f"schedule {schedule}: counter_tiles must be >= 1")
-    flags = (schedule.overlap, schedule.dataflow, schedule.head_pairs, schedule.late_inputs)
-    if not set(flags) <= {0, 1}:
+    for flag in ("overlap", "dataflow", "head_pairs", "late_inputs", "known_complete"):
+        if getattr(schedule, flag) not in (0, 1):
+            raise ValueError(f"schedule {schedule}: {flag} must be 0 or 1")
+    if schedule.known_complete and not (schedule.overlap and schedule.dataflow):
         raise ValueError(
-            f"schedule {schedule}: overlap, dataflow, head_pairs and late_inputs must be 0 or 1"
+            f"schedule {schedule}: known_complete leaves out waits of one grid barrier per "
+            f"iteration (dataflow) that the second warpgroup (overlap) has made"
         )
     if schedule.head_pairs and (schedule.overlap or schedule.dataflow):
         raise ValueError(f"schedule {schedule}: two-head items run without overlap and dataflow")

@@ -88,6 +88,11 @@ class Schedule:
     in every iteration after the first (whose adapter is the raw one), so that the next
     iteration may read them from L2 rather than HBM (`pallas_kernels.l2.mark_in_l2`; at most
     the adapter units a worker copies after the ring's, `fused_fit.check_fused`).
+    `known_complete` 1 (with `overlap` and `dataflow`): a head's attention step leaves out its
+    waits on the counters that are complete before it starts, those of q's tiles (the qkv's
+    first `FusedShape.q_tiles`) and of the layer input's norms: the worker's second warpgroup
+    waited for every worker's q units (`q_done`), which each worker puts out after its chunks
+    of the norms, before the partials that the step waits for (`fused_counters.wait_head`).
     Written as `FORMAT` says, RING:KV_STAGES[:L2_UNITS[...]] (`parse`, `str`). The defaults are
     the kernel's, for its default [64, 256] weight units: the shared memory bounds ring x unit
     width and kv_stages x kv_block together (3:3, 3:4, 4:2, 4:3 and 3:2 with blocks of 128 fit
@@ -110,6 +115,7 @@ class Schedule:
     counter_tiles: int = 1
     value_stages: int = 0
     l2_keep: int = 0
+    known_complete: int = 0
 
     @property
     def stages_of_values(self) -> int:
