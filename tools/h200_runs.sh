@@ -11,7 +11,9 @@
 #             correctness only; TEST_TIMEOUT: seconds, default 420)
 #   tests_huginn  the fused kernel's GPU cases at huginn-0125's shapes (test_core_step_fused.py),
 #             in as many parallel shards as the GPU's memory holds at 20 GiB each (a process
-#             that has run one holds about 17 GB: three at once peaked at 51 GB on the H200)
+#             that has run one holds about 17 GB: three at once peaked at 51 GB on the H200),
+#             about 100 s a case; a call of its own (HUGINN_MATCH: a grep pattern that picks
+#             the cases, e.g. "-b1-"; HUGINN_TIMEOUT: seconds per shard, default 540)
 #   compile_modes  the PyTorch Core through torch.compile in each mode (default, reduce-overhead,
 #             max-autotune-no-cudagraphs), decode and prefill: which mode is fastest
 #   core      the Core side by side (XLA impls and every PyTorch impl), decode and prefill,
@@ -134,7 +136,7 @@ stage_tests() {
     tests/test_chain_runners.py tests/test_chain_cli.py"
   { python3 -m pytest -q --collect-only -m gpu tests; python3 -m pytest -q --collect-only $files; } \
     2>/dev/null | grep "::" | grep -v "$HUGINN_CASES" | sort -u > "$d/test_ids.txt"
-  test_shards "$d" "${TEST_SHARDS:-12}"
+  test_shards "$d" "${TEST_SHARDS:-12}" "${TEST_TIMEOUT:-420}"
 }
 
 HUGINN_CASES="test_core_step_fused.py::.*\[huginn-"  # the fused kernel's cases at huginn-0125's shapes
@@ -143,19 +145,19 @@ stage_tests_huginn() {
   # the huginn-shape fused cases, one shard per 20 GiB of GPU memory (at most one per case)
   local d=$1 mib shards
   python3 -m pytest -q --collect-only -m gpu tests/test_core_step_fused.py 2>/dev/null \
-    | grep "$HUGINN_CASES" | sort -u > "$d/test_ids.txt"
+    | grep "$HUGINN_CASES" | grep -e "${HUGINN_MATCH:-}" | sort -u > "$d/test_ids.txt"
   mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
   shards=$((mib / 20480))
   [ "$shards" -ge 1 ] || shards=1
   [ "$shards" -le "$(wc -l < "$d/test_ids.txt")" ] || shards=$(wc -l < "$d/test_ids.txt")
   stamp "$(wc -l < "$d/test_ids.txt") cases in $shards shards ($mib MiB of GPU memory)"
-  test_shards "$d" "$shards"
+  test_shards "$d" "$shards" "${HUGINN_TIMEOUT:-540}"
 }
 
 test_shards() {
-  # test_shards DIR N: DIR/test_ids.txt round-robin over N parallel pytest processes (TEST_TIMEOUT
+  # test_shards DIR N LIMIT: DIR/test_ids.txt round-robin over N parallel pytest processes (LIMIT
   # seconds each), junit XML per shard, then the counts per file
-  local d=$1 shards=$2 limit=${TEST_TIMEOUT:-420} i
+  local d=$1 shards=$2 limit=$3 i
   for i in $(seq 0 $((shards - 1))); do
     awk -v n="$shards" -v i="$i" 'NR % n == i' "$d/test_ids.txt" > "$d/shard_$i.txt"
     xargs -a "$d/shard_$i.txt" -d '\n' timeout "$limit" python3 -m pytest -q -p no:cacheprovider \
