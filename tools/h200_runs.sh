@@ -116,6 +116,7 @@ B1_WAIT_FIELDS="0:1:1 0:1:0:4 0:1:1:4"
 B1_VALUE_STAGES=3:3:0:0:64:0:0:8:1:1:0:1:0:1:2
 B1_L2_KEEP=$B1_DEFAULT:0:1:0:1:0:10
 B1_KNOWN=$B1_DEFAULT:0:1:0:1:0:0:1
+HUGINN_CASES="test_core_step_fused.py::.*\[huginn-"  # the fused kernel's cases at huginn-0125's shapes
 # every kind of step after which core_fused --skip_barriers can leave out a wait (a timing bound)
 all_step_kinds() {
   python3 -c "from pallas_kernels.core_step.fused_plan import STEP_KINDS; print(','.join(STEP_KINDS))"
@@ -139,18 +140,17 @@ stage_tests() {
   test_shards "$d" "${TEST_SHARDS:-12}" "${TEST_TIMEOUT:-420}"
 }
 
-HUGINN_CASES="test_core_step_fused.py::.*\[huginn-"  # the fused kernel's cases at huginn-0125's shapes
-
 stage_tests_huginn() {
   # the huginn-shape fused cases, one shard per 20 GiB of GPU memory (at most one per case)
-  local d=$1 mib shards
+  local d=$1 mib shards cases
   python3 -m pytest -q --collect-only -m gpu tests/test_core_step_fused.py 2>/dev/null \
     | grep "$HUGINN_CASES" | grep -e "${HUGINN_MATCH:-}" | sort -u > "$d/test_ids.txt"
+  cases=$(wc -l < "$d/test_ids.txt")
   mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
   shards=$((mib / 20480))
   [ "$shards" -ge 1 ] || shards=1
-  [ "$shards" -le "$(wc -l < "$d/test_ids.txt")" ] || shards=$(wc -l < "$d/test_ids.txt")
-  stamp "$(wc -l < "$d/test_ids.txt") cases in $shards shards ($mib MiB of GPU memory)"
+  [ "$shards" -le "$cases" ] || shards=$cases
+  stamp "$cases cases in $shards shards ($mib MiB of GPU memory)"
   test_shards "$d" "$shards" "${HUGINN_TIMEOUT:-540}"
 }
 
