@@ -33,12 +33,15 @@ Without torch the JAX half runs alone (one note line); without CUDA torch runs o
 without CUDA graphs. `--trace_dir`: after its timed tokens, torch_compile's decode step replays
 TRACE_TOKENS tokens under torch.profiler (a Chrome trace there, one per mode) and the kept
 mode's kernels per token are printed and kept in the JSON: where PyTorch's token goes beside
-its Core iterations.
+its Core iterations. Ctrl-C or SIGTERM writes what was measured, marked "complete": false: JAX's
+loop and each torch loop or torch.compile mode that had ended (`modes_so_far`: an autotuning
+mode can take minutes).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 from pathlib import Path
@@ -274,16 +277,11 @@ def run_torch(model: Huginn, plan: Plan, impls: list[str], notes: list[str], det
     runs, checks = {}, {}
     for impl in program.progress(impls, "generate_vs_torch: torch loops"):
         # the loops other than torch_compile compile nothing: they run once, "default" unused
-        compiled = impl == "torch_compile"
-        modes = compile_modes_for(FLAGS.torch_compile_mode) if compiled else ("default",)
-        tried = []
-        for mode in modes:
-            trace = None  # torch_compile's decode tokens traced, each mode's apart
-            if FLAGS.trace_dir and compiled:
-                name = f"{impl}.trace.json" if len(modes) == 1 else f"{impl}.{mode}.trace.json"
-                trace = Path(FLAGS.trace_dir) / name
-            loop = (impl, mode, params, model, plan, to_torch, fast_core, cuda, trace)
-            tried.append(run_torch_loop(*loop))
+        modes = ("default",)
+        if impl == "torch_compile":
+            modes = compile_modes_for(FLAGS.torch_compile_mode)
+        loop = (impl, params, model, plan, to_torch, fast_core, cuda, modes)
+        tried = run_modes(impl, modes, functools.partial(run_torch_loop, *loop), details, say)
         gen, detail, check = min(tried, key=lambda t: t[0].latency_median_s)
         if len(tried) > 1:
             detail["compile_modes"] = {d["compile_mode"]: g.latency_median_s for g, d, _ in tried}
@@ -297,10 +295,24 @@ def run_torch(model: Huginn, plan: Plan, impls: list[str], notes: list[str], det
     return runs, checks
 
 
-def run_torch_loop(impl, mode, params, model, plan, to_torch, fast_core, cuda, trace_path):
-    """One PyTorch loop (torch_compile in `mode`), after its conformance check (with
-    --torch_conformance), its decode tokens traced into `trace_path` (None: not traced):
-    (TorchGeneration, its JSON details, the check or None)."""
+def run_modes(impl: str, modes, run_mode, details: dict, say) -> list:
+    """`run_mode(mode)` for each of `modes`, one after another, `say`ing each as it starts
+    where there are several: what each returned, in order. Each mode's JSON details (the
+    second of what it returned) go into `details[impl]["modes_so_far"]` as it ends: what an
+    interrupted run writes, an autotuning mode taking minutes."""
+    tried = []
+    for n, mode in enumerate(modes, 1):
+        if len(modes) > 1:
+            say(f"{impl}: mode {mode} ({n} of {len(modes)})")
+        tried.append(run_mode(mode))
+        details[impl] = {"modes_so_far": {m: t[1] for m, t in zip(modes, tried, strict=False)}}
+    return tried
+
+
+def run_torch_loop(impl, params, model, plan, to_torch, fast_core, cuda, modes, mode):
+    """One PyTorch loop (torch_compile in `mode`, one of the `modes` timed), after its
+    conformance check (with --torch_conformance), torch_compile's decode tokens traced under
+    --trace_dir (each mode's apart): (TorchGeneration, its JSON details, the check or None)."""
     import torch
 
     from experiments.torch_ref.conformance import check_generation_impl
@@ -313,7 +325,10 @@ def run_torch_loop(impl, mode, params, model, plan, to_torch, fast_core, cuda, t
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     traced: dict = {}
-    trace = token_tracer(trace_path, plan, traced) if trace_path else None
+    trace = None
+    if FLAGS.trace_dir and impl == "torch_compile":
+        name = f"{impl}.trace.json" if len(modes) == 1 else f"{impl}.{mode}.trace.json"
+        trace = token_tracer(Path(FLAGS.trace_dir) / name, plan, traced)
     gen = run_loop(
         impl,
         params,

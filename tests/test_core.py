@@ -416,3 +416,27 @@ def test_torch_compile_keeps_its_fastest_mode(monkeypatch, capsys):
     )
     one, _ = sweep.run_torch_compile(None, None, None, case, None, {}, ("default",))
     assert list(one["torch_compile_modes"]) == ["default"] and capsys.readouterr().out == ""
+
+
+def test_torch_compile_keeps_each_mode_timed_for_an_interrupt(monkeypatch, capsys):
+    """`run_torch_compile(..., so_far)`: each mode's record lands in `so_far` as it is timed, so
+    a run interrupted in a later mode (an autotuning one can take minutes) writes the modes
+    before it; a line on stderr names each mode as it starts (the runs faked)."""
+    from experiments.core import sweep
+
+    def fake_run_case(impl, cfg, graphdef, params, case, ceilings, compile_mode="default"):
+        if compile_mode == "max-autotune-no-cudagraphs":
+            raise KeyboardInterrupt
+        return dict(impl=impl, ms_per_iteration=1.0, torch_compile_mode=compile_mode), None
+
+    monkeypatch.setattr(sweep, "run_case", fake_run_case)
+    monkeypatch.setattr(sweep, "check_conformance", lambda impl, mode, c: None)
+    case = cases.Case("decode", 1, 1024, 8)
+    modes = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
+    so_far: dict = {}
+    with pytest.raises(KeyboardInterrupt):
+        sweep.run_torch_compile(None, None, None, case, None, {}, modes, so_far)
+    assert list(so_far) == ["default", "reduce-overhead"]
+    assert so_far["reduce-overhead"]["torch_compile_mode"] == "reduce-overhead"
+    err = capsys.readouterr().err
+    assert f"torch_compile {case.spec()}, mode max-autotune-no-cudagraphs (3 of 3)" in err

@@ -167,3 +167,27 @@ def test_program_refuses_an_unknown_torch_loop(tmp_path):
     assert proc.returncode == 2
     assert "--torch_impls: unknown torch_fast" in proc.stderr
     assert not (tmp_path / "r.json").exists()
+
+
+def test_each_mode_is_kept_as_it_ends_for_an_interrupt():
+    """`run_modes`: the modes run one after another, each announced where there are several,
+    and each one's details land in `details[impl]["modes_so_far"]` as it ends, so a run
+    interrupted in a later mode (an autotuning one can take minutes) writes the modes before
+    it (the loops faked; no torch needed)."""
+    from experiments.generate_vs_torch import run_modes
+
+    said, details = [], {}
+
+    def run_mode(mode):
+        if mode == "max-autotune-no-cudagraphs":
+            raise KeyboardInterrupt
+        return None, {"compile_mode": mode}, None
+
+    with pytest.raises(KeyboardInterrupt):
+        run_modes("torch_compile", COMPILE_MODES, run_mode, details, said.append)
+    assert list(details["torch_compile"]["modes_so_far"]) == ["default", "reduce-overhead"]
+    assert details["torch_compile"]["modes_so_far"]["default"] == {"compile_mode": "default"}
+    assert said[-1] == "torch_compile: mode max-autotune-no-cudagraphs (3 of 3)"
+    said.clear()
+    run_modes("torch_graph", ("default",), run_mode, details, said.append)
+    assert said == [] and list(details["torch_graph"]["modes_so_far"]) == ["default"]

@@ -47,7 +47,8 @@ state and history, as in the study. Implementations whose output states disagree
 tolerance (report.check_tolerance) end the run with exit status 2 after the results are written.
 On a CPU the flags not given take the smaller values of CPU_DEFAULTS (one line says which, and
 the JSON records them); a problem that cannot fit in memory is refused before anything is
-allocated; Ctrl-C or SIGTERM writes the rows measured so far, marked "complete": false.
+allocated; Ctrl-C or SIGTERM writes the rows measured so far, marked "complete": false (with
+the torch.compile modes already timed in the case it stopped in: `torch_compile_modes_so_far`).
 """
 
 from __future__ import annotations

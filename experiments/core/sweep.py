@@ -95,17 +95,30 @@ def run_case(
 
 
 def run_torch_compile(
-    cfg, graphdef, params, case, ceilings, conformance: dict, modes: tuple[str, ...]
+    cfg,
+    graphdef,
+    params,
+    case,
+    ceilings,
+    conformance: dict,
+    modes: tuple[str, ...],
+    so_far: dict | None = None,
 ) -> tuple[dict, Any]:
     """torch_compile timed in each of `modes` (`compile_modes_for(--torch_compile_mode)`), one
     after another in this process, each mode's Core checked (`check_conformance`): the fastest
     mode's record (by ms per iteration), with every mode's times (`torch_compile_modes`: ms per
-    iteration, waited and back to back), and output."""
+    iteration, waited and back to back), and output. Each mode's record goes into `so_far` as
+    it is timed (what an interrupted run writes: an autotuning mode can take minutes)."""
     timed = {}
-    for mode in modes:
+    for n, mode in enumerate(modes, 1):
+        if len(modes) > 1:
+            print(f"core: torch_compile {case.spec()}, mode {mode} ({n} of {len(modes)})",
+                  file=sys.stderr, flush=True)  # fmt: skip
         rec, out = run_case("torch_compile", cfg, graphdef, params, case, ceilings, mode)
         check_conformance("torch_compile", mode, conformance)
         timed[mode] = (rec, out)
+        if so_far is not None:
+            so_far[mode] = rec
     fastest = min(timed, key=lambda mode: timed[mode][0]["ms_per_iteration"])
     rec, out = timed[fastest]
     keys = ("ms_per_iteration", "back_to_back_ms_per_iteration")
@@ -192,12 +205,15 @@ def run(cases: list[Case], impls: list[str], result: dict | None = None) -> dict
         try:
             if impl == "torch_compile":
                 modes = compile_modes_for(FLAGS.torch_compile_mode)
+                # the modes timed so far, written only by an interrupt (not an exception)
+                result["torch_compile_modes_so_far"] = so_far = {}
                 rec, out = run_torch_compile(
-                    cfg, graphdef, params, case, ceilings, conformance, modes
+                    cfg, graphdef, params, case, ceilings, conformance, modes, so_far
                 )
             else:
                 rec, out = run_case(impl, cfg, graphdef, params, case, ceilings)
         except Exception as e:  # out of memory in one case of a sweep: note it, go on
+            result.pop("torch_compile_modes_so_far", None)
             if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
                 raise
             first = str(e).strip().splitlines()[0][:200]
@@ -205,6 +221,7 @@ def run(cases: list[Case], impls: list[str], result: dict | None = None) -> dict
             failures.append({**dataclasses.asdict(case), "impl": impl, "error": first})
             release_torch_memory()
             continue
+        result.pop("torch_compile_modes_so_far", None)  # in the record now
         records.append(rec)
         outputs[(case, impl)] = out
         if impl != "torch_compile":  # run_torch_compile checked each of its modes
