@@ -112,8 +112,8 @@ def run_torch_compile(
     timed = {}
     for n, mode in enumerate(modes, 1):
         if len(modes) > 1:
-            print(f"core: torch_compile {case.spec()}, mode {mode} ({n} of {len(modes)})",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            line = f"core: torch_compile {case.spec()}, mode {mode} ({n} of {len(modes)})"
+            print(line, file=sys.stderr, flush=True)
         rec, out = run_case("torch_compile", cfg, graphdef, params, case, ceilings, mode)
         check_conformance("torch_compile", mode, conformance)
         timed[mode] = (rec, out)
