@@ -14,8 +14,9 @@ token is the time from the token before it being ready to it being ready.
 (`--torch_impls`, `experiments.torch_ref.huginn.run_loop`), the same weights (DLPack on CUDA):
 - torch_compile: gpt-fast style, the position a tensor; prelude, one Core iteration and coda
   compiled once each (`--torch_compile_mode`: by default every mode, one after another, the
-  fastest kept), the whole token in one CUDA graph replayed at every position (Inductor's own
-  graphs with reduce-overhead);
+  fastest kept; a mode that torch.compile fails to build is left out with a note and its error
+  in `compile_failures`), the whole token in one CUDA graph replayed at every position
+  (Inductor's own graphs with reduce-overhead);
 - torch_graph: FastCore's eager Core, a CUDA graph of the whole token captured per position;
 - torch_reference: the same loop with the reference-faithful Core.
 A torch_compile token is one replay, made before the token before it is read and timed as JAX's
@@ -67,6 +68,7 @@ from experiments.measure import trace as trace_lib  # noqa: E402
 from experiments.torch_ref import chain as torch_chain  # noqa: E402 (imports no torch)
 from experiments.torch_ref.core import (  # noqa: E402 (imports no torch)
     COMPILE_MODES,
+    compile_failure,
     compile_modes_for,
 )
 from experiments.torch_ref.huginn import LOOPS as TORCH_LOOPS  # noqa: E402 (imports no torch)
@@ -281,12 +283,18 @@ def run_torch(model: Huginn, plan: Plan, impls: list[str], notes: list[str], det
         if impl == "torch_compile":
             modes = compile_modes_for(FLAGS.torch_compile_mode)
         loop = (impl, params, model, plan, to_torch, fast_core, cuda, modes)
-        tried = run_modes(impl, modes, functools.partial(run_torch_loop, *loop), details, say)
+        run_mode = functools.partial(run_torch_loop, *loop)
+        tried, failed = run_modes(impl, modes, run_mode, details, say)
         gen, detail, check = min(tried, key=lambda t: t[0].latency_median_s)
-        if len(tried) > 1:
+        if len(modes) > 1:
             detail["compile_modes"] = {d["compile_mode"]: g.latency_median_s for g, d, _ in tried}
             each = ", ".join(f"{m} {1e3 * s:.2f}" for m, s in detail["compile_modes"].items())
             print(f"{impl}: {each} ms per token; kept {detail['compile_mode']}")
+        if failed:
+            detail["compile_failures"] = failed
+            notes.extend(
+                f"{impl}: mode {m} left out, torch.compile failed: {w}" for m, w in failed.items()
+            )
         missed = [c for _, _, c in tried if c is not None and not c["passed"]]
         if check is not None:
             checks[impl] = missed[0] if missed else check  # any mode's miss voids the timings
@@ -295,18 +303,28 @@ def run_torch(model: Huginn, plan: Plan, impls: list[str], notes: list[str], det
     return runs, checks
 
 
-def run_modes(impl: str, modes, run_mode, details: dict, say) -> list:
+def run_modes(impl: str, modes, run_mode, details: dict, say) -> tuple[list, dict[str, str]]:
     """`run_mode(mode)` for each of `modes`, one after another, `say`ing each as it starts
-    where there are several: what each returned, in order. Each mode's JSON details (the
-    second of what it returned) go into `details[impl]["modes_so_far"]` as it ends: what an
-    interrupted run writes, an autotuning mode taking minutes."""
-    tried = []
+    where there are several: (what each returned, in order; {mode: why} for each mode that
+    torch.compile failed to build, left out where others remain (`compile_failure`; with none
+    left, its error is raised)). Each mode's JSON details (the second of what it returned) go
+    into `details[impl]["modes_so_far"]` as it ends: what an interrupted run writes, an
+    autotuning mode taking minutes."""
+    tried, failed, so_far = [], {}, {}
     for n, mode in enumerate(modes, 1):
         if len(modes) > 1:
             say(f"{impl}: mode {mode} ({n} of {len(modes)})")
-        tried.append(run_mode(mode))
-        details[impl] = {"modes_so_far": {m: t[1] for m, t in zip(modes, tried, strict=False)}}
-    return tried
+        try:
+            tried.append(run_mode(mode))
+        except Exception as e:
+            if (why := compile_failure(e)) is None or len(failed) + 1 == len(modes):
+                raise
+            failed[mode] = why
+            say(f"{impl}: mode {mode} left out, torch.compile failed: {why}")
+            continue
+        so_far[mode] = tried[-1][1]
+        details[impl] = {"modes_so_far": dict(so_far)}
+    return tried, failed
 
 
 def run_torch_loop(impl, params, model, plan, to_torch, fast_core, cuda, modes, mode):

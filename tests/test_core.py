@@ -440,3 +440,39 @@ def test_torch_compile_keeps_each_mode_timed_for_an_interrupt(monkeypatch, capsy
     assert so_far["reduce-overhead"]["torch_compile_mode"] == "reduce-overhead"
     err = capsys.readouterr().err
     assert f"torch_compile {case.spec()}, mode max-autotune-no-cudagraphs (3 of 3)" in err
+
+
+class CompileFailed(Exception):
+    """Stands in for torch.compile failing to build a graph (no torch needed)."""
+
+
+def test_torch_compile_leaves_out_a_mode_that_fails_to_compile(monkeypatch, capsys):
+    """`run_torch_compile`: a mode that torch.compile fails to build is left out with a note,
+    its error in the record's torch_compile_failures, the fastest of the others kept; every mode
+    failing raises (the runs faked)."""
+    from experiments.core import sweep
+
+    failing = {"max-autotune-no-cudagraphs"}
+
+    def fake_run_case(impl, cfg, graphdef, params, case, ceilings, compile_mode="default"):
+        if compile_mode in failing:
+            raise CompileFailed(compile_mode)
+        ms = {"default": 0.98, "reduce-overhead": 0.99}[compile_mode]
+        return dict(impl=impl, ms_per_iteration=ms, torch_compile_mode=compile_mode), None
+
+    monkeypatch.setattr(sweep, "run_case", fake_run_case)
+    monkeypatch.setattr(sweep, "check_conformance", lambda impl, mode, c: None)
+    monkeypatch.setattr(
+        sweep, "compile_failure", lambda e: f"why {e}" if isinstance(e, CompileFailed) else None
+    )
+    case = cases.Case("decode", 1, 1024, 8)
+    rec, _ = sweep.run_torch_compile(None, None, None, case, None, {}, COMPILE_MODES)
+    assert rec["torch_compile_mode"] == "default"
+    assert list(rec["torch_compile_modes"]) == ["default", "reduce-overhead"]
+    failed = {"max-autotune-no-cudagraphs": "why max-autotune-no-cudagraphs"}
+    assert rec["torch_compile_failures"] == failed
+    out = capsys.readouterr().out
+    assert f"note: torch_compile {case.spec()}: mode max-autotune-no-cudagraphs left out" in out
+    failing = set(COMPILE_MODES)
+    with pytest.raises(CompileFailed, match="max-autotune"):
+        sweep.run_torch_compile(None, None, None, case, None, {}, COMPILE_MODES)

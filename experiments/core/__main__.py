@@ -103,8 +103,9 @@ def define_flags() -> None:
         ["fastest", *COMPILE_MODES],
         "torch.compile's mode for torch_compile (fastest: every mode compiled and timed in "
         "this process, one after another, the fastest kept for the row, each mode's times in "
-        "the JSON's torch_compile_modes; reduce-overhead: Inductor's CUDA graphs, otherwise one "
-        "CUDA graph captured around the r compiled iterations).",
+        "the JSON's torch_compile_modes, a mode that torch.compile fails to build left out "
+        "with a note, its error in torch_compile_failures; reduce-overhead: Inductor's CUDA "
+        "graphs, otherwise one CUDA graph captured around the r compiled iterations).",
     )
     flags.DEFINE_string(
         "config",

@@ -22,6 +22,7 @@ can capture whole calls. torch is imported lazily here, so importing this module
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +38,23 @@ def compile_modes_for(flag_value: str) -> tuple[str, ...]:
     (experiments.core times each in the same process and keeps the fastest: which one that is
     changes with the case and, for the autotuning mode, from process to process; docs/peers.md)."""
     return COMPILE_MODES if flag_value == "fastest" else (flag_value,)
+
+
+def compile_failure(error: BaseException) -> str | None:
+    """The first line of `error` when it is torch.compile failing to build a graph (Inductor's
+    or the backend's error, e.g. autotuning left with no kernel that ran), else None: a mode
+    that fails so is left out of a "fastest" comparison, noted, while the others are timed."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    import torch._dynamo.exc
+    import torch._inductor.exc
+
+    kinds = (torch._inductor.exc.InductorError, torch._dynamo.exc.BackendCompilerFailed)
+    if not isinstance(error, kinds):
+        return None
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:200]
 
 
 def _rope(x_BxTxHxK, positions_T, base: float):
