@@ -68,8 +68,8 @@ from experiments.measure import trace as trace_lib  # noqa: E402
 from experiments.torch_ref import chain as torch_chain  # noqa: E402 (imports no torch)
 from experiments.torch_ref.core import (  # noqa: E402 (imports no torch)
     COMPILE_MODES,
-    compile_failure,
     compile_modes_for,
+    run_each_mode,
 )
 from experiments.torch_ref.huginn import LOOPS as TORCH_LOOPS  # noqa: E402 (imports no torch)
 from huginn_jax.checkpoint import from_pretrained  # noqa: E402
@@ -304,27 +304,18 @@ def run_torch(model: Huginn, plan: Plan, impls: list[str], notes: list[str], det
 
 
 def run_modes(impl: str, modes, run_mode, details: dict, say) -> tuple[list, dict[str, str]]:
-    """`run_mode(mode)` for each of `modes`, one after another, `say`ing each as it starts
-    where there are several: (what each returned, in order; {mode: why} for each mode that
-    torch.compile failed to build, left out where others remain (`compile_failure`; with none
-    left, its error is raised)). Each mode's JSON details (the second of what it returned) go
-    into `details[impl]["modes_so_far"]` as it ends: what an interrupted run writes, an
-    autotuning mode taking minutes."""
-    tried, failed, so_far = [], {}, {}
-    for n, mode in enumerate(modes, 1):
-        if len(modes) > 1:
-            say(f"{impl}: mode {mode} ({n} of {len(modes)})")
-        try:
-            tried.append(run_mode(mode))
-        except Exception as e:
-            if (why := compile_failure(e)) is None or len(failed) + 1 == len(modes):
-                raise
-            failed[mode] = why
-            say(f"{impl}: mode {mode} left out, torch.compile failed: {why}")
-            continue
-        so_far[mode] = tried[-1][1]
+    """`run_each_mode` for one loop, its lines said with the loop's name: (what each mode
+    returned, in order; {mode: why} for each that torch.compile failed to build). Each mode's
+    JSON details (the second of what it returned) go into `details[impl]["modes_so_far"]` as
+    it ends: what an interrupted run writes."""
+    so_far = {}
+
+    def ended(mode, returned):
+        so_far[mode] = returned[1]
         details[impl] = {"modes_so_far": dict(so_far)}
-    return tried, failed
+
+    done, failed = run_each_mode(modes, run_mode, lambda line: say(f"{impl}: {line}"), ended)
+    return list(done.values()), failed
 
 
 def run_torch_loop(impl, params, model, plan, to_torch, fast_core, cuda, modes, mode):

@@ -462,8 +462,12 @@ def test_torch_compile_leaves_out_a_mode_that_fails_to_compile(monkeypatch, caps
 
     monkeypatch.setattr(sweep, "run_case", fake_run_case)
     monkeypatch.setattr(sweep, "check_conformance", lambda impl, mode, c: None)
+    from experiments.torch_ref import core as torch_core
+
     monkeypatch.setattr(
-        sweep, "compile_failure", lambda e: f"why {e}" if isinstance(e, CompileFailed) else None
+        torch_core,
+        "compile_failure",
+        lambda e: f"why {e}" if isinstance(e, CompileFailed) else None,
     )
     case = cases.Case("decode", 1, 1024, 8)
     rec, _ = sweep.run_torch_compile(None, None, None, case, None, {}, COMPILE_MODES)

@@ -205,9 +205,12 @@ def test_a_mode_that_fails_to_compile_is_left_out(monkeypatch):
     and returned apart, while the others run; an error of any other kind, or every mode
     failing, raises (the loops faked)."""
     import experiments.generate_vs_torch as program
+    from experiments.torch_ref import core as torch_core
 
     monkeypatch.setattr(
-        program, "compile_failure", lambda e: f"why: {e}" if isinstance(e, CompileFailed) else None
+        torch_core,
+        "compile_failure",
+        lambda e: f"why: {e}" if isinstance(e, CompileFailed) else None,
     )
     failing = {"reduce-overhead"}
 

@@ -30,7 +30,7 @@ from experiments.core.runners import core_weights, to_numpy, why_not_persistent
 from experiments.measure import compare, timing
 from experiments.measure import hlo as hlo_lib
 from experiments.torch_ref import chain as torch_chain  # imports no torch
-from experiments.torch_ref.core import compile_failure, compile_modes_for  # imports no torch
+from experiments.torch_ref.core import compile_modes_for, run_each_mode  # imports no torch
 from experiments.torch_ref.core_runner import TORCH_IMPLS, torch_device  # imports no torch
 
 FLAGS = flags.FLAGS
@@ -110,28 +110,22 @@ def run_torch_compile(
     iteration, waited and back to back), and output. Each mode's record goes into `so_far` as
     it is timed (what an interrupted run writes: an autotuning mode can take minutes). A mode
     that torch.compile fails to build (`compile_failure`) is left out with a line, its error in
-    the record's `torch_compile_failures`, while another mode remains; with none, it raises."""
-    timed, failed = {}, {}
-    for n, mode in enumerate(modes, 1):
-        if len(modes) > 1:
-            line = f"core: torch_compile {case.spec()}, mode {mode} ({n} of {len(modes)})"
-            print(line, file=sys.stderr, flush=True)
-        try:
-            rec, out = run_case("torch_compile", cfg, graphdef, params, case, ceilings, mode)
-            check_conformance("torch_compile", mode, conformance)
-        except Exception as e:
-            if (why := compile_failure(e)) is None or len(failed) + 1 == len(modes):
-                raise
-            failed[mode] = why
-            print(
-                f"note: torch_compile {case.spec()}: mode {mode} left out, torch.compile "
-                f"failed: {why}"
-            )
-            release_torch_memory()
-            continue
-        timed[mode] = (rec, out)
-        if so_far is not None:
-            so_far[mode] = rec
+    the record's `torch_compile_failures`, while another mode remains (`run_each_mode`)."""
+
+    def run_mode(mode):
+        rec, out = run_case("torch_compile", cfg, graphdef, params, case, ceilings, mode)
+        check_conformance("torch_compile", mode, conformance)
+        return rec, out
+
+    def say(line):
+        print(f"core: torch_compile {case.spec()}, {line}", file=sys.stderr, flush=True)
+
+    ended = None if so_far is None else lambda mode, timed: so_far.update({mode: timed[0]})
+    timed, failed = run_each_mode(modes, run_mode, say, ended)
+    for mode, why in failed.items():
+        print(
+            f"note: torch_compile {case.spec()}: mode {mode} left out, torch.compile failed: {why}"
+        )
     fastest = min(timed, key=lambda mode: timed[mode][0]["ms_per_iteration"])
     rec, out = timed[fastest]
     keys = ("ms_per_iteration", "back_to_back_ms_per_iteration")

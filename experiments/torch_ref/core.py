@@ -57,6 +57,29 @@ def compile_failure(error: BaseException) -> str | None:
     return f"{type(error).__name__}: {lines[0] if lines else ''}"[:200]
 
 
+def run_each_mode(modes, run_mode, say, ended=None) -> tuple[dict[str, Any], dict[str, str]]:
+    """`run_mode(mode)` for each of `modes` in turn, `say`ing "mode M (n of N)" as each starts
+    where there are several: ({mode: what it returned}, {mode: why} for each mode that
+    torch.compile failed to build (`compile_failure`), said and left out while another mode
+    remains; with none, its error is raised). `ended(mode, what it returned)` as each ends:
+    what an interrupted run keeps, an autotuning mode taking minutes."""
+    done, failed = {}, {}
+    for n, mode in enumerate(modes, 1):
+        if len(modes) > 1:
+            say(f"mode {mode} ({n} of {len(modes)})")
+        try:
+            done[mode] = run_mode(mode)
+        except Exception as e:
+            if (why := compile_failure(e)) is None or len(failed) + 1 == len(modes):
+                raise
+            failed[mode] = why
+            say(f"mode {mode} left out, torch.compile failed: {why}")
+            continue
+        if ended is not None:
+            ended(mode, done[mode])
+    return done, failed
+
+
 def _rope(x_BxTxHxK, positions_T, base: float):
     import torch
 
